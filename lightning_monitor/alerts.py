@@ -1,0 +1,164 @@
+"""Alert kinds, the :class:`Alert` record and the words every alert is written in."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+__all__ = ["Alert", "AlertKind", "Detection"]
+
+
+class AlertKind(str, Enum):
+    """The pathologies :class:`~lightning_monitor.TrainingMonitor` can report.
+
+    The value of each member is the name used in ``halt_on``, in logger keys (``alerts/<kind>``) and in
+    ``alerts.jsonl``.
+
+    Example:
+        >>> AlertKind("exploding_grad") is AlertKind.EXPLODING_GRAD
+        True
+        >>> AlertKind.NONFINITE_LOSS.value
+        'nonfinite_loss'
+    """
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    EXPLODING_GRAD = "exploding_grad"
+    VANISHING_GRAD = "vanishing_grad"
+    DIVERGING_VAL_LOSS = "diverging_val_loss"
+
+    @classmethod
+    def parse(cls, name: str | AlertKind, argument: str) -> AlertKind:
+        """Return the kind called ``name``, or raise a ``ValueError`` that names the offending ``argument``.
+
+        Example:
+            >>> AlertKind.parse("vanishing_grad", "halt_on")
+            <AlertKind.VANISHING_GRAD: 'vanishing_grad'>
+            >>> AlertKind.parse("nan", "halt_on")
+            Traceback (most recent call last):
+            ...
+            ValueError: Expected argument `halt_on` to hold alert kinds from ['nonfinite_loss', ...], but got 'nan'
+        """
+        try:
+            return cls(name)
+        except ValueError:
+            known = [k.value for k in cls]
+            shown = f"[{known[0]!r}, ...]" if len(known) > 1 else str(known)
+            raise ValueError(
+                f"Expected argument `{argument}` to hold alert kinds from {shown}, but got {name!r}"
+            ) from None
+
+
+#: What to try first, per kind. Alert messages end with this advice.
+ADVICE: dict[AlertKind, str] = {
+    AlertKind.NONFINITE_LOSS: (
+        "Check the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over fp16 "
+        "if activations overflow."
+    ),
+    AlertKind.NONFINITE_GRAD: (
+        "Lower the learning rate, set `gradient_clip_val` (e.g. 1.0), and look for a division by zero, log(0) "
+        "or sqrt(0) in the loss; under fp16 AMP consider bf16."
+    ),
+    AlertKind.EXPLODING_GRAD: (
+        "Lower the learning rate or lengthen the warm-up, set `gradient_clip_val` (e.g. 1.0), and check the "
+        "initialisation of the layers named above."
+    ),
+    AlertKind.VANISHING_GRAD: (
+        "Raise the learning rate, check that the loss depends on the parameters (frozen layers, detached "
+        "tensors), and check the initialisation and normalisation layers."
+    ),
+    AlertKind.DIVERGING_VAL_LOSS: (
+        "The model is over-fitting or the learning rate is too high for this stage: restore the best "
+        "checkpoint, lower the learning rate or add regularisation."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What a detector reports: the kind, the figure, the threshold it crossed and why, in words.
+
+    A detector knows nothing of steps or ranks; :class:`~lightning_monitor.TrainingMonitor` turns a
+    detection into an :class:`Alert`.
+    """
+
+    kind: AlertKind
+    value: float
+    threshold: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One pathology seen during training.
+
+    Attributes:
+        kind: Which pathology.
+        step: ``trainer.global_step`` when it was seen (the index of the optimizer step being checked).
+        epoch: ``trainer.current_epoch`` when it was seen.
+        value: The figure that triggered it (a gradient norm, a loss...). May be NaN or infinite.
+        threshold: The limit it crossed, or ``None`` when there is none (a NaN has no threshold).
+        message: The full text: what happened, the figure against the threshold, what was done, what to try.
+        halted: Whether this alert stopped training.
+        rank: The lowest global rank that saw the problem, or ``None`` in a single-process run.
+        time: When it was seen, as an ISO 8601 UTC timestamp.
+
+    Example:
+        >>> alert = Alert(AlertKind.EXPLODING_GRAD, step=7, epoch=0, value=512.0, threshold=100.0, message="...")
+        >>> Alert.from_dict(alert.to_dict()) == alert
+        True
+        >>> alert.to_dict()["kind"]
+        'exploding_grad'
+    """
+
+    kind: AlertKind
+    step: int
+    epoch: int
+    value: float
+    threshold: float | None
+    message: str
+    halted: bool = False
+    rank: int | None = None
+    time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict: non-finite floats become the strings ``"nan"``, ``"inf"`` and ``"-inf"``."""
+        out = asdict(self)
+        out["kind"] = self.kind.value
+        out["value"] = _json_float(self.value)
+        out["threshold"] = None if self.threshold is None else _json_float(self.threshold)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Alert:
+        """Rebuild an alert from :meth:`to_dict` output (as read back from a checkpoint or ``alerts.jsonl``)."""
+        threshold = data.get("threshold")
+        return cls(
+            kind=AlertKind(data["kind"]),
+            step=int(data["step"]),
+            epoch=int(data["epoch"]),
+            value=float(data["value"]),
+            threshold=None if threshold is None else float(threshold),
+            message=str(data["message"]),
+            halted=bool(data.get("halted", False)),
+            rank=None if data.get("rank") is None else int(data["rank"]),
+            time=str(data.get("time", "")),
+        )
+
+
+def _json_float(value: float) -> float | str:
+    """Return ``value`` unchanged when finite, else its name, since JSON has no NaN or infinity."""
+    return value if math.isfinite(value) else str(value)
+
+
+def format_value(value: float) -> str:
+    """Format a figure for a message: 4 significant digits, NaN and infinities spelled out.
+
+    Example:
+        >>> format_value(1234.5678), format_value(0.000123456), format_value(float("nan"))
+        ('1235', '0.0001235', 'nan')
+    """
+    return f"{value:.4g}"

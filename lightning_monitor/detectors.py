@@ -1,0 +1,250 @@
+"""Detectors: small state machines that take one figure at a time and say when it has gone wrong.
+
+Each detector is pure host-side Python: ``update(value)`` returns a :class:`~lightning_monitor.alerts.Detection`
+or ``None``, and ``state_dict()`` / ``load_state_dict()`` carry its state through a checkpoint. They know nothing
+of Lightning, steps or ranks, so they can be tested and reused on their own.
+
+Every detector fires once when its condition starts and stays quiet while the condition lasts; it fires again only
+after the figure has been healthy once. A run that stays NaN therefore gives one alert, not one per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from lightning_monitor.alerts import AlertKind, Detection, format_value
+
+__all__ = ["AmpOverflowDetector", "NonFiniteDetector", "RisingDetector", "ThresholdDetector"]
+
+
+class NonFiniteDetector:
+    """Fire when a figure is NaN or infinite.
+
+    Args:
+        kind: The alert kind to report.
+        name: What the figure is called in messages, e.g. ``"training loss"``.
+
+    Example:
+        >>> det = NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss")
+        >>> det.update(2.5) is None
+        True
+        >>> det.update(float("nan")).reason
+        'training loss is nan'
+        >>> det.update(float("inf")) is None  # still in the same episode
+        True
+    """
+
+    def __init__(self, kind: AlertKind, name: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.active = False
+
+    def update(self, value: float) -> Detection | None:
+        """Take one figure; return a detection when it is the first non-finite one of an episode."""
+        if math.isfinite(value):
+            self.active = False
+            return None
+        if self.active:
+            return None
+        self.active = True
+        return Detection(self.kind, value, None, f"{self.name} is {format_value(value)}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {"active": self.active}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        self.active = bool(state.get("active", False))
+
+
+class ThresholdDetector:
+    """Fire when a figure stays beyond a threshold for ``patience`` consecutive updates.
+
+    Non-finite figures are left to :class:`NonFiniteDetector`: they neither extend nor break a streak.
+
+    Args:
+        kind: The alert kind to report.
+        name: What the figure is called in messages.
+        threshold: The limit.
+        direction: ``"above"`` fires on figures greater than ``threshold``, ``"below"`` on figures smaller.
+        patience: How many consecutive figures beyond the threshold it takes to fire.
+        argument: The constructor argument that set ``threshold``, quoted in messages.
+
+    Example:
+        >>> det = ThresholdDetector(AlertKind.VANISHING_GRAD, "gradient norm", 0.1, "below", patience=2)
+        >>> [det.update(v) is not None for v in (0.05, 0.2, 0.05, 0.04, 0.03)]
+        [False, False, False, True, False]
+    """
+
+    def __init__(
+        self,
+        kind: AlertKind,
+        name: str,
+        threshold: float,
+        direction: Literal["above", "below"],
+        patience: int = 1,
+        argument: str = "threshold",
+    ) -> None:
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        self.kind = kind
+        self.name = name
+        self.threshold = threshold
+        self.direction = direction
+        self.patience = patience
+        self.argument = argument
+        self.count = 0
+
+    def update(self, value: float) -> Detection | None:
+        """Take one figure; return a detection when the streak beyond the threshold reaches ``patience``."""
+        if not math.isfinite(value):
+            return None
+        beyond = value > self.threshold if self.direction == "above" else value < self.threshold
+        if not beyond:
+            self.count = 0
+            return None
+        self.count += 1
+        if self.count != self.patience:
+            return None
+        sign = ">" if self.direction == "above" else "<"
+        reason = f"{self.name} {format_value(value)} {sign} {self.argument}={format_value(self.threshold)}"
+        if self.patience > 1:
+            reason += f" for {self.patience} consecutive steps"
+        return Detection(self.kind, value, self.threshold, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {"count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        self.count = int(state.get("count", 0))
+
+
+class RisingDetector:
+    """Fire when a figure rises ``patience`` times in a row (``patience + 1`` rising values), or is not finite.
+
+    Meant for a validation loss read once per validation run.
+
+    Args:
+        kind: The alert kind to report.
+        name: What the figure is called in messages.
+        patience: How many consecutive rises it takes to fire.
+        min_delta: A value counts as a rise only when it exceeds the previous one by more than this.
+
+    Example:
+        >>> det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=2)
+        >>> [det.update(v) is not None for v in (1.0, 0.8, 0.9, 1.1, 1.2)]
+        [False, False, False, True, False]
+        >>> det.update(float("nan")).reason
+        'val_loss is nan'
+    """
+
+    def __init__(self, kind: AlertKind, name: str, patience: int, min_delta: float = 0.0) -> None:
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        self.kind = kind
+        self.name = name
+        self.patience = patience
+        self.min_delta = min_delta
+        self.previous: float | None = None
+        self.count = 0
+        self.history: list[float] = []
+        self.nonfinite = False
+
+    def update(self, value: float) -> Detection | None:
+        """Take one figure; return a detection on the ``patience``-th consecutive rise or on a non-finite value."""
+        if not math.isfinite(value):
+            first = not self.nonfinite
+            self.nonfinite = True
+            return Detection(self.kind, value, None, f"{self.name} is {format_value(value)}") if first else None
+        self.nonfinite = False
+        rose = self.previous is not None and value > self.previous + self.min_delta
+        self.count = self.count + 1 if rose else 0
+        self.previous = value
+        self.history = [*self.history, value][-(self.patience + 1) :]
+        if self.count != self.patience:
+            return None
+        values = " -> ".join(format_value(v) for v in self.history)
+        return Detection(
+            self.kind, value, self.history[0], f"{self.name} rose {self.patience} times in a row ({values})"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {
+            "previous": self.previous,
+            "count": self.count,
+            "history": list(self.history),
+            "nonfinite": self.nonfinite,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        previous = state.get("previous")
+        self.previous = None if previous is None else float(previous)
+        self.count = int(state.get("count", 0))
+        self.history = [float(v) for v in state.get("history", [])]
+        self.nonfinite = bool(state.get("nonfinite", False))
+
+
+class AmpOverflowDetector:
+    """Tell a GradScaler calibrating itself from one that cannot recover.
+
+    Under fp16 AMP an overflowing step is normal: the scaler skips it and halves the loss scale, most often in
+    the first steps. This fires only when the scaler skips ``patience`` steps in a row, or when the loss scale
+    falls below ``min_scale``.
+
+    Args:
+        patience: Consecutive overflowing steps that make an alert.
+        min_scale: A loss scale below this makes an alert.
+
+    Example:
+        >>> det = AmpOverflowDetector(patience=3, min_scale=1.0)
+        >>> [det.update(True, s) is not None for s in (65536.0, 32768.0, 16384.0)]
+        [False, False, True]
+        >>> det.update(False, 8192.0) is None
+        True
+    """
+
+    kind = AlertKind.NONFINITE_GRAD
+
+    def __init__(self, patience: int, min_scale: float) -> None:
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        self.patience = patience
+        self.min_scale = min_scale
+        self.consecutive = 0
+        self.active = False
+
+    def update(self, overflowed: bool, scale: float) -> Detection | None:
+        """Take whether this step overflowed and the loss scale it ran with."""
+        self.consecutive = self.consecutive + 1 if overflowed else 0
+        collapsed = scale < self.min_scale
+        if self.consecutive < self.patience and not collapsed:
+            self.active = False
+            return None
+        if self.active:
+            return None
+        self.active = True
+        if collapsed:
+            limit = format_value(self.min_scale)
+            reason = f"the fp16 loss scale collapsed to {format_value(scale)} < min_loss_scale={limit}"
+            return Detection(self.kind, scale, self.min_scale, reason)
+        reason = (
+            f"gradients overflowed {self.consecutive} steps in a row under fp16 AMP "
+            f"(loss scale now {format_value(scale)}); the GradScaler is not recovering"
+        )
+        return Detection(self.kind, float(self.consecutive), float(self.patience), reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {"consecutive": self.consecutive, "active": self.active}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        self.consecutive = int(state.get("consecutive", 0))
+        self.active = bool(state.get("active", False))

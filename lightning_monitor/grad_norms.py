@@ -1,0 +1,210 @@
+"""Gradient norms grouped by layer, computed in one fused pass that stays on the device.
+
+:class:`LayerGradNorms` resolves once which layer each parameter belongs to, then on every call reads each
+gradient once with ``torch._foreach_norm`` (one kernel per device and dtype, no per-parameter ``.item()``) and
+sums the squares per layer with a single ``index_add_``. The result is a device tensor; nothing here synchronises
+with the host.
+
+Sharded gradients: a replicated gradient (single device, DDP) is the same on every rank, while a sharded one (FSDP,
+or a ``DTensor`` gradient with ``Shard`` placements) holds a different slice on each rank. ``squared()`` therefore
+returns two rows, replicated and sharded contributions, and :func:`combine_ranks` turns the rows gathered from every
+rank into the global figure: the mean of the replicated rows plus the sum of the sharded rows, then the square root.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch without public DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
+
+#: Path components that wrappers insert into parameter names (FSDP, activation checkpointing, torch.compile).
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_forward_module"})
+
+
+def layer_name(param_name: str) -> str:
+    """Return the layer a parameter belongs to.
+
+    The layer is the module path up to and including the first numeric component, which is one block of a
+    ``ModuleList`` or ``Sequential`` (``model.layers.3``); otherwise it is the module that owns the parameter
+    (``model.embed_tokens``). Wrapper components added by FSDP, activation checkpointing and ``torch.compile``
+    are dropped, so names read the same with and without them.
+
+    Example:
+        >>> layer_name("model.layers.3.self_attn.q_proj.weight")
+        'model.layers.3'
+        >>> layer_name("model.embed_tokens.weight")
+        'model.embed_tokens'
+        >>> layer_name("_orig_mod.blocks.0._fsdp_wrapped_module.mlp.fc.bias")
+        'blocks.0'
+        >>> layer_name("temperature")
+        'temperature'
+    """
+    parts = [p for p in param_name.split(".") if p not in _WRAPPER_PARTS]
+    modules = parts[:-1]
+    for i, part in enumerate(modules):
+        if part.isdigit():
+            return ".".join(modules[: i + 1])
+    return ".".join(modules) or parts[-1]
+
+
+class LayerGradNorms:
+    """Squared L2 norms of the gradients of a set of parameters, summed per layer, on the device.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs to measure, e.g. ``model.named_parameters()``. Layers are
+            named by :func:`layer_name`, in order of first appearance.
+        by_layer: When ``False``, every parameter goes into one group named ``"total"``.
+        sharded: Treat plain-tensor gradients as shards of a larger gradient that are summed across ranks (FSDP
+            with ``use_orig_params``). ``DTensor`` gradients are recognised on their own, whatever this says.
+
+    Attributes:
+        names: The layer names, one per row entry of :meth:`squared`.
+        present: How many parameters had a gradient at the last call of :meth:`squared`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> model(torch.ones(2, 4)).sum().backward()
+        >>> norms = LayerGradNorms(model.named_parameters())
+        >>> norms.names
+        ('0', '2')
+        >>> total, per_layer = norms.norms()
+        >>> grads = [p.grad for p in model.parameters()]
+        >>> torch.allclose(total, torch.nn.utils.get_total_norm(grads))
+        True
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        by_layer: bool = True,
+        sharded: bool = False,
+    ) -> None:
+        named = list(named_parameters)
+        if not named:
+            raise ValueError("Expected argument `named_parameters` to hold at least one parameter, but got none")
+        self.params: list[Tensor] = [p for _, p in named]
+        layers = [layer_name(n) if by_layer else "total" for n, _ in named]
+        self.names: tuple[str, ...] = tuple(dict.fromkeys(layers))
+        position = {name: i for i, name in enumerate(self.names)}
+        self.device = self.params[0].device
+
+        # Where each parameter's square goes in the flattened [2, num_layers] output: row 0 for replicated
+        # gradients, row 1 for sharded ones; and a weight that undoes a DTensor's replication over mesh dims.
+        num_layers = len(self.names)
+        slots, weights = [], []
+        for p, layer in zip(self.params, layers, strict=True):
+            replicas = _dtensor_replicas(p)
+            slots.append((num_layers if sharded or replicas is not None else 0) + position[layer])
+            weights.append(1.0 / replicas if replicas else 1.0)
+        self._slots = slots
+        self._weights = weights if any(w != 1.0 for w in weights) else None
+        self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+        self.present = 0
+
+    def squared(self) -> Tensor:
+        """Return a ``[2, num_layers]`` float32 tensor of squared norms on this rank: replicated row, sharded row.
+
+        Parameters without a gradient count as zero. A non-finite gradient makes its layer's entry non-finite.
+        """
+        grads = [p.grad for p in self.params]
+        missing = tuple(i for i, g in enumerate(grads) if g is None)
+        self.present = len(grads) - len(missing)
+        out = torch.zeros(2 * len(self.names), dtype=torch.float32, device=self.device)
+        if len(missing) == len(grads):
+            return out.view(2, -1)
+        plan = self._plans.get(missing) or self._plan(missing)
+        if missing:
+            grads = [g for g in grads if g is not None]
+        if self._has_dtensor:
+            grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # type: ignore[union-attr]
+        per_group = [
+            torch.stack(
+                torch._foreach_norm(grads if idx is None else [grads[i] for i in idx], 2.0, dtype=torch.float32)
+            )
+            for idx in plan.groups
+        ]
+        norms = per_group[0] if len(per_group) == 1 else torch.cat([n.to(self.device) for n in per_group])
+        squares = norms.to(self.device).square()
+        if plan.weight is not None:
+            squares = squares * plan.weight
+        return out.index_add_(0, plan.slot, squares).view(2, -1)
+
+    def norms(self) -> tuple[Tensor, Tensor]:
+        """Return ``(total, per_layer)`` norms for a single process: both rows summed, then the square root.
+
+        In a multi-process run gather :meth:`squared` from every rank and use :func:`combine_ranks` instead.
+        """
+        per_layer = self.squared().sum(0)
+        return per_layer.sum().sqrt(), per_layer.sqrt()
+
+    def _plan(self, missing: tuple[int, ...]) -> _Plan:
+        """Group the parameters that have a gradient by (device, dtype), once per pattern of missing gradients.
+
+        A gradient always has its parameter's device and dtype, so the grouping can be read off the parameters.
+        """
+        skip = set(missing)
+        present = [i for i in range(len(self.params)) if i not in skip]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for j, i in enumerate(present):
+            local = (
+                self.params[i].to_local()
+                if self._has_dtensor and isinstance(self.params[i], DTensor)
+                else self.params[i]
+            )
+            groups.setdefault((local.device, local.dtype), []).append(j)
+        order = [present[j] for idx in groups.values() for j in idx]
+        single = len(groups) == 1
+        plan = _Plan(
+            groups=[None] if single else list(groups.values()),
+            slot=torch.tensor([self._slots[i] for i in order], device=self.device),
+            weight=None
+            if self._weights is None
+            else torch.tensor([self._weights[i] for i in order], device=self.device),
+        )
+        self._plans[missing] = plan
+        return plan
+
+
+class _Plan(NamedTuple):
+    """How to measure one pattern of present gradients: the groups to fuse, and where each square goes."""
+
+    groups: list[list[int] | None]  # positions in the list of present gradients; None means all of them
+    slot: Tensor
+    weight: Tensor | None
+
+
+def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Turn the flattened ``squared()`` rows of every rank into global per-layer squared norms, on the host.
+
+    Replicated contributions are identical on every rank, so they are averaged; sharded contributions are slices
+    of one gradient, so they are summed.
+
+    Example:
+        >>> # two ranks, two layers: layer 0 replicated (4.0 on both), layer 1 sharded (1.0 + 8.0)
+        >>> combine_ranks([[4.0, 0.0, 0.0, 1.0], [4.0, 0.0, 0.0, 8.0]])
+        [4.0, 9.0]
+    """
+    world = len(per_rank)
+    num_layers = len(per_rank[0]) // 2
+    replicated = [math.fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
+    sharded = [math.fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
+    return [a + b for a, b in zip(replicated, sharded, strict=True)]
+
+
+def _dtensor_replicas(param: Tensor) -> int | None:
+    """For a ``DTensor`` parameter, how many ranks hold each shard (product of replicated mesh dims); else ``None``."""
+    if DTensor is None or not isinstance(param, DTensor):
+        return None
+    mesh = param.device_mesh
+    return math.prod(mesh.size(dim) for dim, placement in enumerate(param.placements) if placement.is_replicate())

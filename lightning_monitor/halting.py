@@ -1,0 +1,67 @@
+"""The cross-rank agreement and the ways to stop: skip one optimizer step, stop gracefully, or raise.
+
+Every rank packs what it saw in one small tensor; :func:`gather_ranks` exchanges those tensors in a single
+``all_gather`` and reads the result to the host once. Every rank then runs the same detectors on the same numbers,
+so all ranks reach the same decision at the same step without a second collective, and no rank can be left
+waiting for another that decided differently.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_monitor.alerts import Alert
+
+__all__ = ["TrainingHalted", "gather_ranks", "skip_optimizer_step"]
+
+
+class TrainingHalted(RuntimeError):
+    """Raised on every rank by :class:`~lightning_monitor.TrainingMonitor` with ``halt_mode="raise"``.
+
+    Attributes:
+        alert: The alert that halted training.
+
+    Example:
+        >>> from lightning_monitor.alerts import AlertKind
+        >>> err = TrainingHalted(Alert(AlertKind.NONFINITE_LOSS, 4, 0, float("nan"), None, "training loss is nan"))
+        >>> str(err)
+        'nonfinite_loss at step 4: training loss is nan'
+    """
+
+    def __init__(self, alert: Alert) -> None:
+        super().__init__(f"{alert.kind.value} at step {alert.step}: {alert.message}")
+        self.alert = alert
+
+
+def gather_ranks(local: Tensor) -> list[list[float]]:
+    """Gather a 1-D tensor from every rank and return it on the host as one list per rank, in rank order.
+
+    This is the monitor's one collective and its one host synchronisation per check: a single ``all_gather`` of
+    a few floats (nothing at all in a single-process run), then one device-to-host copy.
+
+    Example:
+        >>> gather_ranks(torch.tensor([1.0, 2.0]))
+        [[1.0, 2.0]]
+    """
+    local = local.detach().float().contiguous()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(world, local)
+        local = torch.stack(world)
+    else:
+        local = local.unsqueeze(0)
+    return local.tolist()  # the host sync
+
+
+def skip_optimizer_step(optimizer: Optimizer) -> None:
+    """Make the coming ``optimizer.step()`` a no-op by dropping every gradient it would apply.
+
+    PyTorch optimizers skip parameters whose ``.grad`` is ``None``: weights, momentum and step counts stay exactly
+    as they were. (``trainer.global_step`` and LR schedulers still advance.)
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None

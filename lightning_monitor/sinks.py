@@ -1,0 +1,131 @@
+"""Where figures and alerts go: the console, every logger of the trainer, and a JSON-lines file.
+
+Sinks write; they never decide. :class:`~lightning_monitor.TrainingMonitor` calls them on global rank zero only,
+with figures already on the host, so nothing here synchronises with a device or another rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_monitor.alerts import Alert
+
+__all__ = ["SETTINGS_FILE", "ConsoleSink", "JsonlSink", "LoggerSink", "write_settings"]
+
+#: File name, in the trainer's log directory, of the monitor's settings for the run (read by the report).
+SETTINGS_FILE = "monitor_settings.json"
+
+#: The logger alerts are written to. With no logging configured, Python prints WARNING records to stderr.
+log = logging.getLogger("lightning_monitor")
+
+
+class ConsoleSink:
+    """Write each alert as one WARNING record on the ``lightning_monitor`` Python logger.
+
+    With no logging configured Python prints it to stderr; an application that configures logging routes it like
+    any other record.
+
+    Example:
+        >>> from lightning_monitor.alerts import AlertKind
+        >>> ConsoleSink().write(Alert(AlertKind.NONFINITE_LOSS, 3, 0, float("nan"), None, "training loss is nan"))
+    """
+
+    def write(self, alert: Alert) -> None:
+        """Emit ``alert``."""
+        log.warning("[lightning_monitor] %s: %s", alert.kind.value, alert.message)
+
+
+class LoggerSink:
+    """Forward figures and alerts to every Lightning logger of a trainer.
+
+    Figures go through ``Logger.log_metrics`` at the step given, the way ``LearningRateMonitor`` writes. Each alert
+    adds a scalar ``alerts/<kind>`` (how many alerts of that kind so far) for every logger, and its message as
+    text for TensorBoard (tag ``alerts``).
+
+    Args:
+        loggers: The trainer's loggers (``trainer.loggers``).
+    """
+
+    def __init__(self, loggers: Sequence[Logger]) -> None:
+        self.loggers = list(loggers)
+        self.counts: dict[str, int] = {}
+
+    def log_figures(self, figures: Mapping[str, float], step: int) -> None:
+        """Write ``figures`` to every logger at ``step``."""
+        if not figures:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(dict(figures), step=step)
+
+    def write(self, alert: Alert, step: int) -> None:
+        """Write ``alert`` to every logger at ``step``."""
+        key = f"alerts/{alert.kind.value}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.log_figures({key: float(self.counts[key])}, step)
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
+                logger.experiment.add_text("alerts", text, global_step=step)
+
+
+class JsonlSink:
+    """Append each alert as one JSON object per line, flushed to disk at once.
+
+    If the file cannot be written, one ``RuntimeWarning`` says so and the sink stops trying; training and the other
+    sinks carry on.
+
+    Args:
+        path: The file to append to. Its folder is created when missing.
+
+    Example:
+        >>> import tempfile
+        >>> from lightning_monitor.alerts import AlertKind
+        >>> path = Path(tempfile.mkdtemp()) / "alerts.jsonl"
+        >>> JsonlSink(path).write(Alert(AlertKind.EXPLODING_GRAD, 9, 0, 250.0, 100.0, "too big"))
+        >>> json.loads(path.read_text())["value"]
+        250.0
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.broken = False
+
+    def write(self, alert: Alert) -> None:
+        """Append ``alert`` to the file."""
+        if self.broken:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(alert.to_dict()) + "\n")
+                f.flush()
+        except OSError as err:
+            self.broken = True
+            rank_zero_warn(
+                f"TrainingMonitor could not write alerts to {str(self.path)!r} ({err}); alerts still go to the console "
+                "and the loggers. Pass `alerts_file=None` to silence this.",
+                category=RuntimeWarning,
+            )
+
+
+def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
+    """Write the monitor's settings as JSON, so a report can draw the thresholds the run was checked against.
+
+    A folder that cannot be written gets one ``RuntimeWarning``; nothing else depends on this file.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(settings), indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        rank_zero_warn(
+            f"TrainingMonitor could not write its settings to {str(path)!r} ({err}).", category=RuntimeWarning
+        )
