@@ -9,6 +9,9 @@ Sharded gradients: a replicated gradient (single device, DDP) is the same on eve
 or a ``DTensor`` gradient with ``Shard`` placements) holds a different slice on each rank. ``squared()`` therefore
 returns two rows, replicated and sharded contributions, and :func:`combine_ranks` turns the rows gathered from every
 rank into the global figure: the mean of the replicated rows plus the sum of the sharded rows, then the square root.
+A ``DTensor`` gradient whose placements differ from its parameter's, such as the ``Partial`` sum that a
+``Replicate`` parameter gets under sequence parallelism, is first redistributed to its parameter's placements. That
+is a collective over the parameter's mesh, so every rank must call ``squared()`` at the same point (the monitor does).
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class LayerGradNorms:
         """Return a ``[2, num_layers]`` float32 tensor of squared norms on this rank: replicated row, sharded row.
 
         Parameters without a gradient count as zero. A non-finite gradient makes its layer's entry non-finite.
+        ``DTensor`` gradients placed unlike their parameters are redistributed first, a collective over their mesh.
         """
         grads = [p.grad for p in self.params]
         missing = tuple(i for i, g in enumerate(grads) if g is None)
@@ -124,10 +128,10 @@ class LayerGradNorms:
         if len(missing) == len(grads):
             return out.view(2, -1)
         plan = self._plans.get(missing) or self._plan(missing)
-        if missing:
-            grads = [g for g in grads if g is not None]
         if self._has_dtensor:
-            grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # type: ignore[union-attr]
+            grads = [_local_grad(g, p) for g, p in zip(grads, self.params, strict=True) if g is not None]
+        elif missing:
+            grads = [g for g in grads if g is not None]
         per_group = [
             torch.stack(
                 torch._foreach_norm(grads if idx is None else [grads[i] for i in idx], 2.0, dtype=torch.float32)
@@ -200,6 +204,21 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     replicated = [math.fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
     sharded = [math.fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
     return [a + b for a, b in zip(replicated, sharded, strict=True)]
+
+
+def _local_grad(grad: Tensor, param: Tensor) -> Tensor:
+    """This rank's part of a gradient, laid out like its parameter so that the parameter's weight applies to it.
+
+    A ``DTensor`` gradient can have other placements than its parameter: a ``Replicate`` parameter applied to
+    sharded activations (sequence parallelism, a batch-sharded input) gets a ``Partial`` sum, whose local parts are
+    addends rather than slices, so their squared norms do not add up to the global one. Such a gradient is
+    redistributed to the parameter's placements first (for a ``Partial`` sum, an all-reduce over its mesh).
+    """
+    if DTensor is None or not isinstance(grad, DTensor):
+        return grad
+    if isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(grad.device_mesh, param.placements)
+    return grad.to_local()
 
 
 def _dtensor_replicas(param: Tensor) -> int | None:

@@ -119,6 +119,8 @@ class TrainingMonitor(Callback):
         stopping_reason: The kind of the alert that halted training, or ``None``.
         stopping_reason_message: That alert's message, or ``None``.
         skipped_steps: Optimizer steps skipped so far because their gradients were not finite.
+        latest: The host figures of the latest check: the logged keys above plus ``loss``, the training loss of
+            the optimizer step (NaN when no backward ran).
 
     Raises:
         ValueError: If a threshold is negative, a patience or interval is below 1, ``halt_on`` names an unknown
@@ -199,6 +201,7 @@ class TrainingMonitor(Callback):
         self.stopping_reason: AlertKind | None = None
         self.stopping_reason_message: str | None = None
         self.skipped_steps = 0
+        self.latest: dict[str, float] = {}
         self._val = (
             RisingDetector(AlertKind.DIVERGING_VAL_LOSS, val_loss_key, divergence_patience, divergence_min_delta)
             if val_loss_key is not None
@@ -299,8 +302,10 @@ class TrainingMonitor(Callback):
         # Log.
         for alert in alerts:
             self._emit(trainer, alert)
+        figures = watch.figures(step, self.skipped_steps, self.layer_norms)
+        self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         if logging_step:
-            self._log_figures(trainer, watch.figures(step, self.skipped_steps, self.layer_norms))
+            self._log_figures(trainer, figures)
         if halting:
             self._halt(trainer, halting[0])
 

@@ -1,0 +1,148 @@
+"""The ``lightning-monitor`` command line. Its one subcommand, ``report``, writes a health report of runs.
+
+Usage::
+
+    lightning-monitor report LOGDIR [--output PATH] [--html] [--loss-key KEY] [--val-loss-key KEY]
+                                    [--acc-key KEY] [--val-acc-key KEY] [--no-plot]
+    python -m lightning_monitor report LOGDIR ...
+
+Exit codes: 0 when the report was written, 1 when it could not be (matplotlib missing, a file not writable),
+2 for a usage error or a folder without logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_monitor.report import (
+    MissingDependencyError,
+    NoLogsError,
+    detect_keys,
+    load_runs,
+    plan_run,
+    render_html,
+    render_png,
+    summarize_run,
+)
+
+__all__ = ["main"]
+
+#: File name of the figure, in LOGDIR, when ``--output`` is not given.
+DEFAULT_OUTPUT = "health_report.png"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return its exit code.
+
+    Args:
+        argv: The arguments, without the program name; ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        0 on success, 1 when the report could not be written, 2 for a folder without logs (or no subcommand).
+
+    Example:
+        >>> main(["report", "/no/such/folder"])
+        2
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return _report(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-monitor", description="Tools for runs watched by lightning_monitor.TrainingMonitor."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    report = commands.add_parser(
+        "report",
+        help="write a health report (PNG, optional HTML) of one run or several, and print a summary",
+        description=(
+            "Read the logs of one run (a Lightning version_N folder) or of every run under a folder: TensorBoard "
+            "event files and/or CSVLogger metrics.csv, plus the monitor's alerts.jsonl and monitor_settings.json. "
+            "Print a summary of each run and draw one PNG with a column of panels per run: loss, token accuracy, "
+            "gradient norm with its thresholds, fp16 loss scale, and every alert at its step."
+        ),
+    )
+    report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a run folder, or a folder holding several runs")
+    report.add_argument(
+        "-o", "--output", type=Path, default=None, help=f"the PNG to write (default: LOGDIR/{DEFAULT_OUTPUT})"
+    )
+    report.add_argument(
+        "--html", action="store_true", help="also write an HTML page (the PNG embedded, a table of alerts) next to it"
+    )
+    report.add_argument("--loss-key", default=None, help="the training loss key (default: first of train_loss, ...)")
+    report.add_argument(
+        "--val-loss-key", default=None, help="the validation loss key (default: first of val_loss, ...)"
+    )
+    report.add_argument("--acc-key", default=None, help="the training token accuracy key (default: train_token_acc)")
+    report.add_argument(
+        "--val-acc-key", default=None, help="the validation token accuracy key (default: val_token_acc)"
+    )
+    report.add_argument("--no-plot", action="store_true", help="only print the summary (needs no matplotlib)")
+    return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        runs = load_runs(args.logdir)
+    except NoLogsError as err:
+        _error(str(err))
+        return 2
+    overrides = {
+        "loss_key": args.loss_key,
+        "val_loss_key": args.val_loss_key,
+        "acc_key": args.acc_key,
+        "val_acc_key": args.val_acc_key,
+    }
+    keys = [detect_keys(run, **overrides) for run in runs]
+    for name, given in overrides.items():
+        if given is not None and all(getattr(k, _FIELDS[name]) is None for k in keys):
+            logged = sorted({key for run in runs for key in run.scalars if not key.startswith("grad_norm/")})
+            _error(f"no run logged --{name.replace('_', '-')} {given!r}; logged keys: {', '.join(logged) or 'none'}")
+            return 2
+
+    _out("\n\n".join(summarize_run(run, k) for run, k in zip(runs, keys, strict=True)))
+    if args.no_plot:
+        return 0
+    output = args.output if args.output is not None else args.logdir / DEFAULT_OUTPUT
+    titles = _titles(args.logdir, [run.path for run in runs])
+    plots = [plan_run(run, k, title) for run, k, title in zip(runs, keys, titles, strict=True)]
+    try:
+        png = render_png(plots, output)
+        _out(f"\nReport: {png}")
+        if args.html:
+            _out(f"HTML:   {render_html(runs, png, png.with_suffix('.html'), keys)}")
+    except MissingDependencyError as err:
+        _error(str(err))
+        return 1
+    except OSError as err:
+        _error(f"could not write the report: {err}")
+        return 1
+    return 0
+
+
+_FIELDS = {"loss_key": "train_loss", "val_loss_key": "val_loss", "acc_key": "train_acc", "val_acc_key": "val_acc"}
+
+
+def _titles(logdir: Path, paths: Sequence[Path]) -> list[str]:
+    """Column titles: each run's folder relative to LOGDIR (LOGDIR itself is shown by its own path)."""
+    titles = []
+    for path in paths:
+        rel = path.relative_to(logdir)
+        titles.append(str(logdir) if rel == Path() else str(rel))
+    return titles
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _error(text: str) -> None:
+    sys.stderr.write(f"lightning-monitor report: error: {text}\n")

@@ -1,0 +1,286 @@
+"""Token accuracy for language models: exact over an epoch, free of host syncs, cheap at LLM vocabulary sizes.
+
+:func:`token_accuracy_counts` does the math; :class:`TokenAccuracy` is the ``torchmetrics`` metric that sums its
+counts. One update reads the logits once, in a single ``amax`` over the vocabulary (``topk`` for ``top_k > 1``),
+and gathers the label's logit: no ``argmax`` (5 to 6 times slower than ``amax`` on CPU), no boolean-mask
+compaction (a host sync), no ``[N, V]`` temporary (the extra memory is O(N) for top-1 and O(N * k) for top-k), and
+with ``shift=True`` no copy of the logits (slices are views, and both reductions run on the view).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.utilities.compute import _safe_divide
+from typing_extensions import override
+
+__all__ = ["TokenAccuracy", "token_accuracy_counts"]
+
+
+def token_accuracy_counts(
+    preds: Tensor,
+    target: Tensor,
+    *,
+    ignore_index: int = -100,
+    top_k: int = 1,
+    shift: bool = False,
+    validate_args: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Count the correct and the counted (non-ignored) token positions of one batch, on the device.
+
+    A position is counted when its label is not ``ignore_index``. It is **correct** when fewer than ``top_k`` logits
+    of its row are strictly greater than the label's logit, i.e. when the label's logit is at least the ``top_k``-th
+    largest value. For ``top_k=1`` this means the label's logit equals the row maximum: **ties count as correct**
+    (``argmax`` would pick the lowest tied index, an arbitrary choice). A row holding a NaN logit is incorrect. For
+    integer predictions a position is correct when the prediction equals the label.
+
+    With ``shift=True`` (causal LMs whose labels are the input ids, not yet shifted) the logits at sequence position
+    ``t`` are scored against the label at ``t + 1``: ``preds[..., :-1, :]`` against ``target[..., 1:]``
+    (``preds[..., :-1]`` for integer predictions). The sequence dimension is the last dimension of ``target``, so a
+    2-D ``[T, V]`` input is one sequence; do not flatten ``[B, T, V]`` to ``[B * T, V]`` before shifting.
+
+    Args:
+        preds: Logits ``[..., V]`` of any floating dtype (bf16 and fp16 included; never copied or upcast), or
+            integer predictions ``[...]`` such as the output of ``argmax``.
+        target: Integer labels ``[...]``, the leading shape of ``preds``.
+        ignore_index: Label value of positions to leave out, -100 by default (the Hugging Face convention); a
+            padding id such as 0 works too.
+        top_k: Count a position correct when its label is among the ``top_k`` largest logits. Must be 1 for integer
+            predictions.
+        shift: Score the logits at position ``t`` against the label at ``t + 1``.
+        validate_args: Check that every scored label is in ``[0, V)`` or equal to ``ignore_index``, and raise otherwise.
+            This costs one host-device sync. With ``False`` nothing syncs, and out-of-range labels are left out of
+            ``total`` without a word (:class:`TokenAccuracy` counts them and warns). Integer predictions carry no
+            ``V``: their labels are only compared.
+
+    Returns:
+        ``(correct, total)``: 0-d int64 tensors on the device of ``preds``.
+
+    Raises:
+        ValueError: If an argument, a shape or a dtype is wrong, or (with ``validate_args``) a label is out of range.
+
+    Example:
+        >>> logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 3.0, 3.0], [1.0, 0.0, 5.0]]])  # [B=1, T=3, V=3]
+        >>> token_accuracy_counts(logits, torch.tensor([[0, 2, -100]]))  # position 1 is a tie: correct
+        (tensor(2), tensor(2))
+        >>> # shift: the logits at positions 0 and 1 are scored against the labels at positions 1 and 2
+        >>> token_accuracy_counts(logits, torch.tensor([[-100, 0, 0]]), shift=True)
+        (tensor(1), tensor(2))
+    """
+    _check_args(ignore_index=ignore_index, top_k=top_k, shift=shift, validate_args=validate_args)
+    correct, total, _ = _update(preds, target, ignore_index, top_k, shift, validate_args)
+    return correct, total
+
+
+class TokenAccuracy(Metric):
+    r"""Fraction of non-ignored token positions whose label gets the highest logit (or one of the ``top_k`` highest).
+
+    The states are the summed int64 counts ``correct``, ``total`` and ``invalid``, so the value is exact over an
+    epoch (not a mean of batch means) and is synced across DDP ranks by summing (not a mean of rank means). Each
+    update reads the logits once (see :func:`token_accuracy_counts` for the exact definition: ties count as correct,
+    rows holding a NaN as incorrect). With ``validate_args=False`` neither ``update`` nor ``forward`` synchronises
+    with the host; ``compute`` reads ``invalid`` once (one sync) until it has warned.
+
+    As input to ``forward`` and ``update`` the metric accepts the following input:
+
+    - ``preds`` (:class:`~torch.Tensor`): logits ``[..., V]`` of any floating dtype (bf16 and fp16 are read as they
+      are, never copied), or integer predictions ``[...]``.
+    - ``target`` (:class:`~torch.Tensor`): integer labels ``[...]`` with the leading shape of ``preds``. Positions
+      whose label is ``ignore_index`` are left out.
+
+    As output of ``forward`` and ``compute`` the metric returns the following output:
+
+    - ``acc`` (:class:`~torch.Tensor`): a 0-d float tensor, ``correct / total``. With ``total == 0`` (every label
+      ignored) it is ``tensor(0.)``, following torchmetrics' ``_safe_divide``; check ``metric.total`` before
+      logging if that can happen. ``forward`` returns the value of the current batch alone.
+
+    Args:
+        ignore_index: Label value of positions to leave out, -100 by default (the Hugging Face convention); a
+            padding id such as 0 works too.
+        top_k: Count a position correct when fewer than ``top_k`` logits are strictly greater than the label's
+            logit. ``top_k > 1`` reads the logits with ``topk`` (extra memory O(N * top_k)). Must be 1 for integer
+            predictions.
+        shift: For causal LMs whose labels are not yet shifted: score the logits at sequence position ``t`` against
+            the label at ``t + 1``, i.e. ``preds[..., :-1, :]`` against ``target[..., 1:]``. The sequence dimension
+            is the last dimension of ``target``, so pass ``[B, T, V]`` logits, not ``[B * T, V]``. No copy is made.
+        validate_args: Check that every scored label is in ``[0, V)`` or equal to ``ignore_index`` and raise otherwise,
+            at one host-device sync per update. Set to ``False`` for faster computations: nothing syncs, labels out
+            of range are counted in ``invalid`` instead of ``total``, and ``compute`` warns once if there were any.
+            Shape and dtype checks read only metadata and always run.
+        kwargs: Keyword arguments of :class:`~torchmetrics.Metric`, such as ``sync_on_compute`` or
+            ``dist_sync_on_step``.
+
+    Raises:
+        ValueError: If ``top_k`` is not an integer of at least 1, ``ignore_index`` is not an integer, or ``shift``
+            or ``validate_args`` is not a bool.
+        ValueError: From ``update``: if the shapes or dtypes of ``preds`` and ``target`` do not match the above,
+            ``top_k`` exceeds ``V`` or is not 1 for integer predictions, or (with ``validate_args``) a label is out
+            of range.
+
+    Example:
+        >>> logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 5.0]]])  # [B=1, T=3, V=3]
+        >>> labels = torch.tensor([[0, 2, -100]])
+        >>> metric = TokenAccuracy()
+        >>> metric(logits, labels)
+        tensor(0.5000)
+        >>> metric.update(logits, torch.tensor([[0, 1, 2]]))
+        >>> metric.correct, metric.total
+        (tensor(4), tensor(5))
+        >>> metric.compute()
+        tensor(0.8000)
+        >>> TokenAccuracy(top_k=2)(logits, labels)
+        tensor(1.)
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    correct: Tensor
+    total: Tensor
+    invalid: Tensor
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        top_k: int = 1,
+        shift: bool = False,
+        validate_args: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        _check_args(ignore_index=ignore_index, top_k=top_k, shift=shift, validate_args=validate_args)
+        self.ignore_index = ignore_index
+        self.top_k = top_k
+        self.shift = shift
+        self.validate_args = validate_args
+        self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("invalid", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self._in_forward = False
+        self._warned_invalid = False
+
+    @override
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        """Add the counts of one batch to the states."""
+        correct, total, invalid = _update(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
+        self.correct += correct
+        self.total += total
+        self.invalid += invalid
+
+    @override
+    def compute(self) -> Tensor:
+        """Return ``correct / total`` (``tensor(0.)`` when ``total == 0``), warning once about invalid labels."""
+        # The check reads `invalid` on the host: one sync, paid only in compute() proper (not in forward(), whose
+        # batch value would pay it every step) and only until the warning has fired. With validate_args=True an
+        # update raises instead of counting, so there is nothing to check.
+        if not (self.validate_args or self._in_forward or self._warned_invalid) and bool(self.invalid > 0):
+            self._warned_invalid = True
+            rank_zero_warn(
+                f"TokenAccuracy left {int(self.invalid)} label(s) out of `total` because they were neither in [0, V)"
+                f" (V = the last dimension of the logits) nor equal to ignore_index={self.ignore_index}. Check that"
+                " the labels come from the model's vocabulary, or set validate_args=True to raise at the first bad"
+                " batch.",
+                category=RuntimeWarning,
+            )
+        return _safe_divide(self.correct, self.total)
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Update the states with a batch and return the accuracy of that batch alone, without a host sync."""
+        self._in_forward = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._in_forward = False
+
+
+def _check_args(*, ignore_index: int, top_k: int, shift: bool, validate_args: bool) -> None:
+    """Reject bad settings at once, naming the argument and the value."""
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"Expected argument `top_k` to be an integer larger than or equal to 1, but got {top_k!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"Expected argument `ignore_index` to be an integer, but got {ignore_index!r}")
+    for name, value in (("shift", shift), ("validate_args", validate_args)):
+        if not isinstance(value, bool):
+            raise ValueError(f"Expected argument `{name}` to be a bool, but got {value!r}")
+
+
+def _check_inputs(preds: Tensor, target: Tensor, top_k: int, shift: bool) -> None:
+    """Check types, dtypes, shapes and devices: host metadata only, so it never syncs."""
+    for name, t in (("preds", preds), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"Expected argument `{name}` to be a tensor, but got {type(t).__name__}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise ValueError(f"Expected argument `target` to be an integer tensor, but got dtype {target.dtype}")
+    if preds.is_complex() or preds.dtype == torch.bool:
+        raise ValueError(f"Expected argument `preds` to be a floating or integer tensor, but got dtype {preds.dtype}")
+    if preds.device != target.device:
+        raise ValueError(
+            f"Expected arguments `preds` and `target` to be on the same device, but got {preds.device} and"
+            f" {target.device}"
+        )
+    if shift and target.ndim == 0:
+        raise ValueError("Expected argument `target` to have a sequence dimension with `shift=True`, but got 0-d")
+    if not preds.is_floating_point():
+        if preds.shape != target.shape:
+            raise ValueError(
+                "Expected argument `preds` (integer predictions) to have the shape of `target`, but got"
+                f" {tuple(preds.shape)} and {tuple(target.shape)}"
+            )
+        if top_k != 1:
+            raise ValueError(f"Expected argument `top_k` to be 1 for integer predictions, but got {top_k}")
+        return
+    if preds.ndim != target.ndim + 1 or preds.shape[:-1] != target.shape:
+        raise ValueError(
+            "Expected argument `preds` (logits) to have shape `target.shape + (V,)`, but got"
+            f" {tuple(preds.shape)} for target shape {tuple(target.shape)}"
+        )
+    if top_k > preds.shape[-1]:
+        raise ValueError(
+            f"Expected argument `top_k` to be at most the vocabulary size {preds.shape[-1]}, but got {top_k}"
+        )
+
+
+def _update(
+    preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: bool, validate_args: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Return ``(correct, total, invalid)`` for one batch; ``invalid`` counts labels out of ``[0, V)``."""
+    _check_inputs(preds, target, top_k, shift)
+    if shift:  # views: slicing copies nothing, and both reductions below run on the strided view
+        preds, target = preds[..., :-1, :] if preds.is_floating_point() else preds[..., :-1], target[..., 1:]
+    counted = target != ignore_index
+    if not preds.is_floating_point():
+        zero = torch.zeros((), dtype=torch.long, device=target.device)
+        return ((preds == target) & counted).sum(), counted.sum(), zero
+
+    vocab = preds.shape[-1]
+    valid = counted & (target >= 0) & (target < vocab)
+    if validate_args:
+        _raise_if_out_of_range(target, counted & ~valid, ignore_index, vocab)
+    # Ignored and out-of-range labels read the logit at index 0 instead, which is then masked out: the gather index
+    # is always in bounds, and no boolean compaction (a host sync) is needed.
+    index = torch.where(valid, target, 0).to(torch.long).unsqueeze(-1)
+    label_logit = preds.gather(-1, index).squeeze(-1)
+    if top_k == 1:
+        # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
+        hit = label_logit >= preds.amax(dim=-1)
+    else:
+        # topk orders NaN above every number, so a row holding a NaN has one among its top values.
+        top = preds.topk(top_k, dim=-1, sorted=True).values
+        hit = (label_logit >= top[..., -1]) & ~top.isnan().any(dim=-1)
+    return (hit & valid).sum(), valid.sum(), (counted & ~valid).sum()
+
+
+def _raise_if_out_of_range(target: Tensor, bad: Tensor, ignore_index: int, vocab: int) -> None:
+    """Raise naming the first label outside ``[0, vocab)`` that is not ``ignore_index``: one host sync."""
+    if bool(bad.any()):
+        label = int(target[bad][0])
+        raise ValueError(
+            f"Expected argument `target` to hold labels in [0, {vocab}) (V = the last dimension of `preds`) or"
+            f" ignore_index={ignore_index}, but got label {label}"
+        )

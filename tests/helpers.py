@@ -1,0 +1,159 @@
+"""Models and readers shared by the Trainer-driven tests.
+
+The models script a pathology at a chosen step and record an independent reference figure in their own
+``on_before_optimizer_step`` (which Lightning calls right after the callback's), so a test can compare what the
+monitor measured with ``torch.nn.utils.get_total_norm`` of the very gradients the optimizer was about to apply.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from torch import nn
+from torch.utils.data import DataLoader
+
+
+def total_norm(module: nn.Module) -> float:
+    """The reference: ``get_total_norm`` over every gradient present (0.0 when none is)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+
+
+class ScriptedModel(BoringModel):
+    """A BoringModel with two layers whose loss can be scaled, made NaN or whose gradients can be poisoned.
+
+    Args:
+        loss_factor: ``{global_step: factor}`` multiplies the loss at those steps (``float('nan')`` for a NaN).
+        grad_poison: ``{global_step: layer_index}`` sets that layer's weight gradient to NaN after backward.
+        val_losses: Scripted validation losses, one per validation run (sanity check excluded), logged as
+            ``val_loss`` in ``on_validation_epoch_end``.
+    """
+
+    def __init__(
+        self,
+        loss_factor: dict[int, float] | None = None,
+        grad_poison: dict[int, int] | None = None,
+        val_losses: list[float] | None = None,
+        default_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.loss_factor = loss_factor or {}
+        self.grad_poison = grad_poison or {}
+        self.val_losses = val_losses
+        self.default_factor = default_factor
+        self.reference: list[float] = []  # total norm at on_before_optimizer_step, one per optimizer step
+        self.after_backward: list[float] = []  # total norm at on_after_backward, one per backward
+        self.weights_before: dict[int, list[torch.Tensor]] = {}
+        self.val_runs = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        out["loss"] = out["loss"] * self.loss_factor.get(self.global_step, self.default_factor)
+        self.weights_before[self.global_step] = [p.detach().clone() for p in self.parameters()]
+        return out
+
+    def on_after_backward(self) -> None:
+        self.after_backward.append(total_norm(self))
+        if self.global_step in self.grad_poison:
+            self.layer[self.grad_poison[self.global_step]].weight.grad.fill_(float("nan"))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.reference.append(total_norm(self))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["val_runs"] = self.val_runs
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.val_runs = checkpoint["val_runs"]
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_losses is None or self.trainer.sanity_checking:
+            return
+        self.log("val_loss", self.val_losses[min(self.val_runs, len(self.val_losses) - 1)])
+        self.val_runs += 1
+
+
+def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU trainer writing into ``tmp_path``; keyword arguments override the defaults."""
+    defaults: dict[str, Any] = {
+        "default_root_dir": tmp_path,
+        "max_steps": 10,
+        "limit_val_batches": 2,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+        "accelerator": "cpu",
+        "devices": 1,
+    }
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **defaults)
+
+
+def loader(n: int = 64, batch_size: int = 2) -> DataLoader:
+    return DataLoader(RandomDataset(32, n), batch_size=batch_size)
+
+
+def tb_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under ``log_dir``: ``{tag: [(step, value), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def tb_texts(log_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """The text summaries written under ``log_dir``: ``[(step, text), ...]``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        acc = EventAccumulator(path, size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            out.extend((e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
+    return out
+
+
+def csv_column(path: str | os.PathLike[str], key: str) -> list[tuple[int, float]]:
+    """``[(step, value), ...]`` of one column of a CSVLogger ``metrics.csv``."""
+    with open(path, newline="") as f:
+        return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key) not in (None, "")]
+
+
+def jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+
+
+def all_finite(module: nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def same_weights(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+Recorder = Callable[[pl.Trainer, pl.LightningModule], None]

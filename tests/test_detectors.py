@@ -1,0 +1,137 @@
+"""The detectors as plain state machines, without a Trainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_monitor.alerts import Alert, AlertKind
+from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, RisingDetector, ThresholdDetector
+
+NAN, INF = float("nan"), float("inf")
+
+
+def fired(detector, values):
+    return [detector.update(v) is not None for v in values]
+
+
+def test_nonfinite_fires_once_per_episode():
+    det = NonFiniteDetector(AlertKind.NONFINITE_LOSS, "loss")
+    assert fired(det, [1.0, NAN, INF, -INF, 2.0, NAN]) == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("direction", "patience", "values", "expected"),
+    [
+        ("above", 1, [1.0, 101.0, 150.0, 50.0, 200.0], [False, True, False, False, True]),
+        (
+            "above",
+            3,
+            [101.0, 101.0, 50.0, 101.0, 101.0, 101.0, 101.0],
+            [False, False, False, False, False, True, False],
+        ),
+        ("below", 2, [0.05, NAN, 0.05, 0.5, 0.01], [False, False, True, False, False]),  # NaN neither breaks nor counts
+        ("above", 1, [INF, NAN, 99.0], [False, False, False]),  # non-finite is another detector's business
+        ("above", 1, [100.0], [False]),  # equal is not above
+    ],
+)
+def test_threshold_patience_and_episodes(direction, patience, values, expected):
+    det = ThresholdDetector(
+        AlertKind.EXPLODING_GRAD, "gradient norm", 100.0 if direction == "above" else 0.1, direction, patience
+    )
+    assert fired(det, values) == expected
+
+
+def test_threshold_detection_fields():
+    det = ThresholdDetector(AlertKind.EXPLODING_GRAD, "gradient norm", 100.0, "above", argument="exploding")
+    found = det.update(250.0)
+    assert (found.kind, found.value, found.threshold) == (AlertKind.EXPLODING_GRAD, 250.0, 100.0)
+    assert found.reason == "gradient norm 250 > exploding=100"
+
+
+@pytest.mark.parametrize(
+    ("values", "patience", "min_delta", "expected_index"),
+    [
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 4, 0.0, 4),
+        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, 7),
+        ([1.0, 1.05, 1.1, 1.15, 1.2], 4, 0.1, None),  # rises smaller than min_delta do not count
+        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1, 0.0, None),  # flat is not rising
+        ([3.0, NAN], 4, 0.0, 1),
+    ],
+)
+def test_rising(values, patience, min_delta, expected_index):
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience, min_delta)
+    hits = [i for i, v in enumerate(values) if det.update(v) is not None]
+    assert hits == ([] if expected_index is None else [expected_index])
+
+
+def test_rising_message_lists_the_values():
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 2)
+    found = [det.update(v) for v in (0.5, 0.6, 0.7)][-1]
+    assert found.reason == "val_loss rose 2 times in a row (0.5 -> 0.6 -> 0.7)"
+    assert (found.value, found.threshold) == (0.7, 0.5)
+
+
+def test_amp_overflow_calibration_is_not_an_alert():
+    det = AmpOverflowDetector(patience=5, min_scale=1.0)
+    # Four overflows in a row (65536 -> 4096), then healthy steps, then an isolated overflow.
+    steps = [(True, 65536.0), (True, 32768.0), (True, 16384.0), (True, 8192.0)] + [(False, 4096.0)] * 3
+    steps += [(True, 4096.0), (False, 2048.0)]
+    assert [det.update(o, s) for o, s in steps] == [None] * len(steps)
+
+
+def test_amp_overflow_persistent_and_collapse():
+    det = AmpOverflowDetector(patience=3, min_scale=1.0)
+    assert [det.update(True, 8.0) is not None for _ in range(5)] == [False, False, True, False, False]
+    det = AmpOverflowDetector(patience=100, min_scale=1.0)
+    found = det.update(False, 0.5)
+    assert found.reason.startswith("the fp16 loss scale collapsed to 0.5")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: NonFiniteDetector(AlertKind.NONFINITE_LOSS, "loss"),
+        lambda: ThresholdDetector(AlertKind.VANISHING_GRAD, "norm", 0.1, "below", 3),
+        lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 3),
+    ],
+)
+def test_state_dict_round_trip_continues_the_streak(make):
+    values = [0.01, 0.02, 0.03, NAN, 0.04, 0.05, 0.06]
+    straight = make()
+    expected = fired(straight, values)
+    first, second = make(), make()
+    head = fired(first, values[:3])
+    second.load_state_dict(first.state_dict())
+    assert head + fired(second, values[3:]) == expected
+
+
+def test_amp_state_round_trip():
+    first = AmpOverflowDetector(patience=3, min_scale=1.0)
+    first.update(True, 8.0)
+    first.update(True, 4.0)
+    second = AmpOverflowDetector(patience=3, min_scale=1.0)
+    second.load_state_dict(first.state_dict())
+    assert second.update(True, 2.0) is not None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ThresholdDetector(AlertKind.VANISHING_GRAD, "norm", 0.1, "below", 0),
+        lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 0),
+        lambda: AmpOverflowDetector(0, 1.0),
+    ],
+)
+def test_patience_below_one_is_rejected(make):
+    with pytest.raises(ValueError, match="`patience` to be at least 1, but got 0"):
+        make()
+
+
+def test_alert_json_round_trip_with_nonfinite_values():
+    alert = Alert(AlertKind.NONFINITE_GRAD, 3, 1, INF, None, "m", halted=True, rank=1)
+    data = alert.to_dict()
+    assert data["value"] == "inf" and data["rank"] == 1
+    back = Alert.from_dict(data)
+    assert back == alert and math.isinf(back.value)

@@ -1,0 +1,158 @@
+"""Two CPU processes under DDP: the same figures as one process, one decision for all ranks, output from rank 0.
+
+Each run uses ``ddp_spawn`` with gloo, so the monitor in the test process is a copy that saw nothing; every rank
+writes what it saw (its monitor's alerts, where it stopped) to a file that the test reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import ScriptedModel, close, csv_column, jsonl
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+
+from lightning_monitor import TrainingMonitor
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    # Lightning's advice about DDP on CPU and tiny data, not about this package.
+    pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+]
+
+
+class RankReport(pl.Callback):
+    """Writes, on every rank, what that rank's monitor saw and where training stopped."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (monitor,) = [c for c in trainer.callbacks if isinstance(c, TrainingMonitor)]
+        report = {
+            "global_step": trainer.global_step,
+            "alerts": [a.to_dict() for a in monitor.alerts],
+            "stopping_reason": None if monitor.stopping_reason is None else monitor.stopping_reason.value,
+            "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters()),
+            "latest": monitor.latest,
+        }
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+class RankFaults(ScriptedModel):
+    """Faults seen by one rank only: a NaN loss, or gradients scaled after DDP synchronised them."""
+
+    def __init__(self, nan_loss_at: int | None = None, explode_grads_at: int | None = None) -> None:
+        super().__init__()
+        self.nan_loss_at = nan_loss_at
+        self.explode_grads_at = explode_grads_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == self.nan_loss_at:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    def on_after_backward(self) -> None:
+        if self.global_rank == 1 and self.global_step == self.explode_grads_at:
+            for p in self.parameters():
+                p.grad.mul_(1e6)
+
+
+def data(batch_size: int = 2, n: int = 64) -> DataLoader:
+    generator = torch.Generator().manual_seed(7)
+    return DataLoader(TensorDataset(torch.randn(n, 32, generator=generator)), batch_size=batch_size)
+
+
+class TensorBatchModel(RankFaults):
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return super().training_step(batch[0], batch_idx)
+
+
+def fit(tmp_path: Path, model: pl.LightningModule, devices: int, **kwargs: Any) -> pl.Trainer:
+    monitor = kwargs.pop("monitor", None) or TrainingMonitor(val_loss_key=None)
+    loader = kwargs.pop("train_dataloaders", None) or data()
+    options: dict[str, Any] = {
+        "default_root_dir": tmp_path,
+        "accelerator": "cpu",
+        "devices": devices,
+        "max_steps": 8,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": CSVLogger(tmp_path, name="csv", version=0),
+    }
+    if devices > 1:
+        options["strategy"] = "ddp_spawn"
+    options.update(kwargs)
+    trainer = pl.Trainer(callbacks=[monitor, RankReport(tmp_path)], **options)
+    trainer.fit(model, train_dataloaders=loader)
+    return trainer
+
+
+def reports(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
+    torch.manual_seed(0)
+    fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2)
+    rank0, rank1 = reports(tmp_path)
+    for report in (rank0, rank1):
+        assert report["global_step"] == 4  # both stopped after the bad batch
+        assert report["stopping_reason"] == "nonfinite_loss"
+        assert report["finite"]  # the step was skipped on both ranks
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["rank"]) == ("nonfinite_loss", 3, 1)
+        assert "first seen on rank 1" in alert["message"]
+    # Written once, by rank 0.
+    (line,) = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
+    assert line["rank"] == 1
+
+
+def test_exploding_gradients_on_one_rank_stop_both_ranks(tmp_path):
+    torch.manual_seed(0)
+    fit(tmp_path, TensorBatchModel(explode_grads_at=2), devices=2)
+    rank0, rank1 = reports(tmp_path)
+    assert rank0["global_step"] == rank1["global_step"] == 3
+    for report in (rank0, rank1):
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["rank"]) == ("exploding_grad", 2, 1)
+    assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_ddp_norm_equals_single_process_norm_on_the_global_batch(tmp_path, accumulate):
+    torch.manual_seed(0)
+    single_model = TensorBatchModel()
+    torch.manual_seed(0)
+    ddp_model = TensorBatchModel()
+    # One process with batch 4 sees exactly the samples the two ranks see with batch 2 each: replay the
+    # DistributedSampler that Lightning gives each rank (shuffled with seed 0, epoch 0).
+    dataset = data().dataset
+    per_rank = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in (0, 1)]
+    order = [i for k in range(0, len(per_rank[0]), 2) for rank in per_rank for i in rank[k : k + 2]]
+    single = tmp_path / "single"
+    global_batches = DataLoader(Subset(dataset, order), batch_size=4)
+    fit(single, single_model, devices=1, accumulate_grad_batches=accumulate, train_dataloaders=global_batches)
+    ddp = tmp_path / "ddp"
+    fit(ddp, ddp_model, devices=2, accumulate_grad_batches=accumulate)
+    expected = csv_column(single / "csv" / "version_0" / "metrics.csv", "grad_norm")
+    got = csv_column(ddp / "csv" / "version_0" / "metrics.csv", "grad_norm")
+    assert len(got) == len(expected) == 8
+    for (s1, v1), (s2, v2) in zip(expected, got, strict=True):
+        assert s1 == s2
+        assert close(v1, v2, rel=1e-5)
+    rank0, rank1 = reports(ddp)
+    assert rank0["latest"] == rank1["latest"]  # every rank holds the same figures
+    assert math.isclose(
+        rank0["latest"]["loss"], json.loads((single / "rank0.json").read_text())["latest"]["loss"], rel_tol=1e-5
+    )
