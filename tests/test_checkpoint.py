@@ -34,7 +34,7 @@ def test_resume_continues_divergence_count_and_history(tmp_path):
     resumed = make_monitor()
     trainer, model = fit(tmp_path, resumed, max_steps=40, ckpt_path=path)
     diverging = [a for a in resumed.alerts if a.kind is AlertKind.DIVERGING_VAL_LOSS]
-    assert [a.kind for a in resumed.alerts][0] is AlertKind.EXPLODING_GRAD  # history restored
+    assert resumed.alerts[0].kind is AlertKind.EXPLODING_GRAD  # history restored
     assert resumed.alerts[0] == first.alerts[0]
     (alert,) = diverging
     assert alert.step == 20 and model.val_runs == 5  # 1.3 then 1.4: the fourth rise in a row

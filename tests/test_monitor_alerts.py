@@ -164,7 +164,7 @@ def test_amp_calibration_is_quiet_but_a_collapsing_scale_halts(tmp_path):
 
     # Gradients that are NaN whatever the scale: the scaler halves it at every step until it collapses.
     broken = TrainingMonitor(val_loss_key=None, amp_overflow_patience=6)
-    model = ScriptedModel(grad_poison={k: 0 for k in range(100)})
+    model = ScriptedModel(grad_poison=dict.fromkeys(range(100), 0))
     trainer = fit(tmp_path, model, broken, max_steps=50, plugins=amp())
     (alert,) = broken.alerts
     assert alert.kind is AlertKind.NONFINITE_GRAD and alert.halted
