@@ -69,6 +69,8 @@ class LayerGradNorms:
         by_layer: When ``False``, every parameter goes into one group named ``"total"``.
         sharded: Treat plain-tensor gradients as shards of a larger gradient that are summed across ranks (FSDP
             with ``use_orig_params``). ``DTensor`` gradients are recognised on their own, whatever this says.
+        replicas: With ``sharded``, how many ranks hold each shard (the number of nodes under FSDP
+            ``HYBRID_SHARD``); their contributions are divided by it.
 
     Attributes:
         names: The layer names, one per row entry of :meth:`squared`.
@@ -91,7 +93,10 @@ class LayerGradNorms:
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         by_layer: bool = True,
         sharded: bool = False,
+        replicas: int = 1,
     ) -> None:
+        if replicas < 1:
+            raise ValueError(f"Expected argument `replicas` to be at least 1, but got {replicas}")
         named = list(named_parameters)
         if not named:
             raise ValueError("Expected argument `named_parameters` to hold at least one parameter, but got none")
@@ -106,9 +111,9 @@ class LayerGradNorms:
         num_layers = len(self.names)
         slots, weights = [], []
         for p, layer in zip(self.params, layers, strict=True):
-            replicas = _dtensor_replicas(p)
-            slots.append((num_layers if sharded or replicas is not None else 0) + position[layer])
-            weights.append(1.0 / replicas if replicas else 1.0)
+            copies = _dtensor_replicas(p) or (replicas if sharded else None)
+            slots.append((num_layers if copies is not None else 0) + position[layer])
+            weights.append(1.0 / copies if copies else 1.0)
         self._slots = slots
         self._weights = weights if any(w != 1.0 for w in weights) else None
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
@@ -133,10 +138,8 @@ class LayerGradNorms:
         elif missing:
             grads = [g for g in grads if g is not None]
         per_group = [
-            torch.stack(
-                torch._foreach_norm(grads if idx is None else [grads[i] for i in idx], 2.0, dtype=torch.float32)
-            )
-            for idx in plan.groups
+            _norms_float32(grads if idx is None else [grads[i] for i in idx], dtype)
+            for idx, dtype in zip(plan.groups, plan.dtypes, strict=True)
         ]
         norms = per_group[0] if len(per_group) == 1 else torch.cat([n.to(self.device) for n in per_group])
         squares = norms.to(self.device).square()
@@ -171,6 +174,7 @@ class LayerGradNorms:
         single = len(groups) == 1
         plan = _Plan(
             groups=[None] if single else list(groups.values()),
+            dtypes=[dtype for _, dtype in groups],
             slot=torch.tensor([self._slots[i] for i in order], device=self.device),
             weight=None
             if self._weights is None
@@ -184,6 +188,7 @@ class _Plan(NamedTuple):
     """How to measure one pattern of present gradients: the groups to fuse, and where each square goes."""
 
     groups: list[list[int] | None]  # positions in the list of present gradients; None means all of them
+    dtypes: list[torch.dtype]  # the dtype of each group
     slot: Tensor
     weight: Tensor | None
 
@@ -204,6 +209,13 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     replicated = [math.fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
     sharded = [math.fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
     return [a + b for a, b in zip(replicated, sharded, strict=True)]
+
+
+def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Per-tensor L2 norms in one fused kernel, accumulated and returned in float32 (float64 stays float64 inside)."""
+    if dtype == torch.float64:  # `dtype=float32` would be a narrowing cast, which `_foreach_norm` refuses
+        return torch.stack(torch._foreach_norm(grads, 2.0)).float()
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
 
 
 def _local_grad(grad: Tensor, param: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -319,9 +320,11 @@ class TrainingMonitor(Callback):
 
         # Compute: every rank contributes its value (or its absence), so no rank can skip the collective.
         value = trainer.callback_metrics.get(self.val_loss_key)  # type: ignore[arg-type]
-        local = torch.tensor(
-            [0.0 if value is None else float(value), 0.0 if value is None else 1.0], device=pl_module.device
-        )
+        device = pl_module.device
+        local = torch.zeros(2, device=device)
+        if value is not None:
+            local[0] = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+            local[1] = 1.0
         seen = [v for v, present in gather_ranks(local) if present]
         if not seen:
             self._warn_once(
@@ -511,7 +514,8 @@ class _OptimizerWatch:
         self.suffix = f"_opt{index}" if len(trainer.optimizers) > 1 else ""
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         named = [(n, p) for n, p in pl_module.named_parameters() if id(p) in in_optimizer]
-        self.norms = LayerGradNorms(named, sharded=_strategy_shards_gradients(trainer))
+        sharded, replicas = _gradient_sharding(trainer.strategy, trainer.num_nodes)
+        self.norms = LayerGradNorms(named, sharded=sharded, replicas=replicas)
         self.nonfinite_loss = NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss")
         self.nonfinite_grad = NonFiniteDetector(AlertKind.NONFINITE_GRAD, "gradient norm")
         self.amp = AmpOverflowDetector(monitor.amp_overflow_patience, monitor.min_loss_scale)
@@ -696,8 +700,16 @@ def _scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> 
     return torch.ones(1, device=device)
 
 
-def _strategy_shards_gradients(trainer: pl.Trainer) -> bool:
-    """Whether plain-tensor gradients are per-rank shards (FSDP) rather than replicas (DDP, single device)."""
-    from lightning.pytorch.strategies import FSDPStrategy
+def _gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
+    """Whether plain-tensor gradients are per-rank shards (FSDP) rather than replicas, and how many ranks hold each.
 
-    return isinstance(trainer.strategy, FSDPStrategy)
+    ``DTensor`` gradients (FSDP2, tensor parallelism) describe their own layout and need nothing from here.
+    """
+    if not isinstance(strategy, FSDPStrategy):
+        return False, 1
+    mode = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+    if mode == "NO_SHARD":  # every rank holds the whole gradient, like DDP
+        return False, 1
+    if "HYBRID" in mode:  # sharded within a node, replicated across nodes
+        return True, num_nodes
+    return True, 1

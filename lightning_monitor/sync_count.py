@@ -1,0 +1,152 @@
+"""Count host synchronisations on any device, the CPU included.
+
+On an accelerator, reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``,
+``torch.tensor([t0, t1])``) or running an op whose output size depends on the data (``nonzero``, boolean indexing,
+``unique``) waits for every queued kernel: a host synchronisation. On the CPU nothing waits, so these costs are
+invisible to a timer there, but the calls are the same. :class:`HostSyncCounter` intercepts them, so a test on the
+CPU can pin how many synchronisations a piece of code would make on a GPU (where
+``torch.cuda.set_sync_debug_mode("warn")`` confirms it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostSyncCounter"]
+
+#: Python-level calls that read a tensor's value on the host.
+_READS: dict[Callable[..., Any], str] = {
+    Tensor.item: "item",
+    Tensor.tolist: "tolist",
+    Tensor.__bool__: "bool",
+    Tensor.__float__: "float",
+    Tensor.__int__: "int",
+    Tensor.__index__: "index",
+    Tensor.numpy: "numpy",
+}
+#: Dispatcher ops whose output shape depends on the data, so the host must wait for the values.
+_DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"})
+
+
+class HostSyncCounter:
+    """Count the host synchronisations made inside ``with`` blocks (several blocks add up).
+
+    Attributes:
+        count: The total so far.
+        by_kind: The total split by kind of call (``"tolist"``, ``"item"``, ``"nonzero"``...).
+
+    Example:
+        >>> x = torch.arange(6.0)
+        >>> with HostSyncCounter() as counter:
+        ...     total = x.sum()          # stays on the device: free
+        ...     value = total.item()     # a read: 1
+        ...     positive = x[x > 2]      # boolean indexing sizes its output from the data: 1
+        ...     as_list = x.tolist()     # one read of the whole tensor: 1
+        >>> counter.count, dict(counter.by_kind)
+        (3, {'item': 1, 'index': 1, 'tolist': 1})
+        >>> with counter:
+        ...     norms = torch.tensor([x.norm(), x.max()])  # builds from 2 device scalars: 2 reads
+        >>> counter.count
+        5
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.by_kind: Counter[str] = Counter()
+        self._depth = 0
+        self._modes: list[Any] = []
+
+    def add(self, kind: str, n: int = 1) -> None:
+        """Record ``n`` synchronisations of ``kind``."""
+        if n:
+            self.count += n
+            self.by_kind[kind] += n
+
+    def __enter__(self) -> HostSyncCounter:
+        self._modes = [_FunctionCounter(self), _DispatchCounter(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(exc_type, exc, tb)
+        self._modes = []
+
+
+class _FunctionCounter(TorchFunctionMode):
+    """Counts Python-level reads; while one runs, the dispatcher-level read inside it is not counted again."""
+
+    def __init__(self, counter: HostSyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        kind = _READS.get(func)
+        if kind is None and func in (torch.tensor, torch.as_tensor) and args:
+            self.counter.add("tensor", _count_tensors(args[0]))  # one read per device scalar in the data
+        elif kind is None and func in (Tensor.cpu, Tensor.to) and _moves_to_host(func, args, kwargs):
+            kind = "to_host"
+        if kind is None:
+            return func(*args, **kwargs)
+        self.counter.add(kind)
+        self.counter._depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.counter._depth -= 1
+
+
+class _DispatchCounter(TorchDispatchMode):
+    """Counts reads made below Python (``_local_scalar_dense``) and data-dependent ops, including boolean indexing."""
+
+    def __init__(self, counter: HostSyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        name = func.overloadpacket.__name__
+        if self.counter._depth == 0:
+            if name == "_local_scalar_dense" or name in _DATA_DEPENDENT:
+                self.counter.add(name)
+            elif name in ("index", "index_put", "index_put_") and _has_mask(args):
+                self.counter.add("index")
+        return func(*args, **(kwargs or {}))
+
+
+def _count_tensors(data: Any) -> int:
+    if isinstance(data, Tensor):
+        return 0  # copying a whole tensor does not read it on the host
+    if isinstance(data, (list, tuple)):
+        return sum(1 if isinstance(x, Tensor) else _count_tensors(x) for x in data)
+    return 0
+
+
+def _moves_to_host(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    source = args[0] if args else None
+    if not isinstance(source, Tensor) or source.device.type == "cpu":
+        return False
+    if func is Tensor.cpu:
+        return True
+    targets = [*args[1:], kwargs.get("device")]
+    return any(str(t).startswith("cpu") for t in targets if isinstance(t, (str, torch.device)))
+
+
+def _has_mask(args: tuple[Any, ...]) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
