@@ -29,6 +29,8 @@ class AlertKind(str, Enum):
     EXPLODING_GRAD = "exploding_grad"
     VANISHING_GRAD = "vanishing_grad"
     DIVERGING_VAL_LOSS = "diverging_val_loss"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_SPIKE = "grad_spike"
 
     @classmethod
     def parse(cls, name: str | AlertKind, argument: str) -> AlertKind:
@@ -73,6 +75,14 @@ ADVICE: dict[AlertKind, str] = {
     AlertKind.DIVERGING_VAL_LOSS: (
         "The model is over-fitting or the learning rate is too high for this stage: restore the best "
         "checkpoint, lower the learning rate or add regularisation."
+    ),
+    AlertKind.LOSS_SPIKE: (
+        "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and inspect the "
+        "batch saved with the alert for bad or duplicated data."
+    ),
+    AlertKind.GRAD_SPIKE: (
+        "Clip gradients (`gradient_clip_val`), lower the learning rate, and check the layers named above; spikes "
+        "that grow from step to step often precede a divergence."
     ),
 }
 
@@ -128,8 +138,8 @@ class Alert:
         """Return a JSON-safe dict: non-finite floats become the strings ``"nan"``, ``"inf"`` and ``"-inf"``."""
         out = asdict(self)
         out["kind"] = self.kind.value
-        out["value"] = _json_float(self.value)
-        out["threshold"] = None if self.threshold is None else _json_float(self.threshold)
+        out["value"] = json_float(self.value)
+        out["threshold"] = None if self.threshold is None else json_float(self.threshold)
         return out
 
     @classmethod
@@ -149,8 +159,13 @@ class Alert:
         )
 
 
-def _json_float(value: float) -> float | str:
-    """Return ``value`` unchanged when finite, else its name, since JSON has no NaN or infinity."""
+def json_float(value: float) -> float | str:
+    """Return ``value`` unchanged when finite, else its name, since JSON has no NaN or infinity.
+
+    Example:
+        >>> json_float(1.5), json_float(float("-inf"))
+        (1.5, '-inf')
+    """
     return value if math.isfinite(value) else str(value)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +19,28 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection, format_value
-from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, RisingDetector, ThresholdDetector
-from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
+from lightning_monitor.detectors import (
+    AmpOverflowDetector,
+    NonFiniteDetector,
+    RisingDetector,
+    SpikeDetector,
+    ThresholdDetector,
+)
+from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
 from lightning_monitor.halting import TrainingHalted, gather_ranks, skip_optimizer_step
+from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
 
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
 DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
+#: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``).
+_STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS}
+#: How many checks the post-mortem bundle's history keeps.
+_HISTORY = 256
 
 
 class TrainingMonitor(Callback):
@@ -59,14 +72,26 @@ class TrainingMonitor(Callback):
     ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` for
                               ``vanishing_grad_patience`` optimizer steps in a row
     ``diverging_val_loss``    ``val_loss_key`` rose ``divergence_patience`` times in a row, or is not finite
+    ``loss_spike``            the training loss is ``loss_spike_threshold`` standard deviations above its
+                              recent level for ``spike_patience`` steps in a row (log scale, robust
+                              moving statistics: see :class:`~lightning_monitor.detectors.SpikeDetector`)
+    ``grad_spike``            the same for the total gradient norm, with ``grad_spike_threshold``
     ========================  =========================================================================
 
     A non-finite gradient never reaches the weights: outside AMP the monitor skips that optimizer step (under AMP
     the GradScaler does). A step that raises a halting alert is skipped too, so a halt keeps the last good
-    weights. Halting goes through ``trainer.should_stop`` (training ends after the current batch, like
-    ``EarlyStopping``, and respects ``min_steps``/``min_epochs``), or raises :class:`TrainingHalted` on every rank
-    with ``halt_mode="raise"``. Each detector fires when its condition starts and again only after the figure has
+    weights, and so is every step whose figure is beyond the limit of a kind listed in ``skip_on`` (for spikes:
+    every outlying step, even before ``spike_patience`` makes it an alert). Alerts about gradients name the
+    layers to blame: the largest by gradient norm with their share, or the non-finite ones in forward order.
+    Halting goes through ``trainer.should_stop`` (training ends after the current batch, like ``EarlyStopping``,
+    and respects ``min_steps``/``min_epochs``), or raises :class:`TrainingHalted` on every rank with
+    ``halt_mode="raise"``. Each detector fires when its condition starts and again only after the figure has
     been healthy once, so a persistent problem gives one alert.
+
+    **Post-mortem bundle.** When training halts (or on any alert, with ``postmortem="alert"``) the monitor writes
+    ``postmortem/step<N>_<kind>/`` in the log directory: a checkpoint taken before the bad update, the step's
+    batches as every rank saw them, the last checks' figures, the alerts and a README saying how to replay the
+    step (:mod:`lightning_monitor.postmortem`). The alert message gives its path.
 
     **Cost.** The figures stay on the device between checks. Each check packs them in one small tensor, gathers it
     from every rank in one ``all_gather`` and reads it to the host once
@@ -104,6 +129,18 @@ class TrainingMonitor(Callback):
         divergence_min_delta: A validation value counts as a rise only when it exceeds the previous one by more.
         halt_on: The alert kinds that stop training. An empty collection only observes.
         halt_mode: ``"stop"`` sets ``trainer.should_stop``; ``"raise"`` raises :class:`TrainingHalted`.
+        loss_spike_threshold: Z-score of the log training loss above which a step is a loss spike. ``None`` turns
+            the check off. The default 6 follows OLMo-core's 6 sigma; see the detector for the statistics.
+        grad_spike_threshold: The same for the log total gradient norm. ``None`` turns the check off.
+        spike_window: Effective length, in checks, of the moving statistics spikes are judged against.
+        spike_warmup: Checks to learn the level from before any spike can be reported.
+        spike_patience: Consecutive outlying checks that make a spike alert.
+        skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
+            halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
+        postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
+        watch_activations: Flag every module whose output is not finite, and name the first in forward order
+            when the loss or the gradients go non-finite. Costs one extra read of each module's output per
+            forward pass, so it is off by default.
         amp_overflow_patience: Under fp16 AMP, consecutive overflowing steps that make ``nonfinite_grad``.
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
         layer_norms: Log ``grad_norm/<layer>`` as well as the total.
@@ -124,8 +161,9 @@ class TrainingMonitor(Callback):
             the optimizer step (NaN when no backward ran).
 
     Raises:
-        ValueError: If a threshold is negative, a patience or interval is below 1, ``halt_on`` names an unknown
-            alert kind, or ``halt_mode`` is not ``"stop"`` or ``"raise"``.
+        ValueError: If a threshold is negative, a patience, window or interval is below 1, ``halt_on`` or
+            ``skip_on`` names an unknown alert kind (or ``skip_on`` one that is not about a step), or a choice
+            argument is not one of its choices.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -148,6 +186,14 @@ class TrainingMonitor(Callback):
         divergence_min_delta: float = 0.0,
         halt_on: Sequence[str] = DEFAULT_HALT_ON,
         halt_mode: Literal["stop", "raise"] = "stop",
+        loss_spike_threshold: float | None = 6.0,
+        grad_spike_threshold: float | None = 6.0,
+        spike_window: int = 128,
+        spike_warmup: int = 64,
+        spike_patience: int = 1,
+        skip_on: Sequence[str] = (),
+        postmortem: Literal["halt", "alert"] | None = "halt",
+        watch_activations: bool = False,
         amp_overflow_patience: int = 16,
         min_loss_scale: float = 1.0,
         layer_norms: bool = True,
@@ -159,6 +205,8 @@ class TrainingMonitor(Callback):
             ("vanishing_grad_threshold", vanishing_grad_threshold),
             ("divergence_min_delta", divergence_min_delta),
             ("min_loss_scale", min_loss_scale),
+            ("loss_spike_threshold", loss_spike_threshold),
+            ("grad_spike_threshold", grad_spike_threshold),
         ):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"Expected argument `{name}` to be a finite number >= 0, but got {value}")
@@ -167,6 +215,9 @@ class TrainingMonitor(Callback):
             ("divergence_patience", divergence_patience),
             ("amp_overflow_patience", amp_overflow_patience),
             ("check_every_n_steps", check_every_n_steps),
+            ("spike_window", spike_window),
+            ("spike_warmup", spike_warmup),
+            ("spike_patience", spike_patience),
         ):
             if not isinstance(count, int) or count < 1:
                 raise ValueError(f"Expected argument `{name}` to be at least 1, but got {count}")
@@ -181,8 +232,17 @@ class TrainingMonitor(Callback):
             )
         if halt_mode not in ("stop", "raise"):
             raise ValueError(f"Expected argument `halt_mode` to be 'stop' or 'raise', but got {halt_mode!r}")
-        if isinstance(halt_on, str):
-            raise ValueError(f"Expected argument `halt_on` to be a collection of alert kinds, but got {halt_on!r}")
+        if postmortem not in ("halt", "alert", None):
+            raise ValueError(f"Expected argument `postmortem` to be 'halt', 'alert' or None, but got {postmortem!r}")
+        for name, kinds in (("halt_on", halt_on), ("skip_on", skip_on)):
+            if isinstance(kinds, str):
+                raise ValueError(f"Expected argument `{name}` to be a collection of alert kinds, but got {kinds!r}")
+        skip_kinds = frozenset(AlertKind.parse(k, "skip_on") for k in skip_on)
+        if skip_kinds - _STEP_KINDS:
+            raise ValueError(
+                "Expected argument `skip_on` to hold alert kinds raised at an optimizer step, "
+                f"but got {sorted(k.value for k in skip_kinds - _STEP_KINDS)}"
+            )
 
         self.exploding_grad_threshold = exploding_grad_threshold
         self.vanishing_grad_threshold = vanishing_grad_threshold
@@ -192,6 +252,14 @@ class TrainingMonitor(Callback):
         self.divergence_min_delta = divergence_min_delta
         self.halt_on: frozenset[AlertKind] = frozenset(AlertKind.parse(k, "halt_on") for k in halt_on)
         self.halt_mode = halt_mode
+        self.loss_spike_threshold = loss_spike_threshold
+        self.grad_spike_threshold = grad_spike_threshold
+        self.spike_window = spike_window
+        self.spike_warmup = spike_warmup
+        self.spike_patience = spike_patience
+        self.skip_on: frozenset[AlertKind] = skip_kinds
+        self.postmortem = postmortem
+        self.watch_activations = watch_activations
         self.amp_overflow_patience = amp_overflow_patience
         self.min_loss_scale = min_loss_scale
         self.layer_norms = layer_norms
@@ -215,8 +283,14 @@ class TrainingMonitor(Callback):
         self._console = ConsoleSink()
         self._loggers = LoggerSink([])
         self._jsonl: JsonlSink | None = None
+        self._log_dir = Path(".")
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
+        self._history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
+        self._window_closed = True
+        self._order: ForwardOrder | None = None
+        self._activations: ActivationWatch | None = None
 
     @property
     @override
@@ -230,13 +304,29 @@ class TrainingMonitor(Callback):
         if stage != TrainerFn.FITTING:
             return
         # `trainer.log_dir` broadcasts from rank 0, so every rank must ask for it.
-        log_dir = trainer.log_dir or trainer.default_root_dir
-        self._jsonl = JsonlSink(Path(log_dir) / self.alerts_file) if self.alerts_file else None
+        self._log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self._jsonl = JsonlSink(self._log_dir / self.alerts_file) if self.alerts_file else None
         self._loggers = LoggerSink(trainer.loggers)
         self._watches = {}
         self._loss_sum, self._loss_count = None, 0
+        self._history.clear()
+        self._batches, self._window_closed = [], True
         if trainer.is_global_zero:
-            write_settings(Path(log_dir) / SETTINGS_FILE, self.settings())
+            write_settings(self._log_dir / SETTINGS_FILE, self.settings())
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Learn the forward order of the layers once (the hooks go after the first check), and watch activations.
+        self._order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
+        self._activations = ActivationWatch(pl_module) if self.watch_activations else None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_hooks()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close_hooks()
 
     def settings(self) -> dict[str, Any]:
         """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory).
@@ -254,6 +344,14 @@ class TrainingMonitor(Callback):
             "divergence_min_delta": self.divergence_min_delta,
             "halt_on": sorted(k.value for k in self.halt_on),
             "halt_mode": self.halt_mode,
+            "loss_spike_threshold": self.loss_spike_threshold,
+            "grad_spike_threshold": self.grad_spike_threshold,
+            "spike_window": self.spike_window,
+            "spike_warmup": self.spike_warmup,
+            "spike_patience": self.spike_patience,
+            "skip_on": sorted(k.value for k in self.skip_on),
+            "postmortem": self.postmortem,
+            "watch_activations": self.watch_activations,
             "amp_overflow_patience": self.amp_overflow_patience,
             "min_loss_scale": self.min_loss_scale,
             "layer_norms": self.layer_norms,
@@ -262,6 +360,17 @@ class TrainingMonitor(Callback):
         }
 
     # ------------------------------------------------------------------------------------------------ training
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # Keep a reference (not a copy) to the micro-batches of the step under way, for the post-mortem bundle.
+        if self.postmortem is None:
+            return
+        if self._window_closed:
+            self._batches, self._window_closed = [], False
+        self._batches.append((batch_idx, batch))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -276,6 +385,7 @@ class TrainingMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         # Gate: decide on check steps and logging steps; in between keep the worst figures on the device.
+        self._window_closed = True
         watch = self._watch(trainer, pl_module, optimizer)
         squared = watch.norms.squared()
         logging_step = _is_logging_step(trainer)
@@ -286,27 +396,41 @@ class TrainingMonitor(Callback):
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
         scaler = _grad_scaler(trainer)
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        step = watch.read(squared, self._take_loss(), scaler, accumulate)
+        flags = None if self._activations is None else self._activations.flags()
+        step = watch.read(squared, self._take_loss(), scaler, accumulate, flags)
+        if self._activations is not None:
+            self._activations.reset()
+        if self._order is not None:
+            watch.order = self._order
+            self._order.close()
+        figures = watch.figures(step, self.skipped_steps, self.layer_norms)
+        self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
+        self._history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **self.latest})
 
-        # Decide. A non-finite loss makes non-finite gradients: report the cause, not the echo.
+        # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle.
         detections = watch.check(step)
-        if any(d.kind is AlertKind.NONFINITE_LOSS for d in detections) or watch.nonfinite_loss.active:
-            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
-        alerts = [self._make_alert(trainer, d, step, watch) for d in detections]
+        first_bad = (
+            self._activations.first_nonfinite(step.activation_flags)
+            if self._activations is not None and step.activation_flags is not None
+            else None
+        )
+        bundle = self._bundle_folder(trainer, detections)
+        alerts = [self._make_alert(trainer, d, step, watch, bundle, first_bad) for d in detections]
         halting = [a for a in alerts if a.halted]
-        if halting or (step.grad_nonfinite and scaler is None):
+        if halting or (step.grad_nonfinite and scaler is None) or watch.beyond(self.skip_on):
             skip_optimizer_step(optimizer)
             self.skipped_steps += 1
         if scaler is not None:
             self.skipped_steps += step.overflow_steps
+        self.latest["skipped_steps"] = figures["skipped_steps"] = float(self.skipped_steps)
 
-        # Log.
+        # Log, then act.
         for alert in alerts:
             self._emit(trainer, alert)
-        figures = watch.figures(step, self.skipped_steps, self.layer_norms)
-        self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         if logging_step:
             self._log_figures(trainer, figures)
+        if bundle is not None:
+            self._write_bundle(trainer, bundle, alerts, halted=bool(halting))
         if halting:
             self._halt(trainer, halting[0])
 
@@ -339,8 +463,11 @@ class TrainingMonitor(Callback):
         detection = self._val.update(math.fsum(seen) / len(seen))
         if detection is None:
             return
-        alert = self._make_alert(trainer, detection)
+        bundle = self._bundle_folder(trainer, [detection])
+        alert = self._make_alert(trainer, detection, bundle=bundle)
         self._emit(trainer, alert)
+        if bundle is not None:
+            self._write_bundle(trainer, bundle, [alert], halted=alert.halted, batches=[])
         if alert.halted:
             self._halt(trainer, alert)
 
@@ -396,6 +523,8 @@ class TrainingMonitor(Callback):
         detection: Detection,
         step: _StepFigures | None = None,
         watch: _OptimizerWatch | None = None,
+        bundle: Path | None = None,
+        first_bad_activation: str | None = None,
     ) -> Alert:
         """Turn a detection into an alert: where and when, what was done about it, and what to try."""
         halted = detection.kind in self.halt_on
@@ -406,7 +535,13 @@ class TrainingMonitor(Callback):
         if rank is not None:
             where += f", first seen on rank {rank}"
         blame = "" if step is None or watch is None else watch.blame(detection.kind, step)
-        skipped = step is not None and (halted or (detection.kind is AlertKind.NONFINITE_GRAD and not step.amp))
+        if first_bad_activation is not None and detection.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+            blame += f" The first module whose output was not finite, in forward order: {first_bad_activation}."
+        skipped = step is not None and (
+            halted
+            or detection.kind in self.skip_on
+            or (detection.kind in (AlertKind.NONFINITE_GRAD, AlertKind.NONFINITE_LOSS) and not step.amp)
+        )
         action = " ".join(
             part
             for part, applies in (
@@ -420,6 +555,8 @@ class TrainingMonitor(Callback):
         )
         reason = detection.reason[:1].upper() + detection.reason[1:]
         message = f"{reason}{where}.{blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
+        if bundle is not None:
+            message += f" Post-mortem bundle: {bundle}"
         return Alert(
             kind=detection.kind,
             step=trainer.global_step,
@@ -446,6 +583,46 @@ class TrainingMonitor(Callback):
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in figures.items()})
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, _logging_step(trainer))
+
+    def _bundle_folder(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
+        """Where this check's post-mortem bundle goes, or ``None`` when it does not call for one."""
+        if self.postmortem is None:
+            return None
+        cause = [d for d in detections if self.postmortem == "alert" or d.kind in self.halt_on]
+        if not cause:
+            return None
+        return self._log_dir / "postmortem" / f"step{trainer.global_step:07d}_{cause[0].kind.value}"
+
+    def _write_bundle(
+        self,
+        trainer: pl.Trainer,
+        folder: Path,
+        cause: Sequence[Alert],
+        halted: bool,
+        batches: Sequence[tuple[int, Any]] | None = None,
+    ) -> None:
+        """Write the bundle on every rank, or warn once and carry on if any rank cannot write its folder."""
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            writable = 1.0
+        except OSError:
+            writable = 0.0
+        # Everyone must agree before `save_checkpoint`, which all ranks join: one rank failing alone would hang.
+        if not all(ok for (ok,) in gather_ranks(torch.full((1,), writable, device=trainer.strategy.root_device))):
+            self._warn_once("postmortem", f"TrainingMonitor could not create the post-mortem folder {str(folder)!r}.")
+            return
+        try:
+            batches = self._batches if batches is None else batches
+            write_bundle(folder, trainer, batches, self._history, self.alerts, cause, halted)
+        except OSError as err:
+            self._warn_once("postmortem", f"TrainingMonitor could not write the post-mortem bundle ({err}).")
+
+    def _close_hooks(self) -> None:
+        for hooks in (self._order, self._activations):
+            if hooks is not None:
+                hooks.close()
+        self._order = self._activations = None
+        self._batches = []
 
     def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
         """Stop training on this rank; every rank reaches this call at the same step with the same alert."""
@@ -476,6 +653,7 @@ class _StepFigures:
     amp: bool
     loss_ranks: list[float]  # each rank's loss sum, for attribution
     grad_ranks: list[float]  # each rank's local squared total, for attribution
+    activation_flags: list[float] | None = None  # per watched module, 1 where any rank saw a non-finite output
 
     @property
     def grad_nonfinite(self) -> bool:
@@ -489,7 +667,7 @@ class _StepFigures:
             return next((r for r, v in enumerate(self.loss_ranks) if not math.isfinite(v)), None)
         if kind is AlertKind.NONFINITE_GRAD:
             return next((r for r, v in enumerate(self.grad_ranks) if not math.isfinite(v)), None)
-        if kind is AlertKind.EXPLODING_GRAD:
+        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE):
             return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
         return None
 
@@ -542,6 +720,23 @@ class _OptimizerWatch:
                 argument="vanishing_grad_threshold",
             )
         )
+        self.loss_spike, self.grad_spike = (
+            None
+            if threshold is None
+            else SpikeDetector(
+                kind,
+                name,
+                threshold,
+                window=monitor.spike_window,
+                warmup=monitor.spike_warmup,
+                patience=monitor.spike_patience,
+            )
+            for kind, name, threshold in (
+                (AlertKind.LOSS_SPIKE, "training loss", monitor.loss_spike_threshold),
+                (AlertKind.GRAD_SPIKE, "gradient norm", monitor.grad_spike_threshold),
+            )
+        )
+        self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         # Device-side figures since the last check: worst total (replicated, sharded), overflowing steps, steps.
         self._peak: Tensor | None = None
@@ -564,6 +759,7 @@ class _OptimizerWatch:
         loss: tuple[Tensor | None, int],
         scaler: torch.amp.GradScaler | None,
         accumulate: int,
+        activation_flags: Tensor | None = None,
     ) -> _StepFigures:
         """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
         self.hold(squared)
@@ -580,15 +776,24 @@ class _OptimizerWatch:
                 _scale_tensor(scaler, device),
             ]
         )
-        per_rank = gather_ranks(torch.cat([header, squared.flatten()]))  # the one host sync of this check
+        parts = [header, squared.flatten()]
+        if activation_flags is not None:
+            parts.append(activation_flags.to(device=device, dtype=torch.float32))
+        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
+        layers_end = _HEADER + 2 * len(self.norms.names)
 
         first = per_rank[0]
         scale = first[_SCALE] if scaler is not None else 1.0
         # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
         unscale = scale**2 if self.fused else 1.0
-        layer_sq = [v / unscale for v in combine_ranks([r[_HEADER:] for r in per_rank])]
+        layer_sq = [v / unscale for v in combine_ranks([r[_HEADER:layers_end] for r in per_rank])]
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
+        flags = (
+            None
+            if activation_flags is None
+            else [max(col) for col in zip(*(r[layers_end:] for r in per_rank), strict=True)]
+        )
         grad_norm = math.sqrt(math.fsum(layer_sq)) if has_grads else None
         if first[_STEPS] > 1:  # the worst step since the last check
             peak_sq = combine_ranks([[r[_PEAK_REP], r[_PEAK_SHARD]] for r in per_rank])[0] / unscale
@@ -607,35 +812,61 @@ class _OptimizerWatch:
             amp=scaler is not None,
             loss_ranks=[r[_LOSS_SUM] for r in per_rank],
             grad_ranks=[r[_PEAK_REP] + r[_PEAK_SHARD] for r in per_rank],
+            activation_flags=flags,
         )
 
     def check(self, step: _StepFigures) -> list[Detection]:
-        """Run every detector on the figures of one check."""
+        """Run every detector on the figures of one check; report causes, not their echoes."""
         found: list[Detection | None] = []
         if step.loss is not None:
             found.append(self.nonfinite_loss.update(step.loss))
+            if self.loss_spike is not None:
+                found.append(self.loss_spike.update(step.loss))
         if step.grad_norm is not None and step.grad_peak is not None:
             if step.amp:
                 overflowed = step.overflow_steps == step.checked_steps
                 found.append(self.amp.update(overflowed, step.loss_scale))  # type: ignore[arg-type]
             else:
                 found.append(self.nonfinite_grad.update(step.grad_peak))
-            if self.exploding is not None:
-                found.append(self.exploding.update(step.grad_peak))
-            if self.vanishing is not None:
-                found.append(self.vanishing.update(step.grad_norm))
-        return [d for d in found if d is not None]
+            for detector, value in (
+                (self.exploding, step.grad_peak),
+                (self.vanishing, step.grad_norm),
+                (self.grad_spike, step.grad_norm),
+            ):
+                if detector is not None:
+                    found.append(detector.update(value))
+        detections = [d for d in found if d is not None]
+        kinds = {d.kind for d in detections}
+        # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
+        if AlertKind.NONFINITE_LOSS in kinds or self.nonfinite_loss.active:
+            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
+        if AlertKind.EXPLODING_GRAD in kinds:
+            detections = [d for d in detections if d.kind is not AlertKind.GRAD_SPIKE]
+        return detections
+
+    def beyond(self, kinds: frozenset[AlertKind]) -> bool:
+        """Whether the last check's figure was beyond the limit of any of ``kinds`` (even before patience ran out)."""
+        states = {
+            AlertKind.NONFINITE_LOSS: self.nonfinite_loss.active,
+            AlertKind.NONFINITE_GRAD: self.nonfinite_grad.active,
+            AlertKind.EXPLODING_GRAD: self.exploding is not None and self.exploding.count > 0,
+            AlertKind.VANISHING_GRAD: self.vanishing is not None and self.vanishing.count > 0,
+            AlertKind.LOSS_SPIKE: self.loss_spike is not None and self.loss_spike.outlier,
+            AlertKind.GRAD_SPIKE: self.grad_spike is not None and self.grad_spike.outlier,
+        }
+        return any(states.get(kind, False) for kind in kinds)
 
     def blame(self, kind: AlertKind, step: _StepFigures) -> str:
-        """Name the layers behind a gradient alert, from the per-layer norms already computed."""
+        """Name the layers behind a gradient or loss alert, from the per-layer norms already computed."""
         names, squares = self.norms.names, step.layer_sq
-        if len(names) < 2 or kind not in (AlertKind.NONFINITE_GRAD, AlertKind.EXPLODING_GRAD):
+        if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
             return ""
         bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
         if bad:
-            return f" Non-finite gradients in {len(bad)} layer(s), first {', '.join(bad[:3])}."
+            bad = self.order.sort(bad) if self.order is not None else bad
+            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {', '.join(bad[:5])}."
         total = math.fsum(squares)
-        if total <= 0:
+        if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
             return ""
         top = sorted(zip(names, squares, strict=True), key=lambda x: -x[1])[:3]
         shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
@@ -669,6 +900,8 @@ class _OptimizerWatch:
             "amp": self.amp,
             "exploding": self.exploding,
             "vanishing": self.vanishing,
+            "loss_spike": self.loss_spike,
+            "grad_spike": self.grad_spike,
         }
         return {k: v for k, v in found.items() if v is not None}
 

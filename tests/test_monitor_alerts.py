@@ -56,7 +56,7 @@ def test_nonfinite_gradient_names_the_layer(tmp_path):
     (alert,) = monitor.alerts
     assert alert.kind is AlertKind.NONFINITE_GRAD
     assert alert.step == 3 and alert.halted
-    assert "Non-finite gradients in 1 layer(s), first layer.2." in alert.message
+    assert "Non-finite gradients in 1 layer(s), in forward order: layer.2." in alert.message
     assert all_finite(model)
     assert same_weights(list(model.parameters()), model.weights_before[3])
 

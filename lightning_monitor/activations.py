@@ -1,0 +1,129 @@
+"""Where in the forward pass things went wrong: the order modules run in, and the first non-finite output.
+
+:class:`ForwardOrder` records, once, the order in which a model's layers first run, so alerts can name the
+*first* layer with a non-finite gradient. :class:`ActivationWatch` (opt-in) flags every module whose output holds a
+NaN or an infinity, on the device and without a host sync, so the monitor can name the first one in forward order
+when the loss goes non-finite: the question Hugging Face's underflow/overflow debugger answers, at the price of
+one extra read of each module's output (``output.sum()``), far below ``torch.autograd.detect_anomaly``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["ActivationWatch", "ForwardOrder"]
+
+
+class ForwardOrder:
+    """Record the order in which named submodules first run, then stop listening.
+
+    Args:
+        module: The model.
+        names: Submodule names to place in order (others are ignored; names that are not submodules are left in
+            their given order after the ones that ran).
+
+    Example:
+        >>> model = nn.ModuleDict({"head": nn.Linear(2, 2), "body": nn.Linear(2, 2)})
+        >>> order = ForwardOrder(model, ["head", "body"])
+        >>> _ = model["head"](model["body"](torch.ones(1, 2)))
+        >>> order.close()
+        >>> order.sort(["head", "body"])
+        ['body', 'head']
+    """
+
+    def __init__(self, module: nn.Module, names: Iterable[str]) -> None:
+        self.order: list[str] = []
+        self._recorded: set[str] = set()
+        self._handles: list[RemovableHandle] = []
+        modules = dict(module.named_modules())
+        for name in dict.fromkeys(names):
+            if name in modules:
+                self._handles.append(modules[name].register_forward_pre_hook(self._seen(name)))
+
+    def _seen(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if name not in self._recorded:
+                self._recorded.add(name)
+                self.order.append(name)
+
+        return hook
+
+    def close(self) -> None:
+        """Stop recording (the hooks are removed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def sort(self, names: Iterable[str]) -> list[str]:
+        """``names`` in forward order; names never seen running keep their order, after the others."""
+        rank = {name: i for i, name in enumerate(self.order)}
+        names = list(names)
+        return sorted(names, key=lambda n: rank.get(n, len(rank) + names.index(n)))
+
+
+class ActivationWatch:
+    """Flag, on the device, every module whose output was not finite since the last :meth:`reset`.
+
+    Args:
+        module: The model. Every submodule without children (``nn.Linear``, ``nn.LayerNorm``...) is watched.
+
+    Attributes:
+        names: The watched modules, in registration order; :meth:`flags` has one entry per name.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> watch = ActivationWatch(model)
+        >>> with torch.no_grad():
+        ...     model[0].weight[0, 0] = float("inf")
+        >>> _ = model(torch.ones(1, 2))
+        >>> watch.first_nonfinite(watch.flags().tolist())
+        '0'
+        >>> watch.close()
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        leaves = [(n, m) for n, m in module.named_modules() if n and not any(True for _ in m.children())]
+        self.names = [n for n, _ in leaves]
+        device = next(module.parameters(), torch.zeros(())).device
+        self._flags = torch.zeros(len(self.names), device=device)
+        self._order: list[int] = []  # indices of leaves in the order their outputs were first produced
+        self._ran: set[int] = set()
+        self._handles = [m.register_forward_hook(self._check(i)) for i, (_, m) in enumerate(leaves)]
+
+    def _check(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if index not in self._ran:
+                self._ran.add(index)
+                self._order.append(index)
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for out in outputs:
+                if isinstance(out, Tensor) and out.is_floating_point() and out.numel():
+                    bad = ~torch.isfinite(out.detach().sum())  # one read of the output; NaN and Inf survive a sum
+                    self._flags[index] = torch.maximum(self._flags[index], bad.to(self._flags.dtype))
+
+        return hook
+
+    def flags(self) -> Tensor:
+        """A float tensor on the device: 1 for each module whose output was not finite, else 0."""
+        return self._flags
+
+    def reset(self) -> None:
+        """Clear the flags (on the device)."""
+        self._flags.zero_()
+
+    def first_nonfinite(self, flags: Iterable[float]) -> str | None:
+        """The first module in forward order among those flagged in ``flags`` (host values of :meth:`flags`)."""
+        flags = list(flags)
+        ran = [i for i in self._order if flags[i]]
+        return self.names[ran[0]] if ran else None
+
+    def close(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
