@@ -31,6 +31,7 @@ class AlertKind(str, Enum):
     DIVERGING_VAL_LOSS = "diverging_val_loss"
     LOSS_SPIKE = "loss_spike"
     GRAD_SPIKE = "grad_spike"
+    TOKEN_ACC_STALL = "token_acc_stall"
 
     @classmethod
     def parse(cls, name: str | AlertKind, argument: str) -> AlertKind:
@@ -83,6 +84,10 @@ ADVICE: dict[AlertKind, str] = {
     AlertKind.GRAD_SPIKE: (
         "Clip gradients (`gradient_clip_val`), lower the learning rate, and check the layers named above; spikes "
         "that grow from step to step often precede a divergence."
+    ),
+    AlertKind.TOKEN_ACC_STALL: (
+        "Compare the validation data with the training data (a shift?), look at which tokens are wrong, and "
+        "consider stopping at the best-accuracy checkpoint."
     ),
 }
 

@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a run folder, or a folder holding several runs")
     report.add_argument(
-        "-o", "--output", type=Path, default=None, help=f"the PNG to write (default: LOGDIR/{DEFAULT_OUTPUT})"
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help=f"the PNG to write, or a folder for {DEFAULT_OUTPUT} (default: LOGDIR/{DEFAULT_OUTPUT})",
     )
     report.add_argument(
         "--html", action="store_true", help="also write an HTML page (the PNG embedded, a table of alerts) next to it"
@@ -111,7 +115,9 @@ def _report(args: argparse.Namespace) -> int:
     _out("\n\n".join(summarize_run(run, k) for run, k in zip(runs, keys, strict=True)))
     if args.no_plot:
         return 0
-    output = args.output if args.output is not None else args.logdir / DEFAULT_OUTPUT
+    output = args.output if args.output is not None else args.logdir
+    if output.is_dir():
+        output = output / DEFAULT_OUTPUT
     titles = _titles(args.logdir, [run.path for run in runs])
     plots = [plan_run(run, k, title) for run, k, title in zip(runs, keys, titles, strict=True)]
     try:

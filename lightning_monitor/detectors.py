@@ -16,7 +16,14 @@ from typing import Any, Literal
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
-__all__ = ["AmpOverflowDetector", "NonFiniteDetector", "RisingDetector", "SpikeDetector", "ThresholdDetector"]
+__all__ = [
+    "AccuracyStallDetector",
+    "AmpOverflowDetector",
+    "NonFiniteDetector",
+    "RisingDetector",
+    "SpikeDetector",
+    "ThresholdDetector",
+]
 
 
 class NonFiniteDetector:
@@ -366,3 +373,77 @@ class SpikeDetector:
         self.mean = float(state.get("mean", 0.0))
         self.var = float(state.get("var", 0.0))
         self.count = int(state.get("count", 0))
+
+
+class AccuracyStallDetector:
+    """Fire when token accuracy stops improving, or collapses, while the loss keeps falling.
+
+    A falling loss with a flat or falling accuracy means the model grows more confident on tokens it already gets
+    right (or less wrong on ones it never will) while it stops learning new ones; often the data distribution
+    shifted. Meant for one (loss, accuracy) pair per validation run.
+
+    The rule: after the best accuracy so far, count the validations whose loss is below the loss at that best,
+    with no new best accuracy; fire when the count reaches ``patience``. Fire at once when the accuracy falls below
+    half its best while the loss is at or below the loss at the best (a collapse). Non-finite figures are skipped.
+
+    Args:
+        kind: The alert kind to report.
+        patience: Validations of falling loss without a better accuracy that make an alert.
+        min_delta: An accuracy counts as better only when it beats the best by more than this.
+
+    Example:
+        >>> det = AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, patience=2)
+        >>> pairs = [(3.0, 0.30), (2.8, 0.35), (2.6, 0.35), (2.5, 0.34)]
+        >>> [det.update(loss, acc) is not None for loss, acc in pairs]
+        [False, False, False, True]
+    """
+
+    def __init__(self, kind: AlertKind, patience: int, min_delta: float = 0.0) -> None:
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        self.kind = kind
+        self.patience = patience
+        self.min_delta = min_delta
+        self.best_acc: float | None = None
+        self.loss_at_best = math.inf
+        self.count = 0
+        self.active = False
+
+    def update(self, loss: float, acc: float) -> Detection | None:
+        """Take the loss and accuracy of one validation run."""
+        if not (math.isfinite(loss) and math.isfinite(acc)):
+            return None
+        if self.best_acc is None or acc > self.best_acc + self.min_delta:
+            self.best_acc, self.loss_at_best, self.count, self.active = acc, loss, 0, False
+            return None
+        self.count = self.count + 1 if loss < self.loss_at_best else 0
+        collapsed = acc < 0.5 * self.best_acc and loss <= self.loss_at_best
+        if not (collapsed or self.count >= self.patience) or self.active:
+            return None
+        self.active = True
+        best, was = format_value(self.best_acc), format_value(self.loss_at_best)
+        if collapsed:
+            reason = f"token accuracy collapsed to {format_value(acc)} (best {best}) while the loss fell from {was}"
+        else:
+            reason = (
+                f"token accuracy has not beaten its best {best} for {self.count} validations while the loss fell "
+                f"from {was} to {format_value(loss)}"
+            )
+        return Detection(self.kind, acc, self.best_acc, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {
+            "best_acc": self.best_acc,
+            "loss_at_best": self.loss_at_best,
+            "count": self.count,
+            "active": self.active,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        best = state.get("best_acc")
+        self.best_acc = None if best is None else float(best)
+        self.loss_at_best = float(state.get("loss_at_best", math.inf))
+        self.count = int(state.get("count", 0))
+        self.active = bool(state.get("active", False))

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["TrainingHalted", "gather_ranks", "skip_optimizer_step"]
+__all__ = ["TrainingHalted", "gather_ranks", "host_dtype", "skip_optimizer_step"]
 
 
 class TrainingHalted(RuntimeError):
@@ -46,7 +46,7 @@ def gather_ranks(local: Tensor) -> list[list[float]]:
         >>> gather_ranks(torch.tensor([1.0, 2.0]))
         [[1.0, 2.0]]
     """
-    local = local.detach().float().contiguous()
+    local = local.detach().to(host_dtype(local.device)).contiguous()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         world = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(world, local)
@@ -54,6 +54,16 @@ def gather_ranks(local: Tensor) -> list[list[float]]:
     else:
         local = local.unsqueeze(0)
     return local.tolist()  # the host sync
+
+
+def host_dtype(device: torch.device) -> torch.dtype:
+    """The dtype figures travel in: float64, which holds token counts and sums exactly, where the device has it.
+
+    Example:
+        >>> host_dtype(torch.device("cpu"))
+        torch.float64
+    """
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def skip_optimizer_step(optimizer: Optimizer) -> None:

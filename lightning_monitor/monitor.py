@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection, format_value
 from lightning_monitor.detectors import (
+    AccuracyStallDetector,
     AmpOverflowDetector,
     NonFiniteDetector,
     RisingDetector,
@@ -29,16 +30,17 @@ from lightning_monitor.detectors import (
     ThresholdDetector,
 )
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from lightning_monitor.halting import TrainingHalted, gather_ranks, skip_optimizer_step
+from lightning_monitor.halting import TrainingHalted, gather_ranks, host_dtype, skip_optimizer_step
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
+from lightning_monitor.token_tracker import TokenAccuracyTracker
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
 
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
 DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
 #: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``).
-_STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS}
+_STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL}
 #: How many checks the post-mortem bundle's history keeps.
 _HISTORY = 256
 
@@ -76,6 +78,8 @@ class TrainingMonitor(Callback):
                               recent level for ``spike_patience`` steps in a row (log scale, robust
                               moving statistics: see :class:`~lightning_monitor.detectors.SpikeDetector`)
     ``grad_spike``            the same for the total gradient norm, with ``grad_spike_threshold``
+    ``token_acc_stall``       (opt-in, ``token_acc_patience``) validation token accuracy stops improving, or
+                              collapses, while the validation loss keeps falling
     ========================  =========================================================================
 
     A non-finite gradient never reaches the weights: outside AMP the monitor skips that optimizer step (under AMP
@@ -109,9 +113,20 @@ class TrainingMonitor(Callback):
     ``grad_norm/<layer>``       L2 norm per layer (a block of a ``ModuleList``, or a module), if
                                 ``layer_norms``
     ``loss_scale``              the fp16 GradScaler's loss scale (fp16 AMP only)
-    ``skipped_steps``           optimizer steps skipped so far because gradients were not finite
+    ``skipped_steps``           optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
+    ``train_token_acc``         token accuracy of the optimizer step (on logging steps)
+    ``train_token_acc_epoch``   token accuracy of the training epoch, at its last step
+    ``val_token_acc``           token accuracy of each validation run
     ``alerts/<kind>``           number of alerts of that kind so far, written at each alert's step
     ==========================  ====================================================================
+
+    **Token accuracy** (:class:`~lightning_monitor.TokenAccuracy`: a position is correct when the label's logit is
+    the row's maximum; exact over an epoch and across ranks) needs logits and labels. The monitor looks for them in
+    what ``training_step``/``validation_step`` returns, ``outputs["logits"]`` or ``outputs.logits`` (a Hugging Face
+    ``ModelOutput``), and ``outputs["labels"]`` or ``batch["labels"]``; ``token_accuracy_fn`` replaces the search.
+    If nothing is found it warns once with the fix and carries on without. It holds no reference to the logits
+    after the hook. The per-step figure is read with the next check's figures, so it costs no host sync of its own.
+    With a TensorBoard logger, a custom-scalars layout puts loss, token accuracy and gradient norm side by side.
 
     Every alert is also kept in :attr:`alerts`, written as a WARNING on the ``lightning_monitor`` Python logger
     (printed to stderr unless logging is configured), sent to TensorBoard as text, and appended to
@@ -138,6 +153,18 @@ class TrainingMonitor(Callback):
         skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
             halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
+        token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``.
+        ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
+            padding id works too).
+        shift_labels: The labels are the input ids, not yet shifted: score the logits at position ``t`` against the
+            label at ``t + 1``, as a causal LM's loss does.
+        top_k: Count a token correct when its label is among the ``top_k`` largest logits.
+        logits_key: Where to find the logits in the step's output.
+        labels_key: Where to find the labels in the step's output, then in the batch.
+        token_accuracy_fn: A function ``(outputs, batch) -> (logits, labels)`` (or ``None`` to skip a batch) that
+            replaces the search.
+        token_acc_patience: Turn on ``token_acc_stall``: validations in a row with a falling ``val_loss_key`` but no
+            better ``val_token_acc``. ``None`` (default) leaves it off.
         watch_activations: Flag every module whose output is not finite, and name the first in forward order
             when the loss or the gradients go non-finite. Costs one extra read of each module's output per
             forward pass, so it is off by default.
@@ -193,6 +220,14 @@ class TrainingMonitor(Callback):
         spike_patience: int = 1,
         skip_on: Sequence[str] = (),
         postmortem: Literal["halt", "alert"] | None = "halt",
+        token_accuracy: bool = True,
+        ignore_index: int = -100,
+        shift_labels: bool = False,
+        top_k: int = 1,
+        logits_key: str = "logits",
+        labels_key: str = "labels",
+        token_accuracy_fn: Callable[[Any, Any], tuple[Tensor, Tensor] | None] | None = None,
+        token_acc_patience: int | None = None,
         watch_activations: bool = False,
         amp_overflow_patience: int = 16,
         min_loss_scale: float = 1.0,
@@ -218,6 +253,8 @@ class TrainingMonitor(Callback):
             ("spike_window", spike_window),
             ("spike_warmup", spike_warmup),
             ("spike_patience", spike_patience),
+            ("top_k", top_k),
+            ("token_acc_patience", 1 if token_acc_patience is None else token_acc_patience),
         ):
             if not isinstance(count, int) or count < 1:
                 raise ValueError(f"Expected argument `{name}` to be at least 1, but got {count}")
@@ -259,6 +296,14 @@ class TrainingMonitor(Callback):
         self.spike_patience = spike_patience
         self.skip_on: frozenset[AlertKind] = skip_kinds
         self.postmortem = postmortem
+        self.token_accuracy = token_accuracy
+        self.ignore_index = ignore_index
+        self.shift_labels = shift_labels
+        self.top_k = top_k
+        self.logits_key = logits_key
+        self.labels_key = labels_key
+        self.token_accuracy_fn = token_accuracy_fn
+        self.token_acc_patience = token_acc_patience
         self.watch_activations = watch_activations
         self.amp_overflow_patience = amp_overflow_patience
         self.min_loss_scale = min_loss_scale
@@ -291,6 +336,15 @@ class TrainingMonitor(Callback):
         self._window_closed = True
         self._order: ForwardOrder | None = None
         self._activations: ActivationWatch | None = None
+        self._tokens = TokenAccuracyTracker(
+            ignore_index, top_k, shift_labels, logits_key, labels_key, token_accuracy_fn
+        )
+        self._stall = (
+            None if token_acc_patience is None else AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, token_acc_patience)
+        )
+        self._step_logged: int | None = None  # the logging step of the optimizer step under way, if it logs
+        self._pending_step: int | None = None  # the logging step of the counts handed over last
+        self._pending_acc: tuple[Tensor, int] | None = None  # a step's token counts waiting for the next read
 
     @property
     @override
@@ -311,8 +365,11 @@ class TrainingMonitor(Callback):
         self._loss_sum, self._loss_count = None, 0
         self._history.clear()
         self._batches, self._window_closed = [], True
+        self._pending_acc, self._step_logged = None, None
+        self._tokens.disabled = set() if self.token_accuracy else {"train", "val"}
         if trainer.is_global_zero:
             write_settings(self._log_dir / SETTINGS_FILE, self.settings())
+            self._loggers.add_layout()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -351,6 +408,13 @@ class TrainingMonitor(Callback):
             "spike_patience": self.spike_patience,
             "skip_on": sorted(k.value for k in self.skip_on),
             "postmortem": self.postmortem,
+            "token_accuracy": self.token_accuracy,
+            "ignore_index": self.ignore_index,
+            "shift_labels": self.shift_labels,
+            "top_k": self.top_k,
+            "logits_key": self.logits_key,
+            "labels_key": self.labels_key,
+            "token_acc_patience": self.token_acc_patience,
             "watch_activations": self.watch_activations,
             "amp_overflow_patience": self.amp_overflow_patience,
             "min_loss_scale": self.min_loss_scale,
@@ -389,6 +453,7 @@ class TrainingMonitor(Callback):
         watch = self._watch(trainer, pl_module, optimizer)
         squared = watch.norms.squared()
         logging_step = _is_logging_step(trainer)
+        self._step_logged = _logging_step(trainer) if logging_step else None
         if trainer.global_step % self.check_every_n_steps != 0 and not logging_step:
             watch.hold(squared)
             return
@@ -396,13 +461,17 @@ class TrainingMonitor(Callback):
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
         scaler = _grad_scaler(trainer)
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        flags = None if self._activations is None else self._activations.flags()
-        step = watch.read(squared, self._take_loss(), scaler, accumulate, flags)
+        extras = [self._take_pending_acc(squared.device)]
+        if self._activations is not None:
+            extras.append(self._activations.flags())
+        step = watch.read(squared, self._take_loss(), scaler, accumulate, torch.cat(extras))
         if self._activations is not None:
             self._activations.reset()
         if self._order is not None:
             watch.order = self._order
             self._order.close()
+        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], self._pending_step)
+        flag_rows = [r[2:] for r in step.extras]
         figures = watch.figures(step, self.skipped_steps, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         self._history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **self.latest})
@@ -410,8 +479,8 @@ class TrainingMonitor(Callback):
         # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle.
         detections = watch.check(step)
         first_bad = (
-            self._activations.first_nonfinite(step.activation_flags)
-            if self._activations is not None and step.activation_flags is not None
+            self._activations.first_nonfinite(max(col) for col in zip(*flag_rows, strict=True))
+            if self._activations is not None
             else None
         )
         bundle = self._bundle_folder(trainer, detections)
@@ -434,42 +503,101 @@ class TrainingMonitor(Callback):
         if halting:
             self._halt(trainer, halting[0])
 
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Count tokens on the device; once the step is complete, keep its counts for the next read if it logs.
+        self._tokens.update("train", outputs, batch)
+        if not self._window_closed or "train" in self._tokens.disabled:
+            return
+        counts = self._tokens.window_counts()
+        if self._step_logged is not None:
+            self._pending_acc = (counts, self._step_logged)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._tokens.reset("train")
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Gate, compute: the epoch's token counts and any step figure still waiting, in one read.
+        if "train" in self._tokens.disabled:
+            return
+        pending = self._take_pending_acc(pl_module.device)
+        per_rank = gather_ranks(torch.cat([pending, self._tokens.epoch_counts("train")]))
+        # Log.
+        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in per_rank], self._pending_step)
+        # At the epoch's last step, where Lightning writes epoch-end metrics too.
+        epoch_step = _logging_step(trainer) - 1
+        self._log_accuracy(trainer, "train_token_acc_epoch", [r[2:4] for r in per_rank], epoch_step)
+        self._warn_invalid_labels("train", [r[4] for r in per_rank])
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._tokens.reset("val")
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not trainer.sanity_checking:
+            self._tokens.update("val", outputs, batch)
+
     # ------------------------------------------------------------------------------------------------ validation
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Gate: only real validation during fit; runs after the module logged its metrics in every epoch-end hook.
-        if self._val is None or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+        watch_loss = self._val is not None
+        watch_acc = "val" not in self._tokens.disabled
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or not (watch_loss or watch_acc):
             return
 
-        # Compute: every rank contributes its value (or its absence), so no rank can skip the collective.
-        value = trainer.callback_metrics.get(self.val_loss_key)  # type: ignore[arg-type]
+        # Compute: every rank contributes its figures (or their absence), so no rank can skip the collective.
         device = pl_module.device
-        local = torch.zeros(2, device=device)
+        local = torch.zeros(5, dtype=host_dtype(device), device=device)
+        value = trainer.callback_metrics.get(self.val_loss_key) if watch_loss else None  # type: ignore[arg-type]
         if value is not None:
-            local[0] = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(())
+            local[0] = torch.as_tensor(value, device=device).reshape(())
             local[1] = 1.0
-        seen = [v for v, present in gather_ranks(local) if present]
-        if not seen:
+        if watch_acc:
+            local[2:] = self._tokens.epoch_counts("val")
+        per_rank = gather_ranks(local)  # one collective and one host read per validation run
+        seen = [r[0] for r in per_rank if r[1]]
+        val_loss = math.fsum(seen) / len(seen) if seen else None
+        val_acc = self._log_accuracy(trainer, "val_token_acc", [r[2:4] for r in per_rank], _logging_step(trainer))
+        self._warn_invalid_labels("val", [r[4] for r in per_rank])
+        if watch_loss and val_loss is None:
             self._warn_once(
                 "val_loss_key",
                 f"TrainingMonitor watches `val_loss_key={self.val_loss_key!r}`, but validation logged no such metric "
                 f"(it logged {sorted(trainer.callback_metrics)}). Log it in `validation_step` with "
                 f"`self.log({self.val_loss_key!r}, loss)`, or pass `val_loss_key=None` to turn the check off.",
             )
-            return
 
         # Decide and log.
-        detection = self._val.update(math.fsum(seen) / len(seen))
-        if detection is None:
+        found = [] if val_loss is None or self._val is None else [self._val.update(val_loss)]
+        if self._stall is not None and val_loss is not None and val_acc is not None:
+            found.append(self._stall.update(val_loss, val_acc))
+        detections = [d for d in found if d is not None]
+        if not detections:
             return
-        bundle = self._bundle_folder(trainer, [detection])
-        alert = self._make_alert(trainer, detection, bundle=bundle)
-        self._emit(trainer, alert)
+        bundle = self._bundle_folder(trainer, detections)
+        alerts = [self._make_alert(trainer, d, bundle=bundle) for d in detections]
+        for alert in alerts:
+            self._emit(trainer, alert)
         if bundle is not None:
-            self._write_bundle(trainer, bundle, [alert], halted=alert.halted, batches=[])
-        if alert.halted:
-            self._halt(trainer, alert)
+            self._write_bundle(trainer, bundle, alerts, halted=any(a.halted for a in alerts), batches=[])
+        halting = [a for a in alerts if a.halted]
+        if halting:
+            self._halt(trainer, halting[0])
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -483,6 +611,7 @@ class TrainingMonitor(Callback):
             "stopping_reason": None if self.stopping_reason is None else self.stopping_reason.value,
             "stopping_reason_message": self.stopping_reason_message,
             "val": {} if self._val is None else self._val.state_dict(),
+            "stall": {} if self._stall is None else self._stall.state_dict(),
             "watches": watches,
         }
 
@@ -495,6 +624,8 @@ class TrainingMonitor(Callback):
         self.stopping_reason_message = state_dict.get("stopping_reason_message")
         if self._val is not None:
             self._val.load_state_dict(state_dict.get("val", {}))
+        if self._stall is not None:
+            self._stall.load_state_dict(state_dict.get("stall", {}))
         self._restored_watches = dict(state_dict.get("watches", {}))
         self._watches = {}
 
@@ -578,11 +709,40 @@ class TrainingMonitor(Callback):
         if self._jsonl is not None:
             self._jsonl.write(alert)
 
-    def _log_figures(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
+    def _log_figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
         """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in figures.items()})
         if trainer.is_global_zero:
-            self._loggers.log_figures(figures, _logging_step(trainer))
+            self._loggers.log_figures(figures, _logging_step(trainer) if step is None else step)
+
+    def _take_pending_acc(self, device: torch.device) -> Tensor:
+        """The token counts of the last logging step, still on the device (zeros when none wait), and forget them."""
+        if self._pending_acc is None:
+            self._pending_step = None
+            return torch.zeros(2, dtype=host_dtype(device), device=device)
+        counts, self._pending_step = self._pending_acc
+        self._pending_acc = None
+        return counts.to(device)
+
+    def _log_accuracy(
+        self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
+    ) -> float | None:
+        """Log ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
+        correct, total = math.fsum(r[0] for r in per_rank), math.fsum(r[1] for r in per_rank)
+        if step is None or total <= 0:
+            return None
+        self._log_figures(trainer, {key: correct / total}, step)
+        return correct / total
+
+    def _warn_invalid_labels(self, stage: str, per_rank: Sequence[float]) -> None:
+        invalid = int(math.fsum(per_rank))
+        if invalid:
+            self._warn_once(
+                f"invalid_{stage}",
+                f"TrainingMonitor left {invalid} label(s) out of {stage}_token_acc: they are neither in [0, V) (V is "
+                f"the last dimension of the logits) nor equal to ignore_index={self.ignore_index}. Check that the "
+                "labels come from the model's vocabulary, or set `ignore_index` to your padding id.",
+            )
 
     def _bundle_folder(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
         """Where this check's post-mortem bundle goes, or ``None`` when it does not call for one."""
@@ -653,7 +813,7 @@ class _StepFigures:
     amp: bool
     loss_ranks: list[float]  # each rank's loss sum, for attribution
     grad_ranks: list[float]  # each rank's local squared total, for attribution
-    activation_flags: list[float] | None = None  # per watched module, 1 where any rank saw a non-finite output
+    extras: list[list[float]]  # each rank's extra figures, packed after the layers (token counts, flags)
 
     @property
     def grad_nonfinite(self) -> bool:
@@ -759,7 +919,7 @@ class _OptimizerWatch:
         loss: tuple[Tensor | None, int],
         scaler: torch.amp.GradScaler | None,
         accumulate: int,
-        activation_flags: Tensor | None = None,
+        extras: Tensor,
     ) -> _StepFigures:
         """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
         self.hold(squared)
@@ -776,10 +936,9 @@ class _OptimizerWatch:
                 _scale_tensor(scaler, device),
             ]
         )
-        parts = [header, squared.flatten()]
-        if activation_flags is not None:
-            parts.append(activation_flags.to(device=device, dtype=torch.float32))
-        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
+        dtype = host_dtype(device)
+        packed = torch.cat([header.to(dtype), squared.flatten().to(dtype), extras.to(device=device, dtype=dtype)])
+        per_rank = gather_ranks(packed)  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
         layers_end = _HEADER + 2 * len(self.norms.names)
 
@@ -789,11 +948,7 @@ class _OptimizerWatch:
         unscale = scale**2 if self.fused else 1.0
         layer_sq = [v / unscale for v in combine_ranks([r[_HEADER:layers_end] for r in per_rank])]
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
-        flags = (
-            None
-            if activation_flags is None
-            else [max(col) for col in zip(*(r[layers_end:] for r in per_rank), strict=True)]
-        )
+
         grad_norm = math.sqrt(math.fsum(layer_sq)) if has_grads else None
         if first[_STEPS] > 1:  # the worst step since the last check
             peak_sq = combine_ranks([[r[_PEAK_REP], r[_PEAK_SHARD]] for r in per_rank])[0] / unscale
@@ -812,7 +967,7 @@ class _OptimizerWatch:
             amp=scaler is not None,
             loss_ranks=[r[_LOSS_SUM] for r in per_rank],
             grad_ranks=[r[_PEAK_REP] + r[_PEAK_SHARD] for r in per_rank],
-            activation_flags=flags,
+            extras=[r[layers_end:] for r in per_rank],
         )
 
     def check(self, step: _StepFigures) -> list[Detection]:

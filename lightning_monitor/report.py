@@ -277,7 +277,8 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     r"""Find every run folder under ``logdir``, itself included, in natural order (``version_2`` before ``version_10``).
 
     A run folder is any folder that directly holds a TensorBoard event file, a ``metrics.csv`` or an
-    ``alerts.jsonl``. Hidden folders are skipped.
+    ``alerts.jsonl``; but a folder inside a run that holds only an ``alerts.jsonl`` (such as a post-mortem bundle)
+    is part of that run, not a run. Hidden folders are skipped.
 
     Raises:
         NoLogsError: If ``logdir`` does not exist, is not a folder, or holds no run.
@@ -285,8 +286,9 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     Example:
         >>> import tempfile
         >>> root = Path(tempfile.mkdtemp())
-        >>> for name in ("version_10", "version_2", "notes"):
-        ...     (root / name).mkdir()
+        >>> for name in ("version_10", "version_2", "notes", "version_2/postmortem/step40"):
+        ...     (root / name).mkdir(parents=True)
+        >>> _ = (root / "version_2" / "postmortem" / "step40" / "alerts.jsonl").write_text("")
         >>> _ = (root / "version_10" / "metrics.csv").write_text("step,loss\n")
         >>> _ = (root / "version_2" / "alerts.jsonl").write_text("")
         >>> [p.name for p in find_runs(root)]
@@ -295,11 +297,15 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     root = Path(logdir)
     if not root.is_dir():
         raise NoLogsError(f"{str(root)!r} is not a folder")
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        if any(f.startswith(_EVENTS_PREFIX) or f in (METRICS_FILE, ALERTS_FILE) for f in files):
-            found.append(Path(folder))
+    found: list[Path] = []
+    for folder, dirs, files in os.walk(root):  # top-down: a run folder is seen before its subfolders
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        path = Path(folder)
+        if any(f.startswith(_EVENTS_PREFIX) or f == METRICS_FILE for f in files):
+            found.append(path)
+        elif ALERTS_FILE in files and not any(run in path.parents for run in found):
+            # An alerts file alone inside a run (a post-mortem bundle keeps a copy) belongs to that run.
+            found.append(path)
     if not found:
         raise NoLogsError(
             f"No training logs under {str(root)!r}: looked for TensorBoard event files ({_EVENTS_PREFIX}*), "
@@ -409,7 +415,8 @@ def _read_alerts(run: Run, path: Path) -> list[RunAlert]:
     lines = _complete_lines(run, path)
     if lines is None:
         return []
-    alerts, bad = [], 0
+    alerts: list[RunAlert] = []
+    bad = 0
     for line in lines:
         if not line.strip():
             continue
@@ -425,7 +432,7 @@ def _read_alerts(run: Run, path: Path) -> list[RunAlert]:
 
 def _alerts_from_counters(scalars: Mapping[str, Series]) -> list[RunAlert]:
     """Alerts rebuilt from the ``alerts/<kind>`` counters, for runs without ``alerts.jsonl``: one per increment."""
-    alerts = []
+    alerts: list[RunAlert] = []
     for key, series in scalars.items():
         if not key.startswith("alerts/"):
             continue
@@ -594,7 +601,7 @@ def summarize_run(run: Run, keys: RunKeys | None = None) -> str:
         rows.append(("Alerts", "none"))
     halt = run.halt
     if halt is not None:
-        why = "the first alert above" if halt is run.alerts[0] else _describe(halt)
+        why = "see the first alert above" if halt is run.alerts[0] else (halt.message or "no message")
         rows.append(("Halted", f"yes, by {halt.kind} at step {halt.step} (epoch {halt.epoch}): {why}"))
     elif counts and ALERTS_FILE not in run.sources:
         rows.append(("Halted", f"unknown (no {ALERTS_FILE}; alerts were counted from the alerts/<kind> scalars)"))
@@ -619,7 +626,7 @@ def _length(run: Run) -> str:
 
 
 def _final_and_best(series: Series, mode: Literal["min", "max"]) -> str:
-    step, value = series.last  # type: ignore[misc]  # a stored series is never empty
+    step, value = series.steps[-1], series.values[-1]  # a stored series is never empty
     text = f"final {_fmt(value)} (step {step})"
     best = series.best(mode)
     if best is not None:
@@ -631,7 +638,7 @@ def _final_and_best(series: Series, mode: Literal["min", "max"]) -> str:
 
 
 def _grad_summary(series: Series) -> str:
-    step, value = series.last  # type: ignore[misc]
+    step, value = series.steps[-1], series.values[-1]
     text = f"final {_fmt(value)} (step {step})"
     peak = series.best("max")
     if peak is not None:
@@ -763,6 +770,12 @@ class RunPlot:
 
 #: The panel kinds, top to bottom.
 PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "loss_scale")
+_PANEL_LABELS = {
+    "loss": "loss",
+    "token_acc": "token accuracy",
+    "grad_norm": "gradient norm",
+    "loss_scale": "fp16 loss scale",
+}
 
 
 def alert_colour(kind: str) -> str:
@@ -802,7 +815,7 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
     panels = [_loss_panel(run, keys)]
     if keys.train_acc or keys.val_acc:
         lines = _lines(run, ((keys.train_acc, _TRAIN_COLOUR), (keys.val_acc, _VAL_COLOUR)))
-        panels.append(Panel("token_acc", "token accuracy", lines))
+        panels.append(Panel("token_acc", _PANEL_LABELS["token_acc"], lines))
     if keys.grad_norm:
         palette = ("#444444", _TRAIN_COLOUR, _VAL_COLOUR, "#ff7f0e", "#9467bd")
         lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.grad_norm)))
@@ -815,10 +828,12 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
             )
             if isinstance(settings.get(name), (int, float)) and math.isfinite(settings[name]) and settings[name] > 0
         )
-        panels.append(Panel("grad_norm", "gradient norm", lines, thresholds, _log_if_positive(lines)))
+        panels.append(Panel("grad_norm", _PANEL_LABELS["grad_norm"], lines, thresholds, _log_if_positive(lines)))
     if keys.loss_scale:
         lines = _lines(run, ((keys.loss_scale, "#444444"),))
-        panels.append(Panel("loss_scale", "fp16 loss scale", lines, yscale=_log_if_positive(lines), log_base=2))
+        panels.append(
+            Panel("loss_scale", _PANEL_LABELS["loss_scale"], lines, yscale=_log_if_positive(lines), log_base=2)
+        )
     marks = tuple(AlertMark(a.step, a.kind, alert_colour(a.kind), a.halted) for a in run.alerts)
     return RunPlot(str(run.path) if title is None else title, verdict(run, keys), tuple(panels), marks)
 
@@ -879,7 +894,7 @@ def render_png(plots: Sequence[RunPlot], path: str | os.PathLike[str], *, dpi: i
     Raises:
         MissingDependencyError: If matplotlib is not installed.
     """
-    Figure, FigureCanvasAgg, Line2D = _matplotlib()
+    Figure, FigureCanvasAgg, Line2D, MaxNLocator = _matplotlib()
     rows = [name for name in PANEL_ORDER if any(plot.panel(name) for plot in plots)]
     fig = Figure(figsize=(max(8.0, 6.5 * len(plots)), 1.2 + 2.5 * len(rows)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
@@ -892,7 +907,7 @@ def render_png(plots: Sequence[RunPlot], path: str | os.PathLike[str], *, dpi: i
                 ax.text(
                     0.5,
                     0.5,
-                    f"no {name.replace('_', ' ')} logged",
+                    f"no {_PANEL_LABELS[name]} logged",
                     ha="center",
                     va="center",
                     transform=ax.transAxes,
@@ -903,6 +918,7 @@ def render_png(plots: Sequence[RunPlot], path: str | os.PathLike[str], *, dpi: i
                 _draw_panel(ax, panel)
             _draw_alerts(ax, plot.alerts, annotate=row == 0)
             ax.grid(True, alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if row == len(rows) - 1:
                 ax.set_xlabel("step")
         axes[0][col].set_title(f"{plot.title}\n{plot.verdict}", fontsize=10, color=_verdict_colour(plot.verdict))
@@ -930,9 +946,9 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     log = panel.yscale == "log"
     for line in panel.lines:
         shown = [v if math.isfinite(v) and (v > 0 or not log) else math.nan for v in line.values]
-        ax.plot(
-            line.steps, shown, color=line.colour, lw=1.4, label=line.label, marker="o" if line.points else None, ms=4
-        )
+        lone = sum(not math.isnan(v) for v in shown) == 1  # a line through one point draws nothing
+        marker = "o" if line.points or lone else None
+        ax.plot(line.steps, shown, color=line.colour, lw=1.4, label=line.label, marker=marker, ms=4)
         bad = line.nonfinite_steps
         if bad:  # at the top edge, whatever the y scale: x in data, y in axes coordinates
             ax.plot(
@@ -990,16 +1006,17 @@ def _verdict_colour(text: str) -> str:
     return "#1a7f37" if text == "HEALTHY" else "#444444"
 
 
-def _matplotlib() -> tuple[Any, Any, Any]:
+def _matplotlib() -> tuple[Any, Any, Any, Any]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
+        from matplotlib.ticker import MaxNLocator
     except ImportError as err:
         raise MissingDependencyError(
             "The report figure needs matplotlib: pip install 'lightning-monitor[report]'"
         ) from err
-    return Figure, FigureCanvasAgg, Line2D
+    return Figure, FigureCanvasAgg, Line2D, MaxNLocator
 
 
 def render_html(

@@ -18,10 +18,21 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["SETTINGS_FILE", "ConsoleSink", "JsonlSink", "LoggerSink", "write_settings"]
+__all__ = ["SETTINGS_FILE", "TENSORBOARD_LAYOUT", "ConsoleSink", "JsonlSink", "LoggerSink", "write_settings"]
 
 #: File name, in the trainer's log directory, of the monitor's settings for the run (read by the report).
 SETTINGS_FILE = "monitor_settings.json"
+
+#: TensorBoard's custom-scalars layout: each chart overlays every tag its regular expressions match.
+TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
+    "lightning-monitor": {
+        "loss (train and val)": ["Multiline", [r"^(?!.*scale).*loss.*$"]],
+        "token accuracy (train and val)": ["Multiline", [r"^(train|val)_token_acc$"]],
+        "gradient norm": ["Multiline", [r"^grad_norm(_opt\d+)?$"]],
+        "gradient norm per layer": ["Multiline", [r"^grad_norm(_opt\d+)?/.*$"]],
+        "alerts": ["Multiline", [r"^alerts/.*$"]],
+    }
+}
 
 #: The logger alerts are written to. With no logging configured, Python prints WARNING records to stderr.
 log = logging.getLogger("lightning_monitor")
@@ -64,6 +75,16 @@ class LoggerSink:
             return
         for logger in self.loggers:
             logger.log_metrics(dict(figures), step=step)
+
+    def add_layout(self) -> None:
+        """Give every TensorBoard logger a custom-scalars layout: loss, token accuracy and gradient norm together.
+
+        The charts match tags by regular expression, so they pick up the user's own loss keys (``train_loss``,
+        ``val_loss``, ``loss``...) next to the monitor's ``train_token_acc``, ``val_token_acc`` and ``grad_norm``.
+        """
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
     def write(self, alert: Alert, step: int) -> None:
         """Write ``alert`` to every logger at ``step``."""

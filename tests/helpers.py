@@ -61,7 +61,14 @@ class ScriptedModel(BoringModel):
         out = super().training_step(batch, batch_idx)
         out["loss"] = out["loss"] * self.loss_factor.get(self.global_step, self.default_factor)
         self.weights_before[self.global_step] = [p.detach().clone() for p in self.parameters()]
-        return out
+        return {**out, **self.logits_and_labels(batch)}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {**super().validation_step(batch, batch_idx), **self.logits_and_labels(batch)}
+
+    def logits_and_labels(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The two outputs read as class logits, and a label from the sign of the first input: token accuracy."""
+        return {"logits": self(batch).detach(), "labels": (batch[:, 0] > 0).long()}
 
     def on_after_backward(self) -> None:
         self.after_backward.append(total_norm(self))
@@ -129,7 +136,8 @@ def tb_texts(log_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
         acc = EventAccumulator(path, size_guidance={"tensors": 0})
         acc.Reload()
         for tag in acc.Tags()["tensors"]:
-            out.extend((e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
+            if tag.endswith("text_summary"):
+                out.extend((e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
     return out
 
 

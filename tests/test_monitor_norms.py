@@ -180,7 +180,7 @@ class TwoOptimizers(BoringModel):
 
 def test_manual_optimization_with_two_optimizers(tmp_path):
     model = TwoOptimizers()
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
     probe = Probe(monitor)
     trainer = make_trainer(tmp_path, [monitor, probe], max_steps=8, logger=CSVLogger(tmp_path))
     trainer.fit(model, train_dataloaders=loader())

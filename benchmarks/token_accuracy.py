@@ -1,0 +1,198 @@
+"""Benchmark token accuracy on logits [8, 256, V] fp32 with ~10% of the labels = -100 (perf_anchors.md, section B).
+
+For each case it reports the median time per update over round-robin interleaved repeats and its spread (the
+interquartile range), the ratio to one ``amax`` pass over the logits (the floor), the extra peak memory as a share
+of the logits' size (peak RSS above the pre-call RSS, in a fresh subprocess per case: the second call, and in
+brackets the first, which also pages in the kernels' code), and the host-device syncs per update (counted with
+``lightning_monitor.sync_count.HostSyncCounter``; the CPU has no real syncs, these are the calls and ops that would
+make the host wait on CUDA).
+
+Run: ``python benchmarks/token_accuracy.py [--repeats 15] [--vocab 8192 50257]``. Takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+
+B, T, IGNORED = 8, 256, 0.1
+
+
+def make_data(vocab: int, batch: int = B, seq: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, seq, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels[torch.rand(batch, seq, generator=gen) < IGNORED] = -100
+    return logits, labels
+
+
+@dataclass
+class Case:
+    """One way to measure: ``update`` is what runs per batch; ``finish`` is the compute + reset that metrics add."""
+
+    update: Callable[[torch.Tensor, torch.Tensor], object]
+    finish: Callable[[], object] = lambda: None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> object:
+        self.update(logits, labels)
+        return self.finish()
+
+
+def make_cases(vocab: int) -> dict[str, Case]:
+    """Build every case's state once; each timed call is one update (+ compute + reset for the metric classes)."""
+    from torchmetrics import Metric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lightning_monitor.token_accuracy import TokenAccuracy
+
+    def argmax_mask(logits: torch.Tensor, labels: torch.Tensor) -> object:
+        mask = labels != -100
+        return ((logits.argmax(-1) == labels) & mask).sum(), mask.sum()
+
+    def metric_case(metric: Metric, flatten: bool = False) -> Case:
+        def update(logits: torch.Tensor, labels: torch.Tensor) -> None:
+            if flatten:  # torchmetrics wants [N, C]
+                logits, labels = logits.reshape(-1, vocab), labels.reshape(-1)
+            metric.update(logits, labels)
+
+        def finish() -> object:
+            value = metric.compute()
+            metric.reset()
+            return value
+
+        return Case(update, finish)
+
+    return {
+        "amax (floor)": Case(lambda logits, labels: logits.amax(-1)),
+        "argmax + mask + sum": Case(argmax_mask),
+        "torchmetrics MulticlassAccuracy micro": metric_case(
+            MulticlassAccuracy(vocab, average="micro", ignore_index=-100), flatten=True
+        ),
+        "TokenAccuracy top-1": metric_case(TokenAccuracy(validate_args=False)),
+        "TokenAccuracy top-1, validate_args=True": metric_case(TokenAccuracy()),
+        "TokenAccuracy top-1, shift=True": metric_case(TokenAccuracy(shift=True, validate_args=False)),
+        "TokenAccuracy top_k=5": metric_case(TokenAccuracy(top_k=5, validate_args=False)),
+    }
+
+
+def count_update_syncs(vocab: int, case: str) -> int:
+    """Syncs of one update alone (compute and reset excluded), on a small batch: the count does not depend on size."""
+    logits, labels = make_data(vocab, batch=2, seq=16)
+    from lightning_monitor.sync_count import HostSyncCounter
+
+    update = make_cases(vocab)[case].update
+    with HostSyncCounter() as counter:
+        update(logits, labels)
+    return counter.count
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_memory_here(vocab: int, case: str) -> dict[str, float]:
+    """In a fresh process: the extra peak RSS of the first call and of the second (steady-state) call.
+
+    Each call is measured by resetting VmHWM to the current RSS, running it, and reading VmHWM. The first call also
+    makes the kernels' code pages resident (1-4 MiB, whatever V is). With the fixed mmap threshold set by
+    :func:`measure_memory` every temporary of 64 KiB or more is mapped afresh by the second call too, so the second
+    figure is the memory one update needs; smaller temporaries reuse resident heap and can read as 0.
+    """
+    run = make_cases(vocab)[case]
+    logits, labels = make_data(vocab)
+    result = {"logits_bytes": logits.nbytes}
+    for key in ("first_bytes", "steady_bytes"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        before = _proc_status("VmRSS")
+        run(logits, labels)
+        result[key] = _proc_status("VmHWM") - before
+    return result
+
+
+def measure_memory(vocab: int, case: str) -> dict[str, float]:
+    # A fixed mmap threshold (it is dynamic by default) makes glibc map every block of 64 KiB or more afresh and
+    # unmap it on free, so any temporary of that size shows in the peak RSS whatever was allocated before.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-case", case, "--vocab", str(vocab)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def time_cases(vocab: int, repeats: int) -> dict[str, list[float]]:
+    logits, labels = make_data(vocab)
+    cases = make_cases(vocab)
+    for run in cases.values():  # warm-up
+        run(logits, labels)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):  # round-robin, so drifting machine load hits every case alike
+        for name, run in cases.items():
+            start = time.perf_counter()
+            run(logits, labels)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[8192, 50257])
+    parser.add_argument("--memory-case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2 (the IQR needs two timings)")
+    if args.memory_case:
+        print(json.dumps(measure_memory_here(args.vocab[0], args.memory_case)))
+        return
+
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {platform.node()} | {cpu} | {os.cpu_count()} CPUs")
+    print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads) | logits [{B}, {T}, V] fp32")
+    print(f"# {IGNORED:.0%} labels = -100 | {args.repeats} round-robin repeats | median and IQR per update")
+    print(f"# load average at start: {os.getloadavg()[0]:.2f} (other jobs on this machine inflate the times)")
+    print("# extra peak RSS of one update (2nd call in a fresh process; 1st call in brackets), MiB and % of logits")
+    print("| V | case | median ms | IQR ms | x amax | extra MiB (1st) | % of logits (1st) | syncs/update |")
+    print("|---|---|---|---|---|---|---|---|")
+    for vocab in args.vocab:
+        times = time_cases(vocab, args.repeats)
+        floor = statistics.median(times["amax (floor)"])
+        for name, ts in times.items():
+            q1, _, q3 = statistics.quantiles(ts, n=4)
+            med = statistics.median(ts)
+            mem = measure_memory(vocab, name)
+            syncs = count_update_syncs(vocab, name)
+            mib = {k: mem[k] / 2**20 for k in ("first_bytes", "steady_bytes")}
+            pct = {k: 100 * mem[k] / mem["logits_bytes"] for k in ("first_bytes", "steady_bytes")}
+            print(
+                f"| {vocab} | {name} | {med:.1f} | {q1:.1f}-{q3:.1f} | {med / floor:.2f} |"
+                f" {mib['steady_bytes']:.2f} ({mib['first_bytes']:.2f}) |"
+                f" {pct['steady_bytes']:.2f}% ({pct['first_bytes']:.2f}%) | {syncs} |",
+                flush=True,
+            )
+    print(f"# load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

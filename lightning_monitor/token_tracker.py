@@ -1,0 +1,166 @@
+"""Token accuracy inside a training run: find the logits and labels, count on the device, hand figures over.
+
+:class:`TokenAccuracyTracker` is what :class:`~lightning_monitor.TrainingMonitor` uses for ``train_token_acc`` and
+``val_token_acc``. It finds logits and labels in what ``training_step``/``validation_step`` returned (or in the
+batch), feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage, and keeps the counts of the optimizer
+step under way so the monitor can log a per-step figure. Nothing here reads a value on the host: the monitor
+gathers the counts with its other figures in its one read per check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_monitor.halting import host_dtype
+from lightning_monitor.token_accuracy import TokenAccuracy
+
+__all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
+
+#: A user function ``(outputs, batch) -> (logits, labels)`` (or ``None`` to skip the batch).
+LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
+Stage = Literal["train", "val"]
+
+
+def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key: str) -> tuple[Tensor, Tensor] | None:
+    """Look for logits and labels the way most Lightning and Hugging Face code returns them.
+
+    Logits: ``outputs[logits_key]`` (a dict, or a Hugging Face ``ModelOutput``) or ``outputs.<logits_key>``.
+    Labels: the same in ``outputs``, else in ``batch`` (``batch["labels"]``).
+
+    Example:
+        >>> logits, labels = torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
+        >>> found = find_logits_and_labels({"loss": 1.0, "logits": logits}, {"labels": labels}, "logits", "labels")
+        >>> found[0] is logits and found[1] is labels
+        True
+        >>> find_logits_and_labels(torch.tensor(1.0), None, "logits", "labels") is None
+        True
+    """
+    logits = _lookup(outputs, logits_key)
+    labels = _lookup(outputs, labels_key)
+    if not isinstance(labels, Tensor):
+        labels = _lookup(batch, labels_key)
+    if isinstance(logits, Tensor) and isinstance(labels, Tensor):
+        return logits, labels
+    return None
+
+
+def _lookup(container: Any, key: str) -> Any:
+    if isinstance(container, Mapping):
+        return container.get(key)
+    return getattr(container, key, None) if not isinstance(container, (Tensor, list, tuple)) else None
+
+
+class TokenAccuracyTracker:
+    """Token accuracy of one run, per stage, counted on the device.
+
+    Args:
+        ignore_index: Label value of positions to leave out.
+        top_k: Count a position correct when its label is among the ``top_k`` largest logits.
+        shift: Score the logits at position ``t`` against the label at ``t + 1`` (labels not shifted yet).
+        logits_key: Where to look for the logits in the step's output.
+        labels_key: Where to look for the labels in the step's output, then in the batch.
+        find: A function ``(outputs, batch) -> (logits, labels)`` that replaces the look-up.
+
+    Example:
+        >>> tracker = TokenAccuracyTracker()
+        >>> logits = torch.tensor([[[0.1, 0.9], [0.8, 0.2]]])
+        >>> tracker.update("train", {"logits": logits, "labels": torch.tensor([[1, 1]])}, None)
+        >>> tracker.window_counts().tolist()
+        [1.0, 2.0]
+        >>> tracker.epoch_counts("train").tolist()
+        [1.0, 2.0, 0.0]
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        top_k: int = 1,
+        shift: bool = False,
+        logits_key: str = "logits",
+        labels_key: str = "labels",
+        find: LogitsAndLabels | None = None,
+    ) -> None:
+        self.logits_key = logits_key
+        self.labels_key = labels_key
+        self.find = find
+        self.metrics: dict[Stage, TokenAccuracy] = {
+            stage: TokenAccuracy(ignore_index=ignore_index, top_k=top_k, shift=shift, validate_args=False)
+            for stage in ("train", "val")
+        }
+        self.disabled: set[Stage] = set()
+        self._window_start: Tensor | None = None
+
+    def to(self, device: torch.device) -> None:
+        """Move the counts to ``device``."""
+        for metric in self.metrics.values():
+            metric.to(device)
+
+    def reset(self, stage: Stage) -> None:
+        """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
+        self.metrics[stage].reset()
+        if stage == "train":
+            self._window_start = None
+
+    def update(self, stage: Stage, outputs: Any, batch: Any) -> None:
+        """Count one batch of ``stage``; on the first failure, warn once with the fix and stop trying."""
+        if stage in self.disabled:
+            return
+        where = "training_step" if stage == "train" else "validation_step"
+        try:
+            found = self.find(outputs, batch) if self.find is not None else self._find(outputs, batch)
+        except Exception as err:  # a user function must not crash a run
+            self._disable(stage, f"`token_accuracy_fn` raised {type(err).__name__}: {err}.")
+            return
+        if found is None:
+            self._disable(
+                stage,
+                f"it found no logits and labels in what `{where}` returned (looked for `outputs[{self.logits_key!r}]`"
+                f" or `outputs.{self.logits_key}`, and `outputs[{self.labels_key!r}]` or `batch[{self.labels_key!r}]`)."
+                f" Return them, e.g. `return {{'loss': loss, {self.logits_key!r}: logits.detach(), "
+                f"{self.labels_key!r}: labels}}`, or set `logits_key`/`labels_key`, or pass "
+                "`token_accuracy_fn=lambda outputs, batch: (logits, labels)`.",
+            )
+            return
+        logits, labels = found
+        metric = self.metrics[stage]
+        if metric.device != logits.device:
+            metric.to(logits.device)
+        try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
+            metric.update(logits.detach(), labels.detach())
+        except ValueError as err:
+            self._disable(stage, f"the logits and labels from `{where}` do not fit: {err}")
+
+    def window_counts(self) -> Tensor:
+        """``[correct, total]`` (on the device) of the training batches since the last call: one step's worth.
+
+        Meant to be called once per optimizer step, after its last micro-batch.
+        """
+        metric = self.metrics["train"]
+        now = torch.stack([metric.correct, metric.total]).to(host_dtype(metric.device))
+        counts = now if self._window_start is None else now - self._window_start
+        self._window_start = now
+        return counts
+
+    def epoch_counts(self, stage: Stage) -> Tensor:
+        """``[correct, total, invalid]`` (on the device) counted on this rank since the last reset of ``stage``.
+
+        ``invalid`` counts labels neither in ``[0, V)`` nor equal to ``ignore_index``, which are left out of ``total``.
+        """
+        metric = self.metrics[stage]
+        return torch.stack([metric.correct, metric.total, metric.invalid]).to(host_dtype(metric.device))
+
+    def _find(self, outputs: Any, batch: Any) -> tuple[Tensor, Tensor] | None:
+        return find_logits_and_labels(outputs, batch, self.logits_key, self.labels_key)
+
+    def _disable(self, stage: Stage, why: str) -> None:
+        self.disabled.add(stage)
+        rank_zero_warn(
+            f"TrainingMonitor cannot compute {stage}_token_acc: {why} Token accuracy is off for the rest of this run"
+            " (pass `token_accuracy=False` to turn it off on purpose).",
+            category=RuntimeWarning,
+        )

@@ -1,0 +1,378 @@
+"""The health report: real monitored runs read back, planned, summarised and drawn; and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor.cli import main
+from lightning_monitor.report import (
+    ALERT_COLOURS,
+    FALLBACK_COLOUR,
+    AlertMark,
+    Run,
+    RunAlert,
+    Series,
+    Threshold,
+    detect_keys,
+    load_run,
+    plan_run,
+    render_png,
+    summarize_run,
+    verdict,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BATCHES_PER_EPOCH = 8
+NAN_AT = 10
+
+
+class RegressionModel(pl.LightningModule):
+    """A BoringModel-style regression that logs `train_loss` and `val_loss`, and can make its loss NaN at one step."""
+
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.net(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        if self.global_step == self.nan_at:
+            loss = loss * float("nan")
+        self.log("train_loss", loss)
+        return {"loss": loss, **self.sign_logits(pred, y)}
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.net(x)
+        self.log("val_loss", torch.nn.functional.mse_loss(pred, y))
+        return self.sign_logits(pred, y)
+
+    @staticmethod
+    def sign_logits(pred, y):
+        """Read the prediction's sign as a 2-class guess of the target's sign, so the monitor logs token accuracy."""
+        return {"logits": torch.cat([pred, -pred], dim=1).detach(), "labels": (y.squeeze(1) < 0).long()}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02)
+
+
+def fit(root: Path, *, monitor: TrainingMonitor, nan_at: int | None = None, tensorboard: bool = True) -> Path:
+    """Train 3 epochs of 8 steps; return the run folder. CSV first and the same `version`, so both share one folder."""
+    torch.manual_seed(0)
+    x = torch.randn(8 * BATCHES_PER_EPOCH, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    loggers = [CSVLogger(root, name="run", version=0)]
+    if tensorboard:
+        loggers.append(TensorBoardLogger(root, name="run", version=0))
+    trainer = pl.Trainer(
+        max_epochs=3,
+        logger=loggers,
+        callbacks=[monitor],
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(RegressionModel(nan_at), data, data)
+    return Path(trainer.log_dir)
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fit(tmp_path_factory.mktemp("healthy"), monitor=TrainingMonitor())
+
+
+@pytest.fixture(scope="module")
+def halted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Every gradient norm is below 1000, so `vanishing_grad` (which never halts) fires once, at step 2 (patience 3);
+    # then the NaN loss at step 10 halts with `nonfinite_loss`.
+    monitor = TrainingMonitor(exploding_grad_threshold=None, vanishing_grad_threshold=1000.0, vanishing_grad_patience=3)
+    return fit(tmp_path_factory.mktemp("halted"), monitor=monitor, nan_at=NAN_AT)
+
+
+@pytest.fixture(scope="module")
+def csv_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fit(tmp_path_factory.mktemp("csv_only"), monitor=TrainingMonitor(), nan_at=NAN_AT, tensorboard=False)
+
+
+def events(run_dir: Path, tag: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The `(steps, values)` of `tag` in the run's event file, read record by record (not through the report)."""
+    (path,) = run_dir.glob("events.out.tfevents.*")
+    points = {
+        event.step: value.simple_value
+        for event in LegacyEventFileLoader(str(path)).Load()
+        for value in event.summary.value
+        if value.tag == tag
+    }
+    return tuple(sorted(points)), tuple(points[s] for s in sorted(points))
+
+
+def same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b, strict=True))
+
+
+def fields(summary: str) -> dict[str, str]:
+    """The summary's `label: text` lines as a dict (the first line of each label)."""
+    out: dict[str, str] = {}
+    for line in summary.splitlines()[1:]:
+        label, _, text = line.strip().partition(":")
+        out.setdefault(label, text.strip())
+    return out
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    height, width, channels = matplotlib.image.imread(path).shape
+    assert height > 300
+    assert width > 300
+    assert channels in (3, 4)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def test_healthy_run_plan_holds_the_logged_series(healthy: Path) -> None:
+    run = load_run(healthy)
+    assert run.alerts == []
+    assert run.halt is None
+    assert {"metrics.csv", "monitor_settings.json"} <= set(run.sources)
+    assert run.scalars["grad_norm"].source == "tensorboard"  # TensorBoard wins when both logged a key
+
+    plot = plan_run(run)
+    assert [p.name for p in plot.panels] == ["loss", "token_acc", "grad_norm"]  # no fp16 loss scale
+    train_acc, val_acc = plot.panel("token_acc").lines
+    assert (train_acc.key, val_acc.key) == ("train_token_acc", "val_token_acc")
+    assert (val_acc.steps, val_acc.values) == events(healthy, "val_token_acc")
+    assert plot.alerts == ()
+    assert plot.verdict == "HEALTHY"
+
+    (grad,) = plot.panel("grad_norm").lines
+    assert (grad.steps, grad.values) == events(healthy, "grad_norm")
+    assert grad.steps == tuple(range(3 * BATCHES_PER_EPOCH))
+    assert plot.panel("grad_norm").yscale == "log"
+    assert plot.panel("grad_norm").thresholds == (
+        Threshold("exploding_grad_threshold", 100.0, ALERT_COLOURS["exploding_grad"]),
+        Threshold("vanishing_grad_threshold", 0.1, ALERT_COLOURS["vanishing_grad"]),
+    )
+    train, val = plot.panel("loss").lines
+    assert (train.key, val.key) == ("train_loss", "val_loss")
+    assert (val.steps, val.values) == events(healthy, "val_loss")
+    assert val.steps == (7, 15, 23)  # one validation per epoch, drawn as markers
+    assert val.points
+    assert train.nonfinite_steps == () == grad.nonfinite_steps
+
+
+def test_halted_run_plan_marks_alerts_halt_and_nan(halted: Path) -> None:
+    run = load_run(halted)
+    plot = plan_run(run)
+    assert plot.alerts == (
+        AlertMark(2, "vanishing_grad", ALERT_COLOURS["vanishing_grad"], halted=False),
+        AlertMark(NAN_AT, "nonfinite_loss", ALERT_COLOURS["nonfinite_loss"], halted=True),
+    )
+    assert plot.verdict == f"HALTED: nonfinite_loss at step {NAN_AT}"
+    # Only the threshold the run was checked against is drawn (exploding_grad_threshold=None).
+    assert plot.panel("grad_norm").thresholds == (
+        Threshold("vanishing_grad_threshold", 1000.0, ALERT_COLOURS["vanishing_grad"]),
+    )
+    (grad,) = plot.panel("grad_norm").lines
+    assert same(grad.values, events(halted, "grad_norm")[1])
+    assert grad.steps[-1] == NAN_AT
+    assert grad.nonfinite_steps == (NAN_AT,)
+    train, val = plot.panel("loss").lines
+    assert train.nonfinite_steps == (NAN_AT,)
+    assert val.steps == (7, NAN_AT)  # Lightning validates once more after a stop mid-epoch
+
+    png = render_png([plot], halted / "plan.png")  # NaN on a log axis must not warn (warnings are errors here)
+    assert_png(png)
+
+
+def test_summary_figures_match_the_logs(healthy: Path, halted: Path) -> None:
+    steps, losses = events(healthy, "train_loss")
+    best = min(losses)
+    text = summarize_run(load_run(healthy))
+    got = fields(text)
+    assert (
+        got["train_loss"]
+        == f"final {losses[-1]:.4g} (step {steps[-1]}), best {best:.4g} (step {steps[losses.index(best)]})"
+    )
+    val_steps, val = events(healthy, "val_loss")
+    assert got["val_loss"].startswith(f"final {val[-1]:.4g} (step {val_steps[-1]}), best {min(val):.4g}")
+    assert got["Length"] == "last step 23, epochs 0-2"
+    assert got["Alerts"] == "none"
+    assert "Halted" not in got
+    assert text.splitlines()[-1].split() == ["Verdict:", "HEALTHY"]
+
+    alerts = [json.loads(line) for line in (halted / "alerts.jsonl").read_text().splitlines()]
+    assert [(a["kind"], a["step"], a["halted"]) for a in alerts] == [
+        ("vanishing_grad", 2, False),
+        ("nonfinite_loss", NAN_AT, True),
+    ]
+    got = fields(summarize_run(load_run(halted)))
+    assert got["Alerts"] == "2 (vanishing_grad 1, nonfinite_loss 1)"
+    assert got["First alert"] == f"vanishing_grad at step 2 (epoch 0): {alerts[0]['message']}"
+    assert got["Halted"] == f"yes, by nonfinite_loss at step {NAN_AT} (epoch 1): {alerts[1]['message']}"
+    assert got["train_loss"].startswith(f"final nan (step {NAN_AT})")
+    assert got["train_loss"].endswith(f"1 non-finite (first at step {NAN_AT})")
+    assert got["Skipped steps"] == "1"
+    assert got["Verdict"] == f"HALTED: nonfinite_loss at step {NAN_AT}"
+
+
+def test_csv_only_run(csv_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = load_run(csv_only)
+    assert not list(csv_only.glob("events.out.tfevents.*"))
+    assert {s.source for s in run.scalars.values()} == {"csv"}
+    # CSV rows repeat a step (Lightning's row and the monitor's): merged into one point per step.
+    assert run.scalars["grad_norm"].steps == tuple(range(NAN_AT + 1))
+    assert run.scalars["train_loss"].steps == tuple(range(NAN_AT + 1))
+    assert verdict(run) == f"HALTED: nonfinite_loss at step {NAN_AT}"
+    assert main(["report", str(csv_only), "--output", str(csv_only / "r.png")]) == 0
+    assert_png(csv_only / "r.png")
+    assert fields(capsys.readouterr().out)["Verdict"] == f"HALTED: nonfinite_loss at step {NAN_AT}"
+
+
+def test_run_being_written(halted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "version_0"
+    shutil.copytree(halted, run_dir)
+    for name, cut in (("alerts.jsonl", 40), ("metrics.csv", 7)):  # the last line loses its end and its newline
+        path = run_dir / name
+        path.write_bytes(path.read_bytes()[:-cut])
+    run = load_run(run_dir)
+    assert [a.kind for a in run.alerts] == ["vanishing_grad"]  # the halting line is not complete yet
+    assert any("alerts.jsonl: left out 1 incomplete last line" in note for note in run.notes)
+    assert run.scalars["grad_norm"].source == "tensorboard"
+    assert verdict(run) == "WARNINGS: 1 vanishing_grad alert"
+    assert main(["report", str(run_dir)]) == 0
+    assert "Note:" in capsys.readouterr().out
+    assert_png(run_dir / "health_report.png")
+
+
+def test_several_runs_and_html(healthy: Path, halted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.copytree(healthy, tmp_path / "a" / "version_0")
+    shutil.copytree(halted, tmp_path / "b" / "version_0")
+    (tmp_path / "b" / "version_0" / "plan.png").unlink(missing_ok=True)
+    assert main(["report", str(tmp_path), "--html"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("a/version_0") < out.index("b/version_0")
+    verdicts = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("Verdict:")]
+    assert verdicts == ["HEALTHY", f"HALTED: nonfinite_loss at step {NAN_AT}"]
+    assert_png(tmp_path / "health_report.png")
+    page = (tmp_path / "health_report.html").read_text()
+    assert "data:image/png;base64,iVBORw0KGgo" in page
+    assert page.count("<tr><td>") == 2
+    assert "nonfinite_loss" in page
+    assert "<td>yes</td>" in page
+
+
+def test_tensorboard_first_then_csv(healthy: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "version_0"
+    shutil.copytree(healthy, run_dir)
+    # `my_metric` only in the CSV; `grad_norm` in both, with values TensorBoard does not have.
+    (run_dir / "metrics.csv").write_text("step,my_metric,grad_norm\n0,1.5,123.0\n3,2.5,123.0\n")
+    run = load_run(run_dir)
+    assert run.scalars["my_metric"].source == "csv"
+    assert run.scalars["my_metric"].values == (1.5, 2.5)
+    assert run.scalars["grad_norm"].source == "tensorboard"
+    assert 123.0 not in run.scalars["grad_norm"].values
+
+
+# ---------------------------------------------------------------------------------------------------- plan, draw
+
+
+def test_plan_without_settings_unknown_kinds_loss_scale_and_all_nan(tmp_path: Path) -> None:
+    nan = float("nan")
+    run = Run(
+        tmp_path,
+        scalars={
+            "loss": Series("loss", (0, 1, 2), (4.0, 3.0, 2.0)),
+            "val/loss": Series("val/loss", (2,), (2.5,)),
+            "train_token_acc": Series("train_token_acc", (0, 1, 2), (0.1, 0.2, 0.3)),
+            "grad_norm": Series("grad_norm", (0, 1, 2), (nan, nan, float("inf"))),
+            "loss_scale": Series("loss_scale", (0, 1, 2), (65536.0, 32768.0, 32768.0)),
+        },
+        alerts=[RunAlert("grad_spike_from_the_future", 1, 0, 9.0, 3.0, "new kind")],
+    )
+    keys = detect_keys(run)
+    assert (keys.train_loss, keys.val_loss, keys.train_acc, keys.val_acc) == (
+        "loss",
+        "val/loss",
+        "train_token_acc",
+        None,
+    )
+    plot = plan_run(run, keys)
+    assert [p.name for p in plot.panels] == ["loss", "token_acc", "grad_norm", "loss_scale"]
+    assert plot.panel("grad_norm").thresholds == ()  # no monitor_settings.json
+    assert plot.panel("grad_norm").yscale == "linear"  # nothing finite and positive for a log axis
+    assert plot.panel("loss_scale").yscale == "log"
+    assert plot.panel("loss_scale").log_base == 2
+    assert plot.alerts == (AlertMark(1, "grad_spike_from_the_future", FALLBACK_COLOUR),)
+    assert verdict(run) == "WARNINGS: 1 grad_spike_from_the_future alert"
+    assert "no monitor_settings.json here" in summarize_run(run)
+
+    other = Run(tmp_path, scalars={"train_loss": Series("train_loss", (0, 5), (1.0, nan))})
+    assert verdict(other) == "WARNINGS: non-finite train_loss at step 5 (no alert recorded)"
+    # Rows stay aligned when runs have different panels: the second column gets empty panels.
+    assert_png(render_png([plot, plan_run(other)], tmp_path / "two.png"))
+
+
+def test_alerts_from_counters_without_jsonl(healthy: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "version_0"
+    run_dir.mkdir()
+    (run_dir / "metrics.csv").write_text("step,alerts/exploding_grad,grad_norm\n3,1.0,200.0\n3,,\n9,2.0,300.0\n")
+    run = load_run(run_dir)
+    assert [(a.kind, a.step) for a in run.alerts] == [("exploding_grad", 3), ("exploding_grad", 9)]
+    assert fields(summarize_run(run))["Halted"].startswith("unknown (no alerts.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+
+def test_cli_errors(
+    tmp_path: Path, healthy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "No training logs under" in err
+    assert "metrics.csv" in err
+    assert "Traceback" not in err
+
+    assert main(["report", str(healthy), "--loss-key", "nope", "--no-plot"]) == 2
+    assert "no run logged --loss-key 'nope'; logged keys:" in capsys.readouterr().err
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    assert main(["report", str(healthy), "--output", str(tmp_path / "x.png")]) == 1
+    captured = capsys.readouterr()
+    assert "Verdict:" in captured.out  # the summary needs no matplotlib
+    assert "pip install 'lightning-monitor[report]'" in captured.err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_python_dash_m(halted: Path, tmp_path: Path) -> None:
+    output = tmp_path / "out" / "report.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_monitor", "report", str(halted), "--output", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert fields(result.stdout)["Verdict"] == f"HALTED: nonfinite_loss at step {NAN_AT}"
+    assert_png(output)

@@ -1,0 +1,394 @@
+"""Tests for ``lightning_monitor.token_accuracy``: exact counts against plain references, syncs, validation, DDP."""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_monitor.sync_count import HostSyncCounter
+from lightning_monitor.token_accuracy import TokenAccuracy, token_accuracy_counts
+
+V = 37
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def _data(shape: tuple[int, ...], ignore_index: int = -100, ignored: float = 0.25, seed: int = 0, shift: bool = False):
+    """Continuous random logits ``shape + (V,)`` (no ties) and labels with about ``ignored`` of them ignored.
+
+    About half of the labels get a head start in the logits that predict them (at ``t - 1`` with ``shift``), so the
+    accuracy is far from both 0 and 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, V, generator=gen)
+    labels = torch.randint(0, V, shape, generator=gen)
+    boost = 3.0 * torch.rand(shape, generator=gen).round()  # about half of the labels get a head start
+    scored_logits, scored_labels = _shifted(logits, labels, shift)
+    scored_logits.scatter_add_(-1, scored_labels.unsqueeze(-1), boost[..., : scored_labels.shape[-1], None])
+    labels[torch.rand(shape, generator=gen) < ignored] = ignore_index
+    return logits, labels
+
+
+def _shifted(logits: torch.Tensor, labels: torch.Tensor, shift: bool):
+    return (logits[..., :-1, :], labels[..., 1:]) if shift else (logits, labels)
+
+
+def _argmax_reference(logits, labels, ignore_index=-100, shift=False):
+    """The plain definition: argmax, boolean mask, mean. Returns (correct, total, accuracy)."""
+    logits, labels = _shifted(logits, labels, shift)
+    mask = labels != ignore_index
+    hits = (logits.argmax(-1) == labels)[mask]
+    return int(hits.sum()), int(mask.sum()), hits.float().mean()
+
+
+def _topk_reference(logits, labels, k, ignore_index=-100, shift=False):
+    logits, labels = _shifted(logits, labels, shift)
+    mask = labels != ignore_index
+    hits = (torch.topk(logits, k, dim=-1).indices == labels.unsqueeze(-1)).any(-1)[mask]
+    return int(hits.sum()), int(mask.sum())
+
+
+def _counts(*args, **kwargs) -> tuple[int, int]:
+    correct, total = token_accuracy_counts(*args, **kwargs)
+    assert correct.shape == total.shape == ()
+    assert correct.dtype == total.dtype == torch.long
+    return int(correct), int(total)
+
+
+# ------------------------------------------------------------------------------------ agreement with references
+
+
+@pytest.mark.parametrize("shape", [(64,), (4, 16)], ids=["2d", "3d"])
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_matches_argmax_reference(shape, shift, ignore_index):
+    logits, labels = _data(shape, ignore_index=ignore_index, seed=len(shape), shift=shift)
+    correct, total, accuracy = _argmax_reference(logits, labels, ignore_index, shift)
+    assert 0 < correct < total < labels.numel()
+
+    assert _counts(logits, labels, ignore_index=ignore_index, shift=shift) == (correct, total)
+    metric = TokenAccuracy(ignore_index=ignore_index, shift=shift)
+    metric.update(logits, labels)
+    assert (int(metric.correct), int(metric.total)) == (correct, total)
+    torch.testing.assert_close(metric.compute(), accuracy, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("shift", [False, True])
+def test_top_k_matches_topk_indices_reference(k, shift):
+    logits, labels = _data((3, 20), seed=k, shift=shift)
+    expected = _topk_reference(logits, labels, k, shift=shift)
+    assert _counts(logits, labels, top_k=k, shift=shift) == expected
+    metric = TokenAccuracy(top_k=k, shift=shift)
+    metric.update(logits, labels)
+    torch.testing.assert_close(metric.compute(), torch.tensor(expected[0] / expected[1]))
+
+
+def test_top_k_grows_with_k():
+    logits, labels = _data((4, 16), seed=3)
+    correct = [_counts(logits, labels, top_k=k)[0] for k in (1, 3, 10, V)]
+    assert correct == sorted(correct)
+    assert correct[-1] == int((labels != -100).sum())
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_integer_predictions(shift):
+    logits, labels = _data((4, 16), seed=5, shift=shift)
+    preds = logits.argmax(-1)
+    expected = _argmax_reference(logits, labels, shift=shift)[:2]
+    assert _counts(preds, labels, shift=shift) == expected
+    assert _counts(preds.int(), labels, shift=shift) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("k", [1, 3])
+def test_low_and_high_precision_logits(dtype, k):
+    # Small integers are exact in bf16 and fp16: distinct values per row, so the references have no ties.
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.stack([torch.randperm(V, generator=gen) for _ in range(48)]).view(3, 16, V).to(dtype) - V // 2
+    labels = torch.randint(0, V, (3, 16), generator=gen)
+    labels[:, ::4] = -100
+    expected = _topk_reference(logits, labels, k)
+    assert _counts(logits, labels, top_k=k) == expected
+    assert _counts(logits, labels, top_k=k, shift=True) == _topk_reference(logits, labels, k, shift=True)
+
+
+def test_labels_of_any_integer_dtype():
+    logits, labels = _data((4, 16), seed=8)
+    expected = _argmax_reference(logits, labels)[:2]
+    for dtype in (torch.int32, torch.int16):
+        assert _counts(logits, labels.to(dtype)) == expected
+
+
+def test_updates_accumulate_exactly():
+    batches = [_data((2, 8), seed=1, ignored=0.1), _data((3, 5), seed=2, ignored=0.6), _data((1, 9), seed=3)]
+    metric = TokenAccuracy()
+    for logits, labels in batches:
+        batch_value = metric(logits, labels)
+        torch.testing.assert_close(batch_value, _argmax_reference(logits, labels)[2], rtol=0, atol=0)
+    all_logits = torch.cat([logits.reshape(-1, V) for logits, _ in batches])
+    all_labels = torch.cat([labels.reshape(-1) for _, labels in batches])
+    correct, total, accuracy = _argmax_reference(all_logits, all_labels)
+    assert (int(metric.correct), int(metric.total), int(metric.invalid)) == (correct, total, 0)
+    torch.testing.assert_close(metric.compute(), accuracy, rtol=0, atol=0)
+    # A mean of batch means would differ: the batches hold different numbers of counted tokens.
+    mean_of_means = torch.stack([_argmax_reference(*b)[2] for b in batches]).mean()
+    assert not torch.isclose(mean_of_means, accuracy)
+    metric.reset()
+    assert (int(metric.correct), int(metric.total)) == (0, 0)
+
+
+def test_shift_scores_position_t_against_label_t_plus_1():
+    labels = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, -100, 3]])
+    logits = torch.zeros(2, 5, 10)
+    logits[:, :-1].scatter_(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1), 1.0)  # logits at t favour labels[t + 1]
+    logits[:, -1, 0] = 1.0  # the last position predicts past the end: no tie with its own label
+    assert _counts(logits, labels, shift=True) == (7, 7)
+    assert _counts(logits, labels, shift=False)[0] == 0
+    assert _counts(logits[0], labels[0], shift=True) == (4, 4)  # a 2-D [T, V] input is one sequence
+    assert _counts(torch.zeros(2, 1, 10), torch.zeros(2, 1, dtype=torch.long), shift=True) == (0, 0)
+
+
+# --------------------------------------------------------------------------------------------- documented rules
+
+
+@pytest.mark.parametrize(
+    ("row", "label", "k", "correct"),
+    [
+        ([1.0, 3.0, 3.0, 0.0], 1, 1, True),  # tied for the maximum, and argmax's pick
+        ([1.0, 3.0, 3.0, 0.0], 2, 1, True),  # tied for the maximum: argmax would say no
+        ([1.0, 3.0, 3.0, 0.0], 0, 1, False),
+        ([5.0, 3.0, 3.0, 3.0], 3, 2, True),  # one logit strictly greater: within the top 2
+        ([5.0, 4.0, 3.0, 3.0], 3, 2, False),  # two strictly greater
+        ([2.0, 2.0, 2.0, 2.0], 3, 1, True),
+        ([float("inf"), float("inf"), 0.0, 0.0], 1, 1, True),
+    ],
+)
+def test_ties_count_as_correct(row, label, k, correct):
+    assert _counts(torch.tensor([row]), torch.tensor([label]), top_k=k) == (int(correct), 1)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("nan_at", [0, 2])
+def test_rows_with_nan_are_incorrect(k, nan_at):
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 3.0], [0.0, 1.0, 9.0, 2.0, 3.0]])
+    logits[0, nan_at] = float("nan")
+    labels = torch.tensor([2, 2])  # row 0: the label holds the NaN, or another logit does
+    assert _counts(logits, labels, top_k=k) == (1, 2)
+    assert _counts(logits.bfloat16(), labels, top_k=k) == (1, 2)
+
+
+def test_all_ignored_batch_contributes_nothing():
+    logits, labels = _data((2, 6), seed=4)
+    labels.fill_(-100)
+    assert _counts(logits, labels) == (0, 0)
+    assert _counts(logits, labels, shift=True, top_k=2) == (0, 0)
+    for validate_args in (True, False):
+        metric = TokenAccuracy(validate_args=validate_args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batch_value = metric(logits, labels)
+            value = metric.compute()
+        assert batch_value == value == 0.0
+        assert not value.isnan()
+        assert (int(metric.correct), int(metric.total), int(metric.invalid)) == (0, 0, 0)
+        # ...and does not dilute later batches.
+        good_logits, good_labels = _data((2, 6), seed=5)
+        metric.update(good_logits, good_labels)
+        torch.testing.assert_close(metric.compute(), _argmax_reference(good_logits, good_labels)[2], rtol=0, atol=0)
+
+
+def test_metric_attributes_and_state_dtypes():
+    metric = TokenAccuracy()
+    assert metric.higher_is_better is True
+    assert metric.full_state_update is False
+    assert metric.is_differentiable is False
+    assert metric._reductions.keys() == {"correct", "total", "invalid"}
+    assert all(getattr(metric, s).dtype == torch.long for s in ("correct", "total", "invalid"))
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": 0}, "`top_k` to be an integer larger than or equal to 1, but got 0"),
+        ({"top_k": -2}, "`top_k`.*but got -2"),
+        ({"top_k": 1.5}, "`top_k`.*but got 1.5"),
+        ({"top_k": True}, "`top_k`.*but got True"),
+        ({"ignore_index": 1.5}, "`ignore_index` to be an integer, but got 1.5"),
+        ({"ignore_index": None}, "`ignore_index` to be an integer, but got None"),
+        ({"ignore_index": False}, "`ignore_index`.*but got False"),
+        ({"shift": "yes"}, "`shift` to be a bool, but got 'yes'"),
+        ({"validate_args": 1}, "`validate_args` to be a bool, but got 1"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TokenAccuracy(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        token_accuracy_counts(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), **kwargs)
+
+
+_LOGITS = torch.zeros(2, 4, 5)
+_LABELS = torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    ("preds", "target", "kwargs", "match"),
+    [
+        (_LOGITS, _LABELS.float(), {}, "`target` to be an integer tensor, but got dtype torch.float32"),
+        (_LOGITS, _LABELS.bool(), {}, "`target` to be an integer tensor"),
+        (_LOGITS.bool(), _LABELS, {}, "`preds` to be a floating or integer tensor, but got dtype torch.bool"),
+        (_LOGITS.tolist(), _LABELS, {}, "`preds` to be a tensor, but got list"),
+        (_LOGITS, _LABELS[:, :3], {}, r"`preds` \(logits\) to have shape `target.shape \+ \(V,\)`"),
+        (_LOGITS.reshape(8, 5), _LABELS, {}, r"but got \(8, 5\) for target shape \(2, 4\)"),
+        (_LOGITS[..., 0], _LABELS, {}, r"`preds` \(logits\) to have shape"),
+        (_LABELS[:, :3], _LABELS, {}, r"`preds` \(integer predictions\) to have the shape of `target`"),
+        (_LABELS, _LABELS, {"top_k": 2}, "`top_k` to be 1 for integer predictions, but got 2"),
+        (_LOGITS, _LABELS, {"top_k": 6}, "`top_k` to be at most the vocabulary size 5, but got 6"),
+        (_LOGITS[0, 0], _LABELS[0, 0], {"shift": True}, "sequence dimension with `shift=True`"),
+    ],
+)
+def test_bad_inputs_raise(preds, target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        token_accuracy_counts(preds, target, **kwargs)
+    metric = TokenAccuracy(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        metric.update(preds, target)
+
+
+@pytest.mark.parametrize(("bad", "shift"), [(V, False), (V + 1000, True), (-1, False)])
+def test_label_out_of_range_raises_with_validate_args(bad, shift):
+    logits, labels = _data((2, 8), seed=6)
+    labels[1, 5] = bad
+    match = rf"labels in \[0, {V}\) .* or ignore_index=-100, but got label {bad}"
+    with pytest.raises(ValueError, match=match):
+        token_accuracy_counts(logits, labels, shift=shift)
+    with pytest.raises(ValueError, match=match):
+        TokenAccuracy(shift=shift).update(logits, labels)
+
+
+def test_label_out_of_range_without_validate_args_is_counted_and_warned_once():
+    logits, labels = _data((2, 8), seed=6)
+    labels[1, 5] = V + 7
+    labels[0, 0] = -3
+    correct, total, _ = _argmax_reference(logits, labels.where((labels >= 0) & (labels < V), -100))
+    assert _counts(logits, labels, validate_args=False) == (correct, total)
+
+    metric = TokenAccuracy(validate_args=False)
+    with HostSyncCounter() as syncs:
+        batch_value = metric(logits, labels)  # forward: neither syncs nor warns
+        metric.update(logits, labels)
+    assert syncs.count == 0, dict(syncs.by_kind)
+    torch.testing.assert_close(batch_value, torch.tensor(correct / total))
+    assert (int(metric.correct), int(metric.total), int(metric.invalid)) == (2 * correct, 2 * total, 4)
+    with pytest.warns(RuntimeWarning, match=r"left 4 label\(s\) out of `total`.*ignore_index=-100") as record:
+        value = metric.compute()
+    assert len(record) == 1
+    torch.testing.assert_close(value, torch.tensor(correct / total))
+    metric.update(logits, labels)
+    metric.reset()
+    metric.update(logits, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metric.compute()  # once per metric instance
+
+
+# ---------------------------------------------------------------------------------------------------- host syncs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "int_preds"),
+    [({}, False), ({"shift": True}, False), ({"top_k": 3}, False), ({"ignore_index": 0, "shift": True}, True)],
+)
+def test_no_host_sync_per_update(kwargs, int_preds):
+    logits, labels = _data((3, 10), seed=9)
+    preds = logits.argmax(-1) if int_preds else logits
+    metric = TokenAccuracy(validate_args=False, **kwargs)
+    with HostSyncCounter() as syncs:
+        metric.update(preds, labels)
+        metric(preds, labels)
+        token_accuracy_counts(preds, labels, validate_args=False, **kwargs)
+    assert syncs.count == 0, dict(syncs.by_kind)
+
+
+def test_sync_counter_can_fail():
+    logits, labels = _data((3, 10), seed=9)
+    with HostSyncCounter() as syncs:
+        TokenAccuracy(validate_args=True).update(logits, labels)
+    assert syncs.count == 1, dict(syncs.by_kind)  # the documented price of validate_args
+    reference = MulticlassAccuracy(num_classes=V, average="micro", ignore_index=-100, validate_args=False)
+    with HostSyncCounter() as syncs:
+        reference.update(logits.reshape(-1, V), labels.reshape(-1))
+    assert syncs.count >= 2, dict(syncs.by_kind)  # preds[idx], target[idx] with a boolean idx
+    torch.testing.assert_close(reference.compute(), TokenAccuracy()(logits, labels))
+
+
+# ---------------------------------------------------------------------------------------------------------- DDP
+
+_DDP_SHAPES = ((2, 12), (3, 12))  # rank 0 and rank 1
+_DDP_IGNORED = (0.1, 0.6)  # different amounts of ignored labels per rank
+
+
+def _ddp_batches(rank: int):
+    return [_data(_DDP_SHAPES[rank], ignored=_DDP_IGNORED[rank], seed=100 * rank + i) for i in range(2)]
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        metric = TokenAccuracy(shift=True)
+        for logits, labels in _ddp_batches(rank):
+            metric.update(logits, labels)
+        local = (int(metric.correct), int(metric.total))
+        value = metric.compute()
+        torch.save({"value": value, "local": local}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_ddp_compute_equals_single_process_value(tmp_path):
+    context = mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("DDP workers did not finish within 120 s")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    single = TokenAccuracy(shift=True)
+    per_rank = []
+    for rank in range(2):
+        rank_metric = TokenAccuracy(shift=True)
+        for logits, labels in _ddp_batches(rank):
+            single.update(logits, labels)
+            rank_metric.update(logits, labels)
+        assert results[rank]["local"] == (int(rank_metric.correct), int(rank_metric.total))
+        per_rank.append(rank_metric.compute())
+    expected = single.compute()
+    for result in results:
+        torch.testing.assert_close(result["value"], expected, rtol=0, atol=0)
+    assert not torch.isclose(torch.stack(per_rank).mean(), expected)  # a mean of rank means would be wrong
