@@ -261,30 +261,34 @@ class SpikeDetector:
     """Fire when a positive figure jumps far above its own recent level, for ``patience`` steps in a row.
 
     The figure is watched in log space, where a loss going from 2 to 4 and a gradient norm going from 0.5 to 1 are
-    the same size of event. Its level and spread are an exponential moving average and variance with an effective
-    window of ``window`` values, started from the plain mean and variance of the first ``warmup`` values (no alert
-    during warm-up). A value is an outlier when its z-score ``(log(x) - mean) / std`` exceeds ``threshold``;
-    the spread has a floor of ``min_std`` (in log units), so a very smooth curve does not make tiny wiggles
-    look like spikes.
+    the same size of event. Its **level** is an exponential moving average over about ``window / 4`` values, short
+    enough to follow a falling loss curve. Its **spread** is estimated from the differences between successive
+    values, ``std**2 ~ EMA((y[t] - y[t-1])**2) / 2`` over about ``window`` values, which a trend barely touches
+    (the spread of the values around a lagging average would count the trend as noise). A value is an outlier
+    when ``z = (log(x) - level) / std`` exceeds ``threshold``; the spread has a floor of ``min_std`` log units, so
+    a very smooth curve does not make small wiggles look like spikes. No alert is raised during the first
+    ``warmup`` values, while the averages settle.
 
-    The statistics cannot be poisoned: NaN, infinite and non-positive values are ignored, and an outlier enters
-    the averages clipped to ``mean + threshold * std`` (winsorised), so one spike barely moves them, while a lasting
-    change of level is still learnt within about a window.
+    The statistics cannot be poisoned: NaN, infinite and non-positive values are ignored, and after warm-up an
+    outlier enters the averages clipped to ``level + threshold * std`` (winsorised), so one spike barely moves
+    them, while a lasting change of level is still learnt within about ``window / 4`` values.
 
     Compared with the tools it replaces: llm-foundry's ``KillLossSpike`` (2x the window mean for more than 4 steps)
     misses NaN and decides per rank; OLMo-core flags mean + 6 std over 128 steps on raw values, where a spike also
-    inflates the std it is compared with; ZClip's EMA z-score (2.5) on the gradient norm is poisoned for good by one
-    NaN; Megatron-LM compares with 10x the maximum of the first 100 steps, which misses spikes once the curve has
-    fallen; Lightning's ``SpikeDetection`` watches the loss only and its ``load_state_dict`` is broken.
+    inflates the std it is compared with and a falling curve inflates it too; ZClip's EMA z-score (2.5) on the
+    gradient norm is poisoned for good by one NaN; Megatron-LM compares with 10x the maximum of the first 100
+    steps, which misses spikes once the curve has fallen; Lightning's ``SpikeDetection`` watches the loss only and
+    its ``load_state_dict`` is broken. The decision is made on figures already reduced over ranks, so every rank
+    sees the same spike.
 
     Args:
         kind: The alert kind to report.
         name: What the figure is called in messages.
         threshold: The z-score above which a value is an outlier.
-        window: The effective number of values the averages remember (EMA decay ``1 - 1 / window``).
+        window: The effective number of values the spread remembers (the level remembers a quarter of it).
         warmup: Values to see before judging any.
         patience: Consecutive outliers that make an alert.
-        min_std: Floor of the standard deviation, in log units (0.05 is about 5%).
+        min_std: Floor of the spread, in log units (0.05 is about 5%).
 
     Attributes:
         outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
@@ -295,7 +299,7 @@ class SpikeDetector:
         >>> quiet == [None] * 7
         True
         >>> print(det.update(6.0).reason)
-        training loss 6 is 22 std above its recent level 1.999 (3x)
+        training loss 6 is 22 std above its recent level 2.002 (3x)
     """
 
     def __init__(
@@ -308,22 +312,23 @@ class SpikeDetector:
         patience: int = 1,
         min_std: float = 0.05,
     ) -> None:
-        for argument, value, low in (("threshold", threshold, 0), ("min_std", min_std, 0)):
-            if not (math.isfinite(value) and value > low):
-                raise ValueError(f"Expected argument `{argument}` to be a finite number > {low}, but got {value}")
+        for argument, value in (("threshold", threshold), ("min_std", min_std)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Expected argument `{argument}` to be a finite number > 0, but got {value}")
         for argument, count in (("window", window), ("warmup", warmup), ("patience", patience)):
             if count < 1:
                 raise ValueError(f"Expected argument `{argument}` to be at least 1, but got {count}")
         self.kind = kind
         self.name = name
         self.threshold = threshold
-        self.decay = 1.0 - 1.0 / window
+        self.window = window
         self.warmup = warmup
         self.patience = patience
         self.min_std = min_std
         self.seen = 0
-        self.mean = 0.0
+        self.level = 0.0
         self.var = 0.0
+        self.previous = 0.0
         self.count = 0
         self.outlier = False
 
@@ -338,19 +343,20 @@ class SpikeDetector:
         if not (math.isfinite(value) and value > 0):
             return None
         y = math.log(value)
-        if self.seen < self.warmup:  # Welford's running mean and variance
-            self.seen += 1
-            delta = y - self.mean
-            self.mean += delta / self.seen
-            self.var += (delta * (y - self.mean) - self.var) / self.seen
+        if self.seen == 0:
+            self.seen, self.level, self.previous = 1, y, y
             return None
-        z = (y - self.mean) / self.std
-        self.outlier = z > self.threshold
-        level, std = self.mean, self.std
-        clipped = min(y, self.mean + self.threshold * std)
-        delta = clipped - self.mean
-        self.mean += (1.0 - self.decay) * delta
-        self.var = self.decay * (self.var + (1.0 - self.decay) * delta * delta)
+        level, std = self.level, self.std
+        z = (y - level) / std
+        judged = self.seen >= self.warmup
+        self.outlier = judged and z > self.threshold
+        clipped = min(y, level + self.threshold * std) if judged else y
+        # Plain averages until the windows fill up, then exponential ones.
+        self.seen += 1
+        rate = max(1.0 / self.window, 1.0 / self.seen)
+        self.level += max(4.0 / self.window, 1.0 / self.seen) * (clipped - level)
+        self.var += rate * ((clipped - self.previous) ** 2 / 2 - self.var)
+        self.previous = clipped
         self.count = self.count + 1 if self.outlier else 0
         if self.count != self.patience:
             return None
@@ -365,13 +371,14 @@ class SpikeDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"seen": self.seen, "mean": self.mean, "var": self.var, "count": self.count}
+        return {"seen": self.seen, "level": self.level, "var": self.var, "previous": self.previous, "count": self.count}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.seen = int(state.get("seen", 0))
-        self.mean = float(state.get("mean", 0.0))
+        self.level = float(state.get("level", 0.0))
         self.var = float(state.get("var", 0.0))
+        self.previous = float(state.get("previous", 0.0))
         self.count = int(state.get("count", 0))
 
 

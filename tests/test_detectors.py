@@ -7,7 +7,14 @@ import math
 import pytest
 
 from lightning_monitor.alerts import Alert, AlertKind
-from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, RisingDetector, ThresholdDetector
+from lightning_monitor.detectors import (
+    AccuracyStallDetector,
+    AmpOverflowDetector,
+    NonFiniteDetector,
+    RisingDetector,
+    SpikeDetector,
+    ThresholdDetector,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -95,6 +102,7 @@ def test_amp_overflow_persistent_and_collapse():
         lambda: NonFiniteDetector(AlertKind.NONFINITE_LOSS, "loss"),
         lambda: ThresholdDetector(AlertKind.VANISHING_GRAD, "norm", 0.1, "below", 3),
         lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 3),
+        lambda: SpikeDetector(AlertKind.LOSS_SPIKE, "loss", threshold=2.0, warmup=2, patience=2, min_std=0.01),
     ],
 )
 def test_state_dict_round_trip_continues_the_streak(make):
@@ -122,6 +130,8 @@ def test_amp_state_round_trip():
         lambda: ThresholdDetector(AlertKind.VANISHING_GRAD, "norm", 0.1, "below", 0),
         lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 0),
         lambda: AmpOverflowDetector(0, 1.0),
+        lambda: SpikeDetector(AlertKind.LOSS_SPIKE, "loss", patience=0),
+        lambda: AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, patience=0),
     ],
 )
 def test_patience_below_one_is_rejected(make):
@@ -135,3 +145,28 @@ def test_alert_json_round_trip_with_nonfinite_values():
     assert data["value"] == "inf" and data["rank"] == 1
     back = Alert.from_dict(data)
     assert back == alert and math.isinf(back.value)
+
+
+def test_spike_warmup_statistics_and_robustness():
+    det = SpikeDetector(AlertKind.GRAD_SPIKE, "norm", threshold=6.0, window=32, warmup=10)
+    healthy = [1.0 + 0.05 * ((i * 7) % 5 - 2) for i in range(60)]  # a deterministic wiggle of +-10%
+    assert fired(det, healthy) == [False] * 60
+    level, spread = det.level, det.std
+    assert fired(det, [NAN, INF, 0.0, -1.0]) == [False] * 4  # ignored, statistics untouched
+    assert (det.level, det.std) == (level, spread)
+    assert fired(det, [1e6]) == [True]
+    assert abs(det.level - level) < 6 * spread  # winsorised: one huge spike barely moves the level
+    assert fired(det, healthy[:5]) == [False] * 5
+    assert fired(det, [3.0]) == [True]  # still sensitive afterwards
+
+
+def test_spike_detector_learns_a_lasting_level_change():
+    det = SpikeDetector(AlertKind.GRAD_SPIKE, "norm", threshold=6.0, window=32, warmup=10, patience=1)
+    fired(det, [1.0, 1.05, 0.95] * 20)
+    hits = fired(det, [5.0] * 40)  # the level moves up for good
+    assert hits[0] and not any(hits[20:])  # alerted once, then learnt within about window / 4 values
+
+
+def test_spike_detector_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="`threshold` to be a finite number > 0, but got -1"):
+        SpikeDetector(AlertKind.LOSS_SPIKE, "loss", threshold=-1)

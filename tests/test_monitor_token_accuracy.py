@@ -7,72 +7,15 @@ import typing
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import csv_column, make_trainer, tb_scalars
+from helpers import TinyLM, TokenData, V, csv_column, make_trainer, tb_scalars
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_monitor import AlertKind, TrainingMonitor
-
-V, T = 7, 5
-
-
-class TokenData(Dataset):
-    """Random token sequences; labels are the next token, with some positions ignored (-100)."""
-
-    def __init__(self, n: int, seed: int = 0, ignore_all: set[int] | None = None) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, V, (n, T + 1), generator=g)
-        self.ignored = torch.rand(n, T, generator=g) < 0.25
-        self.ignore_all = ignore_all or set()
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        labels = self.ids[i, 1:].clone()
-        labels[self.ignored[i]] = -100
-        if i in self.ignore_all:
-            labels[:] = -100
-        return {"input_ids": self.ids[i, :-1], "labels": labels}
-
-
-class TinyLM(pl.LightningModule):
-    """Returns ``{"loss", "logits"}``; the labels stay in the batch, as with Hugging Face data collators."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(V, 16)
-        self.head = nn.Linear(16, V)
-        self.seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"train": [], "val": []}
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(ids)))
-
-    def step(self, batch: dict[str, torch.Tensor], stage: str) -> dict[str, Any]:
-        logits = self(batch["input_ids"])
-        labels = batch["labels"].reshape(-1)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, V), labels, ignore_index=-100, reduction="sum")
-        loss = loss / (labels != -100).sum().clamp(min=1)  # a batch with every label ignored has loss 0, not NaN
-        if not self.trainer.sanity_checking:
-            self.seen[stage].append((logits.detach().argmax(-1), batch["labels"]))
-        return {"loss": loss, "logits": logits.detach()}
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
-        return self.step(batch, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
-        out = self.step(batch, "val")
-        self.log("val_loss", out["loss"])
-        return out
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
 def reference(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
