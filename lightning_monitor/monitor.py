@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_monitor._lightning import grad_scaler, gradient_sharding, is_logging_step, logging_step
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
-from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection, format_value
+from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.detectors import (
     AccuracyStallDetector,
     AmpOverflowDetector,
@@ -29,10 +28,11 @@ from lightning_monitor.detectors import (
     SpikeDetector,
     ThresholdDetector,
 )
-from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
+from lightning_monitor.grad_norms import LayerGradNorms, layer_name
 from lightning_monitor.halting import TrainingHalted, gather_ranks, host_dtype, skip_optimizer_step
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
+from lightning_monitor.step_check import StepCheck, StepDetectors, StepFigures
 from lightning_monitor.token_tracker import TokenAccuracyTracker
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
@@ -321,7 +321,7 @@ class TrainingMonitor(Callback):
             if val_loss_key is not None
             else None
         )
-        self._watches: dict[int, _OptimizerWatch] = {}
+        self._watches: dict[int, StepCheck] = {}
         self._restored_watches: dict[str, Any] = {}
         self._warned: set[str] = set()
         # Set up per run in `setup`.
@@ -452,14 +452,14 @@ class TrainingMonitor(Callback):
         self._window_closed = True
         watch = self._watch(trainer, pl_module, optimizer)
         squared = watch.norms.squared()
-        logging_step = _is_logging_step(trainer)
-        self._step_logged = _logging_step(trainer) if logging_step else None
-        if trainer.global_step % self.check_every_n_steps != 0 and not logging_step:
+        logs = is_logging_step(trainer)
+        self._step_logged = logging_step(trainer) if logs else None
+        if trainer.global_step % self.check_every_n_steps != 0 and not logs:
             watch.hold(squared)
             return
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
-        scaler = _grad_scaler(trainer)
+        scaler = grad_scaler(trainer)
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         extras = [self._take_pending_acc(squared.device)]
         if self._activations is not None:
@@ -496,7 +496,7 @@ class TrainingMonitor(Callback):
         # Log, then act.
         for alert in alerts:
             self._emit(trainer, alert)
-        if logging_step:
+        if logs:
             self._log_figures(trainer, figures)
         if bundle is not None:
             self._write_bundle(trainer, bundle, alerts, halted=bool(halting))
@@ -529,7 +529,7 @@ class TrainingMonitor(Callback):
         # Log.
         self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in per_rank], self._pending_step)
         # At the epoch's last step, where Lightning writes epoch-end metrics too.
-        epoch_step = _logging_step(trainer) - 1
+        epoch_step = logging_step(trainer) - 1
         self._log_accuracy(trainer, "train_token_acc_epoch", [r[2:4] for r in per_rank], epoch_step)
         self._warn_invalid_labels("train", [r[4] for r in per_rank])
 
@@ -572,7 +572,7 @@ class TrainingMonitor(Callback):
         per_rank = gather_ranks(local)  # one collective and one host read per validation run
         seen = [r[0] for r in per_rank if r[1]]
         val_loss = math.fsum(seen) / len(seen) if seen else None
-        val_acc = self._log_accuracy(trainer, "val_token_acc", [r[2:4] for r in per_rank], _logging_step(trainer))
+        val_acc = self._log_accuracy(trainer, "val_token_acc", [r[2:4] for r in per_rank], logging_step(trainer))
         self._warn_invalid_labels("val", [r[4] for r in per_rank])
         if watch_loss and val_loss is None:
             self._warn_once(
@@ -631,16 +631,61 @@ class TrainingMonitor(Callback):
 
     # ------------------------------------------------------------------------------------------------ helpers
 
-    def _watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> _OptimizerWatch:
-        """The detectors and norm plan of ``optimizer``, built on its first step (and after a resume)."""
+    def _watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> StepCheck:
+        """The checks of ``optimizer``, built on its first step (and after a resume, from the checkpoint)."""
         index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         watch = self._watches.get(index)
         if watch is None:
-            watch = _OptimizerWatch(self, trainer, pl_module, optimizer, index)
+            in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            named = [(n, p) for n, p in pl_module.named_parameters() if id(p) in in_optimizer]
+            sharded, replicas = gradient_sharding(trainer.strategy, trainer.num_nodes)
+            watch = StepCheck(
+                LayerGradNorms(named, sharded=sharded, replicas=replicas),
+                self._step_detectors(),
+                index=index,
+                suffix=f"_opt{index}" if len(trainer.optimizers) > 1 else "",
+                fused=bool(getattr(optimizer, "_step_supports_amp_scaling", False)),
+            )
             if str(index) in self._restored_watches:
                 watch.load_state_dict(self._restored_watches.pop(str(index)))
             self._watches[index] = watch
         return watch
+
+    def _step_detectors(self) -> StepDetectors:
+        """Fresh step-level detectors, configured from the constructor arguments."""
+        gradient = "gradient norm"
+        spikes = {"window": self.spike_window, "warmup": self.spike_warmup, "patience": self.spike_patience}
+        return StepDetectors(
+            nonfinite_loss=NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
+            nonfinite_grad=NonFiniteDetector(AlertKind.NONFINITE_GRAD, gradient),
+            amp=AmpOverflowDetector(self.amp_overflow_patience, self.min_loss_scale),
+            exploding=None
+            if self.exploding_grad_threshold is None
+            else ThresholdDetector(
+                AlertKind.EXPLODING_GRAD,
+                gradient,
+                self.exploding_grad_threshold,
+                "above",
+                1,
+                "exploding_grad_threshold",
+            ),
+            vanishing=None
+            if self.vanishing_grad_threshold is None
+            else ThresholdDetector(
+                AlertKind.VANISHING_GRAD,
+                gradient,
+                self.vanishing_grad_threshold,
+                "below",
+                patience=self.vanishing_grad_patience,
+                argument="vanishing_grad_threshold",
+            ),
+            loss_spike=None
+            if self.loss_spike_threshold is None
+            else SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", self.loss_spike_threshold, **spikes),
+            grad_spike=None
+            if self.grad_spike_threshold is None
+            else SpikeDetector(AlertKind.GRAD_SPIKE, gradient, self.grad_spike_threshold, **spikes),
+        )
 
     def _take_loss(self) -> tuple[Tensor | None, int]:
         """Hand over the loss summed since the last check, and start a new sum."""
@@ -652,8 +697,8 @@ class TrainingMonitor(Callback):
         self,
         trainer: pl.Trainer,
         detection: Detection,
-        step: _StepFigures | None = None,
-        watch: _OptimizerWatch | None = None,
+        step: StepFigures | None = None,
+        watch: StepCheck | None = None,
         bundle: Path | None = None,
         first_bad_activation: str | None = None,
     ) -> Alert:
@@ -705,7 +750,7 @@ class TrainingMonitor(Callback):
         if not trainer.is_global_zero:
             return
         self._console.write(alert)
-        self._loggers.write(alert, _logging_step(trainer))
+        self._loggers.write(alert, logging_step(trainer))
         if self._jsonl is not None:
             self._jsonl.write(alert)
 
@@ -713,7 +758,7 @@ class TrainingMonitor(Callback):
         """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in figures.items()})
         if trainer.is_global_zero:
-            self._loggers.log_figures(figures, _logging_step(trainer) if step is None else step)
+            self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
 
     def _take_pending_acc(self, device: torch.device) -> Tensor:
         """The token counts of the last logging step, still on the device (zeros when none wait), and forget them."""
@@ -797,307 +842,3 @@ class TrainingMonitor(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
-
-
-@dataclass(frozen=True)
-class _StepFigures:
-    """The host figures of one check, combined over ranks, plus what each rank saw for attribution."""
-
-    loss: float | None  # None when no backward ran since the last check
-    grad_norm: float | None  # None when no parameter had a gradient
-    grad_peak: float | None  # worst total norm since the last check (NaN/Inf propagate)
-    layer_sq: list[float]  # squared per-layer norms
-    overflow_steps: int  # steps since the last check whose gradients were not finite
-    checked_steps: int  # optimizer steps covered by this check
-    loss_scale: float | None  # None without fp16 AMP
-    amp: bool
-    loss_ranks: list[float]  # each rank's loss sum, for attribution
-    grad_ranks: list[float]  # each rank's local squared total, for attribution
-    extras: list[list[float]]  # each rank's extra figures, packed after the layers (token counts, flags)
-
-    @property
-    def grad_nonfinite(self) -> bool:
-        return self.grad_peak is not None and not math.isfinite(self.grad_peak)
-
-    def rank_for(self, kind: AlertKind) -> int | None:
-        """The lowest rank whose own figure shows ``kind``, or ``None`` in a single-process run."""
-        if len(self.loss_ranks) < 2:
-            return None
-        if kind is AlertKind.NONFINITE_LOSS:
-            return next((r for r, v in enumerate(self.loss_ranks) if not math.isfinite(v)), None)
-        if kind is AlertKind.NONFINITE_GRAD:
-            return next((r for r, v in enumerate(self.grad_ranks) if not math.isfinite(v)), None)
-        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE):
-            return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
-        return None
-
-
-# Layout of the header that precedes the per-layer squares in the packed per-rank tensor.
-_LOSS_SUM, _LOSS_COUNT, _PRESENT, _PEAK_REP, _PEAK_SHARD, _OVERFLOWS, _STEPS, _SCALE = range(8)
-_HEADER = 8
-
-
-class _OptimizerWatch:
-    """Everything the monitor tracks for one optimizer: layer norms, detectors, device figures between checks."""
-
-    def __init__(
-        self,
-        monitor: TrainingMonitor,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        optimizer: Optimizer,
-        index: int,
-    ) -> None:
-        self.index = index
-        self.suffix = f"_opt{index}" if len(trainer.optimizers) > 1 else ""
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        named = [(n, p) for n, p in pl_module.named_parameters() if id(p) in in_optimizer]
-        sharded, replicas = _gradient_sharding(trainer.strategy, trainer.num_nodes)
-        self.norms = LayerGradNorms(named, sharded=sharded, replicas=replicas)
-        self.nonfinite_loss = NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss")
-        self.nonfinite_grad = NonFiniteDetector(AlertKind.NONFINITE_GRAD, "gradient norm")
-        self.amp = AmpOverflowDetector(monitor.amp_overflow_patience, monitor.min_loss_scale)
-        self.exploding = (
-            None
-            if monitor.exploding_grad_threshold is None
-            else ThresholdDetector(
-                AlertKind.EXPLODING_GRAD,
-                "gradient norm",
-                monitor.exploding_grad_threshold,
-                "above",
-                argument="exploding_grad_threshold",
-            )
-        )
-        self.vanishing = (
-            None
-            if monitor.vanishing_grad_threshold is None
-            else ThresholdDetector(
-                AlertKind.VANISHING_GRAD,
-                "gradient norm",
-                monitor.vanishing_grad_threshold,
-                "below",
-                patience=monitor.vanishing_grad_patience,
-                argument="vanishing_grad_threshold",
-            )
-        )
-        self.loss_spike, self.grad_spike = (
-            None
-            if threshold is None
-            else SpikeDetector(
-                kind,
-                name,
-                threshold,
-                window=monitor.spike_window,
-                warmup=monitor.spike_warmup,
-                patience=monitor.spike_patience,
-            )
-            for kind, name, threshold in (
-                (AlertKind.LOSS_SPIKE, "training loss", monitor.loss_spike_threshold),
-                (AlertKind.GRAD_SPIKE, "gradient norm", monitor.grad_spike_threshold),
-            )
-        )
-        self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        # Device-side figures since the last check: worst total (replicated, sharded), overflowing steps, steps.
-        self._peak: Tensor | None = None
-        self._overflows: Tensor | None = None
-        self._present = 0
-        self._held_steps = 0
-
-    def hold(self, squared: Tensor) -> None:
-        """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
-        totals = squared.sum(1)
-        bad = (~torch.isfinite(totals.sum())).float().reshape(1)
-        self._peak = totals if self._peak is None else torch.maximum(self._peak, totals)
-        self._overflows = bad if self._overflows is None else self._overflows + bad
-        self._present = max(self._present, self.norms.present)
-        self._held_steps += 1
-
-    def read(
-        self,
-        squared: Tensor,
-        loss: tuple[Tensor | None, int],
-        scaler: torch.amp.GradScaler | None,
-        accumulate: int,
-        extras: Tensor,
-    ) -> _StepFigures:
-        """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
-        self.hold(squared)
-        loss_sum, loss_count = loss
-        device = squared.device
-        counts = torch.tensor([float(loss_count), float(self._present)]).to(device, non_blocking=True)
-        header = torch.cat(
-            [
-                torch.zeros(1, device=device) if loss_sum is None else loss_sum.reshape(1).to(device),
-                counts,
-                self._peak,  # type: ignore[list-item]
-                self._overflows,  # type: ignore[list-item]
-                torch.full((1,), float(self._held_steps), device=device),
-                _scale_tensor(scaler, device),
-            ]
-        )
-        dtype = host_dtype(device)
-        packed = torch.cat([header.to(dtype), squared.flatten().to(dtype), extras.to(device=device, dtype=dtype)])
-        per_rank = gather_ranks(packed)  # the one host sync of this check
-        self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
-        layers_end = _HEADER + 2 * len(self.norms.names)
-
-        first = per_rank[0]
-        scale = first[_SCALE] if scaler is not None else 1.0
-        # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
-        unscale = scale**2 if self.fused else 1.0
-        layer_sq = [v / unscale for v in combine_ranks([r[_HEADER:layers_end] for r in per_rank])]
-        has_grads = any(r[_PRESENT] > 0 for r in per_rank)
-
-        grad_norm = math.sqrt(math.fsum(layer_sq)) if has_grads else None
-        if first[_STEPS] > 1:  # the worst step since the last check
-            peak_sq = combine_ranks([[r[_PEAK_REP], r[_PEAK_SHARD]] for r in per_rank])[0] / unscale
-            grad_peak = math.sqrt(peak_sq)
-        else:
-            grad_peak = grad_norm
-        count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
-        return _StepFigures(
-            loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count * accumulate / scale if count else None,
-            grad_norm=grad_norm,
-            grad_peak=grad_peak if has_grads else None,
-            layer_sq=layer_sq,
-            overflow_steps=int(max(r[_OVERFLOWS] for r in per_rank)) if scaler is not None else 0,
-            checked_steps=int(first[_STEPS]),
-            loss_scale=scale if scaler is not None else None,
-            amp=scaler is not None,
-            loss_ranks=[r[_LOSS_SUM] for r in per_rank],
-            grad_ranks=[r[_PEAK_REP] + r[_PEAK_SHARD] for r in per_rank],
-            extras=[r[layers_end:] for r in per_rank],
-        )
-
-    def check(self, step: _StepFigures) -> list[Detection]:
-        """Run every detector on the figures of one check; report causes, not their echoes."""
-        found: list[Detection | None] = []
-        if step.loss is not None:
-            found.append(self.nonfinite_loss.update(step.loss))
-            if self.loss_spike is not None:
-                found.append(self.loss_spike.update(step.loss))
-        if step.grad_norm is not None and step.grad_peak is not None:
-            if step.amp:
-                overflowed = step.overflow_steps == step.checked_steps
-                found.append(self.amp.update(overflowed, step.loss_scale))  # type: ignore[arg-type]
-            else:
-                found.append(self.nonfinite_grad.update(step.grad_peak))
-            for detector, value in (
-                (self.exploding, step.grad_peak),
-                (self.vanishing, step.grad_norm),
-                (self.grad_spike, step.grad_norm),
-            ):
-                if detector is not None:
-                    found.append(detector.update(value))
-        detections = [d for d in found if d is not None]
-        kinds = {d.kind for d in detections}
-        # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
-        if AlertKind.NONFINITE_LOSS in kinds or self.nonfinite_loss.active:
-            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
-        if AlertKind.EXPLODING_GRAD in kinds:
-            detections = [d for d in detections if d.kind is not AlertKind.GRAD_SPIKE]
-        return detections
-
-    def beyond(self, kinds: frozenset[AlertKind]) -> bool:
-        """Whether the last check's figure was beyond the limit of any of ``kinds`` (even before patience ran out)."""
-        states = {
-            AlertKind.NONFINITE_LOSS: self.nonfinite_loss.active,
-            AlertKind.NONFINITE_GRAD: self.nonfinite_grad.active,
-            AlertKind.EXPLODING_GRAD: self.exploding is not None and self.exploding.count > 0,
-            AlertKind.VANISHING_GRAD: self.vanishing is not None and self.vanishing.count > 0,
-            AlertKind.LOSS_SPIKE: self.loss_spike is not None and self.loss_spike.outlier,
-            AlertKind.GRAD_SPIKE: self.grad_spike is not None and self.grad_spike.outlier,
-        }
-        return any(states.get(kind, False) for kind in kinds)
-
-    def blame(self, kind: AlertKind, step: _StepFigures) -> str:
-        """Name the layers behind a gradient or loss alert, from the per-layer norms already computed."""
-        names, squares = self.norms.names, step.layer_sq
-        if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
-            return ""
-        bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
-        if bad:
-            bad = self.order.sort(bad) if self.order is not None else bad
-            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {', '.join(bad[:5])}."
-        total = math.fsum(squares)
-        if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
-            return ""
-        top = sorted(zip(names, squares, strict=True), key=lambda x: -x[1])[:3]
-        shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
-        return f" Largest layers (norm, share of squared total): {shares}."
-
-    def figures(self, step: _StepFigures, skipped_steps: int, layer_norms: bool) -> dict[str, float]:
-        """The host figures to log for this step."""
-        out: dict[str, float] = {}
-        if step.grad_norm is not None:
-            out[f"grad_norm{self.suffix}"] = step.grad_norm
-            if layer_norms:
-                for name, sq in zip(self.norms.names, step.layer_sq, strict=True):
-                    out[f"grad_norm{self.suffix}/{name}"] = math.sqrt(sq)
-        if step.loss_scale is not None:
-            out["loss_scale"] = step.loss_scale
-        out["skipped_steps"] = float(skipped_steps)
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        detectors = self._detectors()
-        return {name: det.state_dict() for name, det in detectors.items()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, det in self._detectors().items():
-            det.load_state_dict(state.get(name, {}))
-
-    def _detectors(self) -> dict[str, Any]:
-        found = {
-            "nonfinite_loss": self.nonfinite_loss,
-            "nonfinite_grad": self.nonfinite_grad,
-            "amp": self.amp,
-            "exploding": self.exploding,
-            "vanishing": self.vanishing,
-            "loss_spike": self.loss_spike,
-            "grad_spike": self.grad_spike,
-        }
-        return {k: v for k, v in found.items() if v is not None}
-
-
-# ---------------------------------------------------------------------------------------------------- Lightning
-
-
-def _is_logging_step(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes to the loggers at the end of this batch (``log_every_n_steps``)."""
-    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
-
-
-def _logging_step(trainer: pl.Trainer) -> int:
-    """The step Lightning writes this batch's metrics at (the one ``LearningRateMonitor`` uses too)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
-def _grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
-    """The fp16 AMP GradScaler of the run, or ``None`` (full precision, bf16, or no scaler)."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return scaler if scaler is not None and scaler.is_enabled() else None
-
-
-def _scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor:
-    """The current loss scale as a 1-element device tensor, without a host sync (``get_scale()`` would sync)."""
-    scale = getattr(scaler, "_scale", None)
-    if isinstance(scale, Tensor):
-        return scale.reshape(1).to(device=device, dtype=torch.float32)
-    return torch.ones(1, device=device)
-
-
-def _gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
-    """Whether plain-tensor gradients are per-rank shards (FSDP) rather than replicas, and how many ranks hold each.
-
-    ``DTensor`` gradients (FSDP2, tensor parallelism) describe their own layout and need nothing from here.
-    """
-    if not isinstance(strategy, FSDPStrategy):
-        return False, 1
-    mode = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
-    if mode == "NO_SHARD":  # every rank holds the whole gradient, like DDP
-        return False, 1
-    if "HYBRID" in mode:  # sharded within a node, replicated across nodes
-        return True, num_nodes
-    return True, 1

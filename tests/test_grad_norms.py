@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch import nn
 
+from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from lightning_monitor.monitor import _gradient_sharding
 from lightning_monitor.sync_count import HostSyncCounter
 
 
@@ -160,4 +160,4 @@ def test_bad_arguments(bad):
 )
 def test_how_lightning_strategies_lay_out_gradients(strategy, expected):
     """Lightning's FSDP runs only on GPUs; the layout decision itself is read off the strategy object."""
-    assert _gradient_sharding(strategy(), num_nodes=3) == expected
+    assert gradient_sharding(strategy(), num_nodes=3) == expected

@@ -1,0 +1,44 @@
+"""What the monitor needs to know about a running Lightning trainer, in one place.
+
+Two of these read private trainer attributes, exactly as Lightning's own ``LearningRateMonitor`` and
+``DeviceStatsMonitor`` do, so the monitor's figures land on the same steps as the user's own logged metrics.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
+
+__all__ = ["grad_scaler", "gradient_sharding", "is_logging_step", "logging_step"]
+
+
+def is_logging_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes to the loggers at the end of this batch (``log_every_n_steps``)."""
+    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning writes this batch's metrics at (the one ``LearningRateMonitor`` uses too)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The fp16 AMP GradScaler of the run, or ``None`` (full precision, bf16, or no scaler)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
+    """Whether plain-tensor gradients are per-rank shards (FSDP) rather than replicas, and how many ranks hold each.
+
+    ``DTensor`` gradients (FSDP2, tensor parallelism) describe their own layout and need nothing from here.
+    """
+    if not isinstance(strategy, FSDPStrategy):
+        return False, 1
+    mode = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+    if mode == "NO_SHARD":  # every rank holds the whole gradient, like DDP
+        return False, 1
+    if "HYBRID" in mode:  # sharded within a node, replicated across nodes
+        return True, num_nodes
+    return True, 1

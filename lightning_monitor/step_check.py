@@ -1,0 +1,262 @@
+"""One check of an optimizer step: pack this rank's figures, gather every rank's once, combine, and run the detectors.
+
+:class:`StepCheck` is what :class:`~lightning_monitor.TrainingMonitor` runs in ``on_before_optimizer_step``. Between
+checks (``check_every_n_steps > 1``) it keeps the worst figures on the device; at a check it packs the loss, the
+per-layer squared gradient norms, the loss scale and any extra figures into one tensor, gathers it from every rank
+with :func:`~lightning_monitor.halting.gather_ranks` (the one host read), and turns the rows into
+:class:`StepFigures` on the host. Every rank then runs the same detectors on the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_monitor.activations import ForwardOrder
+from lightning_monitor.alerts import AlertKind, Detection, format_value
+from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
+from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
+from lightning_monitor.halting import gather_ranks, host_dtype
+
+__all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The host figures of one check, combined over ranks, plus what each rank saw for attribution."""
+
+    loss: float | None  # None when no backward ran since the last check
+    grad_norm: float | None  # None when no parameter had a gradient
+    grad_peak: float | None  # worst total norm since the last check (NaN/Inf propagate)
+    layer_sq: list[float]  # squared per-layer norms
+    overflow_steps: int  # steps since the last check whose gradients were not finite
+    checked_steps: int  # optimizer steps covered by this check
+    loss_scale: float | None  # None without fp16 AMP
+    amp: bool
+    loss_ranks: list[float]  # each rank's loss sum, for attribution
+    grad_ranks: list[float]  # each rank's local squared total, for attribution
+    extras: list[list[float]]  # each rank's extra figures, packed after the layers (token counts, flags)
+
+    @property
+    def grad_nonfinite(self) -> bool:
+        """Whether some gradient since the last check was NaN or infinite."""
+        return self.grad_peak is not None and not math.isfinite(self.grad_peak)
+
+    def rank_for(self, kind: AlertKind) -> int | None:
+        """The lowest rank whose own figure shows ``kind``, or ``None`` in a single-process run."""
+        if len(self.loss_ranks) < 2:
+            return None
+        if kind is AlertKind.NONFINITE_LOSS:
+            return next((r for r, v in enumerate(self.loss_ranks) if not math.isfinite(v)), None)
+        if kind is AlertKind.NONFINITE_GRAD:
+            return next((r for r, v in enumerate(self.grad_ranks) if not math.isfinite(v)), None)
+        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE):
+            return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
+        return None
+
+
+# Layout of the header that precedes the per-layer squares in the packed per-rank tensor.
+_LOSS_SUM, _LOSS_COUNT, _PRESENT, _PEAK_REP, _PEAK_SHARD, _OVERFLOWS, _STEPS, _SCALE = range(8)
+_HEADER = 8
+
+
+class StepCheck:
+    """The checks of one optimizer: its layer norms, its detectors, and the figures kept on the device in between.
+
+    Args:
+        norms: The gradient norms of the optimizer's parameters.
+        detectors: The step-level detectors to run.
+        index: The optimizer's index in ``trainer.optimizers``.
+        suffix: Appended to ``grad_norm`` keys (``"_opt1"`` with several optimizers, else ``""``).
+        fused: The optimizer unscales fp16 gradients inside ``step()`` (fused Adam), so they are still scaled here.
+    """
+
+    def __init__(
+        self, norms: LayerGradNorms, detectors: StepDetectors, index: int = 0, suffix: str = "", fused: bool = False
+    ) -> None:
+        self.norms = norms
+        self.detectors = detectors
+        self.index = index
+        self.suffix = suffix
+        self.fused = fused
+        self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
+        # Device-side figures since the last check: worst total (replicated, sharded), overflowing steps, steps.
+        self._peak: Tensor | None = None
+        self._overflows: Tensor | None = None
+        self._present = 0
+        self._held_steps = 0
+
+    def hold(self, squared: Tensor) -> None:
+        """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
+        totals = squared.sum(1)
+        bad = (~torch.isfinite(totals.sum())).float().reshape(1)
+        self._peak = totals if self._peak is None else torch.maximum(self._peak, totals)
+        self._overflows = bad if self._overflows is None else self._overflows + bad
+        self._present = max(self._present, self.norms.present)
+        self._held_steps += 1
+
+    def read(
+        self,
+        squared: Tensor,
+        loss: tuple[Tensor | None, int],
+        scaler: torch.amp.GradScaler | None,
+        accumulate: int,
+        extras: Tensor,
+    ) -> StepFigures:
+        """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
+        self.hold(squared)
+        loss_sum, loss_count = loss
+        device = squared.device
+        counts = torch.tensor([float(loss_count), float(self._present)]).to(device, non_blocking=True)
+        header = torch.cat(
+            [
+                torch.zeros(1, device=device) if loss_sum is None else loss_sum.reshape(1).to(device),
+                counts,
+                self._peak,  # type: ignore[list-item]
+                self._overflows,  # type: ignore[list-item]
+                torch.full((1,), float(self._held_steps), device=device),
+                scale_tensor(scaler, device),
+            ]
+        )
+        dtype = host_dtype(device)
+        packed = torch.cat([header.to(dtype), squared.flatten().to(dtype), extras.to(device=device, dtype=dtype)])
+        per_rank = gather_ranks(packed)  # the one host sync of this check
+        self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
+        layers_end = _HEADER + 2 * len(self.norms.names)
+
+        first = per_rank[0]
+        scale = first[_SCALE] if scaler is not None else 1.0
+        # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
+        unscale = scale**2 if self.fused else 1.0
+        layer_sq = [v / unscale for v in combine_ranks([r[_HEADER:layers_end] for r in per_rank])]
+        has_grads = any(r[_PRESENT] > 0 for r in per_rank)
+
+        grad_norm = math.sqrt(math.fsum(layer_sq)) if has_grads else None
+        if first[_STEPS] > 1:  # the worst step since the last check
+            peak_sq = combine_ranks([[r[_PEAK_REP], r[_PEAK_SHARD]] for r in per_rank])[0] / unscale
+            grad_peak = math.sqrt(peak_sq)
+        else:
+            grad_peak = grad_norm
+        count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
+        return StepFigures(
+            loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count * accumulate / scale if count else None,
+            grad_norm=grad_norm,
+            grad_peak=grad_peak if has_grads else None,
+            layer_sq=layer_sq,
+            overflow_steps=int(max(r[_OVERFLOWS] for r in per_rank)) if scaler is not None else 0,
+            checked_steps=int(first[_STEPS]),
+            loss_scale=scale if scaler is not None else None,
+            amp=scaler is not None,
+            loss_ranks=[r[_LOSS_SUM] for r in per_rank],
+            grad_ranks=[r[_PEAK_REP] + r[_PEAK_SHARD] for r in per_rank],
+            extras=[r[layers_end:] for r in per_rank],
+        )
+
+    def check(self, step: StepFigures) -> list[Detection]:
+        """Run every detector on the figures of one check; report causes, not their echoes."""
+        found: list[Detection | None] = []
+        if step.loss is not None:
+            found.append(self.detectors.nonfinite_loss.update(step.loss))
+            if self.detectors.loss_spike is not None:
+                found.append(self.detectors.loss_spike.update(step.loss))
+        if step.grad_norm is not None and step.grad_peak is not None:
+            if step.amp:
+                overflowed = step.overflow_steps == step.checked_steps
+                found.append(self.detectors.amp.update(overflowed, step.loss_scale))  # type: ignore[arg-type]
+            else:
+                found.append(self.detectors.nonfinite_grad.update(step.grad_peak))
+            for detector, value in (
+                (self.detectors.exploding, step.grad_peak),
+                (self.detectors.vanishing, step.grad_norm),
+                (self.detectors.grad_spike, step.grad_norm),
+            ):
+                if detector is not None:
+                    found.append(detector.update(value))
+        detections = [d for d in found if d is not None]
+        kinds = {d.kind for d in detections}
+        # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
+        if AlertKind.NONFINITE_LOSS in kinds or self.detectors.nonfinite_loss.active:
+            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
+        if AlertKind.EXPLODING_GRAD in kinds:
+            detections = [d for d in detections if d.kind is not AlertKind.GRAD_SPIKE]
+        return detections
+
+    def beyond(self, kinds: frozenset[AlertKind]) -> bool:
+        """Whether the last check's figure was beyond the limit of any of ``kinds`` (even before patience ran out)."""
+        states = {
+            AlertKind.NONFINITE_LOSS: self.detectors.nonfinite_loss.active,
+            AlertKind.NONFINITE_GRAD: self.detectors.nonfinite_grad.active,
+            AlertKind.EXPLODING_GRAD: self.detectors.exploding is not None and self.detectors.exploding.count > 0,
+            AlertKind.VANISHING_GRAD: self.detectors.vanishing is not None and self.detectors.vanishing.count > 0,
+            AlertKind.LOSS_SPIKE: self.detectors.loss_spike is not None and self.detectors.loss_spike.outlier,
+            AlertKind.GRAD_SPIKE: self.detectors.grad_spike is not None and self.detectors.grad_spike.outlier,
+        }
+        return any(states.get(kind, False) for kind in kinds)
+
+    def blame(self, kind: AlertKind, step: StepFigures) -> str:
+        """Name the layers behind a gradient or loss alert, from the per-layer norms already computed."""
+        names, squares = self.norms.names, step.layer_sq
+        if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
+            return ""
+        bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
+        if bad:
+            bad = self.order.sort(bad) if self.order is not None else bad
+            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {', '.join(bad[:5])}."
+        total = math.fsum(squares)
+        if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
+            return ""
+        top = sorted(zip(names, squares, strict=True), key=lambda x: -x[1])[:3]
+        shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
+        return f" Largest layers (norm, share of squared total): {shares}."
+
+    def figures(self, step: StepFigures, skipped_steps: int, layer_norms: bool) -> dict[str, float]:
+        """The host figures to log for this step."""
+        out: dict[str, float] = {}
+        if step.grad_norm is not None:
+            out[f"grad_norm{self.suffix}"] = step.grad_norm
+            if layer_norms:
+                for name, sq in zip(self.norms.names, step.layer_sq, strict=True):
+                    out[f"grad_norm{self.suffix}/{name}"] = math.sqrt(sq)
+        if step.loss_scale is not None:
+            out["loss_scale"] = step.loss_scale
+        out["skipped_steps"] = float(skipped_steps)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The detectors' states, as plain values."""
+        return {name: det.state_dict() for name, det in self.detectors.present().items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the detectors' states."""
+        for name, det in self.detectors.present().items():
+            det.load_state_dict(state.get(name, {}))
+
+
+@dataclass
+class StepDetectors:
+    """The detectors run at every check of an optimizer step; ``None`` for the ones turned off."""
+
+    nonfinite_loss: NonFiniteDetector
+    nonfinite_grad: NonFiniteDetector
+    amp: AmpOverflowDetector
+    exploding: ThresholdDetector | None = None
+    vanishing: ThresholdDetector | None = None
+    loss_spike: SpikeDetector | None = None
+    grad_spike: SpikeDetector | None = None
+
+    def present(self) -> dict[str, Any]:
+        """The detectors that are on, by name (the names key their state in checkpoints)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor:
+    """The current loss scale as a 1-element device tensor, without a host sync (``get_scale()`` would sync)."""
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, Tensor):
+        return scale.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.ones(1, device=device)
