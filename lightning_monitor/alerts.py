@@ -78,8 +78,8 @@ ADVICE: dict[AlertKind, str] = {
         "checkpoint, lower the learning rate or add regularisation."
     ),
     AlertKind.LOSS_SPIKE: (
-        "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and inspect the "
-        "batch saved with the alert for bad or duplicated data."
+        "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and look for bad "
+        "or duplicated data in the batch (`postmortem='alert'` saves it)."
     ),
     AlertKind.GRAD_SPIKE: (
         "Clip gradients (`gradient_clip_val`), lower the learning rate, and check the layers named above; spikes "

@@ -28,6 +28,8 @@ try:  # torch >= 2.4
 except ImportError:  # pragma: no cover - older torch without public DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
+from lightning_monitor.halting import host_dtype
+
 __all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
 
 #: Path components that wrappers insert into parameter names (FSDP, activation checkpointing, torch.compile).
@@ -84,7 +86,7 @@ class LayerGradNorms:
         ('0', '2')
         >>> total, per_layer = norms.norms()
         >>> grads = [p.grad for p in model.parameters()]
-        >>> torch.allclose(total, torch.nn.utils.get_total_norm(grads))
+        >>> torch.allclose(total, torch.nn.utils.get_total_norm(grads).double())
         True
     """
 
@@ -121,7 +123,9 @@ class LayerGradNorms:
         self.present = 0
 
     def squared(self) -> Tensor:
-        """Return a ``[2, num_layers]`` float32 tensor of squared norms on this rank: replicated row, sharded row.
+        """Return a ``[2, num_layers]`` tensor of squared norms on this rank: replicated row, sharded row.
+
+        The norms are accumulated in float32 and squared in float64 (float32 on MPS), on the gradients' device.
 
         Parameters without a gradient count as zero. A non-finite gradient makes its layer's entry non-finite.
         ``DTensor`` gradients placed unlike their parameters are redistributed first, a collective over their mesh.
@@ -129,7 +133,8 @@ class LayerGradNorms:
         grads = [p.grad for p in self.params]
         missing = tuple(i for i, g in enumerate(grads) if g is None)
         self.present = len(grads) - len(missing)
-        out = torch.zeros(2 * len(self.names), dtype=torch.float32, device=self.device)
+        # Squares in float64 where the device has it: a finite norm above ~1.8e19 would overflow a float32 square.
+        out = torch.zeros(2 * len(self.names), dtype=host_dtype(self.device), device=self.device)
         if len(missing) == len(grads):
             return out.view(2, -1)
         plan = self._plans.get(missing) or self._plan(missing)
@@ -142,7 +147,7 @@ class LayerGradNorms:
             for idx, dtype in zip(plan.groups, plan.dtypes, strict=True)
         ]
         norms = per_group[0] if len(per_group) == 1 else torch.cat([n.to(self.device) for n in per_group])
-        squares = norms.to(self.device).square()
+        squares = norms.to(device=self.device, dtype=out.dtype).square()
         if plan.weight is not None:
             squares = squares * plan.weight
         return out.index_add_(0, plan.slot, squares).view(2, -1)

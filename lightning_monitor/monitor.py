@@ -183,7 +183,8 @@ class TrainingMonitor(Callback):
         alerts: Every alert so far, oldest first (restored from checkpoints).
         stopping_reason: The kind of the alert that halted training, or ``None``.
         stopping_reason_message: That alert's message, or ``None``.
-        skipped_steps: Optimizer steps skipped so far because their gradients were not finite.
+        skipped_steps: Optimizer steps skipped so far: non-finite gradients (by the monitor, or by the GradScaler
+            under fp16 AMP), halts, and ``skip_on``.
         latest: The host figures of the latest check: the logged keys above plus ``loss``, the training loss of
             the optimizer step (NaN when no backward ran).
 

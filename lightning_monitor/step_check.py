@@ -55,7 +55,8 @@ class StepFigures:
             return next((r for r, v in enumerate(self.loss_ranks) if not math.isfinite(v)), None)
         if kind is AlertKind.NONFINITE_GRAD:
             return next((r for r, v in enumerate(self.grad_ranks) if not math.isfinite(v)), None)
-        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE):
+        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE) and len(set(self.grad_ranks)) > 1:
+            # Only when the ranks disagree: DDP gradients are all-reduced, so every rank sees the same figure.
             return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
         return None
 
@@ -206,7 +207,8 @@ class StepCheck:
         bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
         if bad:
             bad = self.order.sort(bad) if self.order is not None else bad
-            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {', '.join(bad[:5])}."
+            shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {shown}."
         total = math.fsum(squares)
         if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
             return ""

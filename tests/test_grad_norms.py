@@ -90,7 +90,16 @@ def test_mixed_dtypes_and_large_fp16_gradients_do_not_overflow():
     expected = [math.sqrt(sum(p.numel() for p in layer.parameters())) * 300.0 for layer in model]
     assert per_layer.tolist() == pytest.approx(expected, rel=1e-6)
     assert total.item() == pytest.approx(math.sqrt(sum(e * e for e in expected)), rel=1e-6)
-    assert per_layer.dtype == torch.float32
+    assert per_layer.dtype == torch.float64  # squared in float64, so huge finite norms stay finite
+
+
+def test_huge_finite_gradients_do_not_overflow_the_total():
+    # Each tensor's norm (1.5e19) fits float32, but the sum of their squares (4.5e38) would not.
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+    for layer in model:
+        layer.weight.grad = torch.tensor([[1.5e19]])
+    total, _ = LayerGradNorms(model.named_parameters()).norms()
+    assert total.item() == pytest.approx(1.5e19 * math.sqrt(2), rel=1e-6)
 
 
 def test_float64_gradients():
