@@ -12,6 +12,7 @@ import glob
 import json
 import math
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,13 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on, for the rendezvous of a multi-process test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def total_norm(module: nn.Module) -> float:

@@ -90,13 +90,16 @@ def test_fp16_amp_norm_is_unscaled(tmp_path):
     assert monitor.alerts == []
 
 
-def test_amp_loss_is_unscaled_and_exact(tmp_path):
-    class LossRecorder(ScriptedModel):
-        def training_step(self, batch, batch_idx):
-            out = super().training_step(batch, batch_idx)
-            self.losses = [*getattr(self, "losses", []), out["loss"].item()]
-            return out
+class LossRecorder(ScriptedModel):
+    """Records the loss each training_step returns, as an independent reference for the monitor's loss."""
 
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.losses = [*getattr(self, "losses", []), out["loss"].item()]
+        return out
+
+
+def test_amp_loss_is_unscaled_and_exact(tmp_path):
     model = LossRecorder()
     _, _, probe = run(tmp_path, model, plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
     for seen, loss in zip(probe.latest, model.losses, strict=True):
@@ -105,12 +108,6 @@ def test_amp_loss_is_unscaled_and_exact(tmp_path):
 
 @pytest.mark.parametrize("accumulate", [2, 3])
 def test_accumulation_norm_is_of_summed_gradients(tmp_path, accumulate):
-    class LossRecorder(ScriptedModel):
-        def training_step(self, batch, batch_idx):
-            out = super().training_step(batch, batch_idx)
-            self.losses = [*getattr(self, "losses", []), out["loss"].item()]
-            return out
-
     model = LossRecorder()
     _, _, probe = run(tmp_path, model, accumulate_grad_batches=accumulate, max_steps=4)
     assert len(probe.latest) == len(model.reference) == 4  # one check per optimizer step, not per micro-batch

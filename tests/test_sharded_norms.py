@@ -15,7 +15,6 @@ import copy
 import json
 import math
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -25,32 +24,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
 from lightning_monitor.halting import gather_ranks
+from lightning_monitor.sync_count import HostSyncCounter
 
 WORLD = 2
 RTOL = 1e-5
 SPAWN_DEADLINE_S = 100
 NET_LAYERS = ["blocks.0", "blocks.1", "head"]
-
-aten = torch.ops.aten
-_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.is_nonzero}
-
-
-class _SyncCounter(TorchDispatchMode):
-    """Counts the ops that read a device value back to the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in _SYNC_OPS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Net(nn.Module):
@@ -109,7 +93,7 @@ def _reference(model: nn.Module) -> tuple[list[str], list[float]]:
 def _measure(named, sharded: bool = False) -> dict:
     """What the monitor does on every rank: squared() rows, one gather, combine on the host."""
     norms = LayerGradNorms(named, sharded=sharded)
-    with _SyncCounter() as counter:
+    with HostSyncCounter() as counter:
         squared = norms.squared()
         norms.squared()  # the second call reuses the plan
     per_rank = gather_ranks(squared.flatten())
@@ -279,17 +263,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Run every scenario once on 2 gloo ranks; return each rank's results. Kills the ranks at a hard deadline."""
     out_dir = tmp_path_factory.mktemp("sharded")
-    context = mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False)
+    context = mp.start_processes(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     try:
         while not context.join(timeout=1):
@@ -442,12 +420,12 @@ def test_squared_makes_no_host_sync():
     model[3](model[:3](x).half()).float().sum().backward()
     model[2].bias.grad = None  # a pattern of missing gradients
     norms = LayerGradNorms(model.named_parameters())
-    with _SyncCounter() as counter:
+    with HostSyncCounter() as counter:
         for _ in range(3):
             squared = norms.squared()
     assert counter.count == 0
     assert squared.shape == (2, 3)
     # Sanity check that the counter does see a host read.
-    with _SyncCounter() as counter:
+    with HostSyncCounter() as counter:
         squared.sum().item()
     assert counter.count == 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import warnings
 from datetime import timedelta
@@ -12,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_monitor.sync_count import HostSyncCounter
@@ -362,15 +362,9 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ddp_compute_equals_single_process_value(tmp_path):
-    context = mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
+    context = mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
