@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -31,6 +31,7 @@ from lightning_monitor.detectors import (
 from lightning_monitor.grad_norms import LayerGradNorms, layer_name
 from lightning_monitor.halting import TrainingHalted, gather_ranks, host_dtype, skip_optimizer_step
 from lightning_monitor.postmortem import write_bundle
+from lightning_monitor.report import load_run, summarize_run
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 from lightning_monitor.step_check import StepCheck, StepDetectors, StepFigures
 from lightning_monitor.token_tracker import TokenAccuracyTracker
@@ -168,6 +169,8 @@ class TrainingMonitor(Callback):
         watch_activations: Flag every module whose output is not finite, and name the first in forward order
             when the loss or the gradients go non-finite. Costs one extra read of each module's output per
             forward pass, so it is off by default.
+        summary_on_fit_end: At the end of ``fit``, print the health summary of ``lightning-monitor report`` for the
+            run (run length, final and best losses, alerts by kind, why it halted, a verdict).
         amp_overflow_patience: Under fp16 AMP, consecutive overflowing steps that make ``nonfinite_grad``.
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
         layer_norms: Log ``grad_norm/<layer>`` as well as the total.
@@ -230,6 +233,7 @@ class TrainingMonitor(Callback):
         token_accuracy_fn: Callable[[Any, Any], tuple[Tensor, Tensor] | None] | None = None,
         token_acc_patience: int | None = None,
         watch_activations: bool = False,
+        summary_on_fit_end: bool = False,
         amp_overflow_patience: int = 16,
         min_loss_scale: float = 1.0,
         layer_norms: bool = True,
@@ -306,6 +310,7 @@ class TrainingMonitor(Callback):
         self.token_accuracy_fn = token_accuracy_fn
         self.token_acc_patience = token_acc_patience
         self.watch_activations = watch_activations
+        self.summary_on_fit_end = summary_on_fit_end
         self.amp_overflow_patience = amp_overflow_patience
         self.min_loss_scale = min_loss_scale
         self.layer_norms = layer_norms
@@ -386,6 +391,18 @@ class TrainingMonitor(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close_hooks()
 
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not (self.summary_on_fit_end and trainer.is_global_zero):
+            return
+        for logger in trainer.loggers:  # Lightning finalizes loggers only after this hook: flush what they hold
+            logger.save()
+        try:
+            summary = summarize_run(load_run(self._log_dir))
+        except (OSError, ValueError) as err:
+            summary = f"no summary: {err}"
+        rank_zero_info(f"lightning-monitor summary of {self._log_dir}\n{summary}")
+
     def settings(self) -> dict[str, Any]:
         """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory).
 
@@ -417,6 +434,7 @@ class TrainingMonitor(Callback):
             "labels_key": self.labels_key,
             "token_acc_patience": self.token_acc_patience,
             "watch_activations": self.watch_activations,
+            "summary_on_fit_end": self.summary_on_fit_end,
             "amp_overflow_patience": self.amp_overflow_patience,
             "min_loss_scale": self.min_loss_scale,
             "layer_norms": self.layer_norms,

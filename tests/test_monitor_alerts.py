@@ -249,3 +249,11 @@ def test_monitor_pickles():
     monitor = TrainingMonitor(exploding_grad_threshold=10.0, halt_on=["nonfinite_loss"])
     clone = pickle.loads(pickle.dumps(monitor))
     assert clone.settings() == monitor.settings()
+
+
+def test_summary_on_fit_end(tmp_path, caplog):
+    monitor = TrainingMonitor(val_loss_key=None, summary_on_fit_end=True)
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, ScriptedModel(loss_factor={4: float("nan")}), monitor, logger=CSVLogger(tmp_path), max_steps=10)
+    (text,) = [r.getMessage() for r in caplog.records if "lightning-monitor summary" in r.getMessage()]
+    assert "HALTED: nonfinite_loss at step 4" in text
