@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
+from _common import cpu_model, iqr, proc_status, reset_peak_rss
 
 B, T, IGNORED = 8, 256, 0.1
 
@@ -97,14 +98,6 @@ def count_update_syncs(vocab: int, case: str) -> int:
     return counter.count
 
 
-def _proc_status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure_memory_here(vocab: int, case: str) -> dict[str, float]:
     """In a fresh process: the extra peak RSS of the first call and of the second (steady-state) call.
 
@@ -117,11 +110,10 @@ def measure_memory_here(vocab: int, case: str) -> dict[str, float]:
     logits, labels = make_data(vocab)
     result = {"logits_bytes": logits.nbytes}
     for key in ("first_bytes", "steady_bytes"):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-        before = _proc_status("VmRSS")
+        reset_peak_rss()
+        before = proc_status("VmRSS")
         run(logits, labels)
-        result[key] = _proc_status("VmHWM") - before
+        result[key] = proc_status("VmHWM") - before
     return result
 
 
@@ -166,9 +158,9 @@ def main() -> None:
         print(json.dumps(measure_memory_here(args.vocab[0], args.memory_case)))
         return
 
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {platform.node()} | {cpu} | {os.cpu_count()} CPUs")
+    print(
+        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {platform.node()} | {cpu_model()} | {os.cpu_count()} CPUs"
+    )
     print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads) | logits [{B}, {T}, V] fp32")
     print(f"# {IGNORED:.0%} labels = -100 | {args.repeats} round-robin repeats | median and IQR per update")
     print(f"# load average at start: {os.getloadavg()[0]:.2f} (other jobs on this machine inflate the times)")
@@ -179,7 +171,7 @@ def main() -> None:
         times = time_cases(vocab, args.repeats)
         floor = statistics.median(times["amax (floor)"])
         for name, ts in times.items():
-            q1, _, q3 = statistics.quantiles(ts, n=4)
+            q1, q3 = iqr(ts)
             med = statistics.median(ts)
             mem = measure_memory(vocab, name)
             syncs = count_update_syncs(vocab, name)

@@ -6,11 +6,13 @@ Two of these read private trainer attributes, exactly as Lightning's own ``Learn
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
-__all__ = ["grad_scaler", "gradient_sharding", "is_logging_step", "logging_step"]
+__all__ = ["grad_scaler", "gradient_sharding", "is_logging_step", "logging_step", "mirror_callback_metrics"]
 
 
 def is_logging_step(trainer: pl.Trainer) -> bool:
@@ -42,3 +44,14 @@ def gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
     if "HYBRID" in mode:  # sharded within a node, replicated across nodes
         return True, num_nodes
     return True, 1
+
+
+def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:
+    """Put host figures in ``trainer.callback_metrics``, where ``ModelCheckpoint`` and ``EarlyStopping`` look.
+
+    The public property rebuilds every logged metric and reads each ``prog_bar`` one on the host, a device sync per
+    metric; the dict behind it takes CPU tensors for free.
+    """
+    values = {k: torch.tensor(v) for k, v in figures.items()}
+    target = getattr(trainer._logger_connector, "_callback_metrics", None)
+    (target if isinstance(target, dict) else trainer.callback_metrics).update(values)

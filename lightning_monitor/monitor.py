@@ -17,7 +17,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_monitor._lightning import grad_scaler, gradient_sharding, is_logging_step, logging_step
+from lightning_monitor._lightning import (
+    grad_scaler,
+    gradient_sharding,
+    is_logging_step,
+    logging_step,
+    mirror_callback_metrics,
+)
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.detectors import (
@@ -317,6 +323,10 @@ class TrainingMonitor(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.alerts_file = alerts_file
 
+        # Lightning reads it at every hook it dispatches: build it once.
+        self._state_key = self._generate_state_key(
+            val_loss_key=self.val_loss_key, halt_on=sorted(k.value for k in self.halt_on)
+        )
         self.alerts: list[Alert] = []
         self.stopping_reason: AlertKind | None = None
         self.stopping_reason_message: str | None = None
@@ -350,12 +360,13 @@ class TrainingMonitor(Callback):
         )
         self._step_logged: int | None = None  # the logging step of the optimizer step under way, if it logs
         self._pending_step: int | None = None  # the logging step of the counts handed over last
+        self._no_counts: Tensor | None = None  # cached zeros standing for "no counts waiting"
         self._pending_acc: tuple[Tensor, int] | None = None  # a step's token counts waiting for the next read
 
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(val_loss_key=self.val_loss_key, halt_on=sorted(k.value for k in self.halt_on))
+        return self._state_key
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -526,23 +537,27 @@ class TrainingMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # Count tokens on the device; once the step is complete, keep its counts for the next read if it logs.
+        # Count tokens on the device. Once a logging step is complete, hand its counts to the next read; before a
+        # logging step, mark the counts, so that its own figure can be told from the epoch's.
         self._tokens.update("train", outputs, batch)
-        if not self._window_closed or "train" in self._tokens.disabled:
+        if not self._window_closed:
             return
-        counts = self._tokens.window_counts()
         if self._step_logged is not None:
-            self._pending_acc = (counts, self._step_logged)
+            counts = self._tokens.counts_since_mark(self._step_logged)
+            self._pending_acc = None if counts is None else (counts, self._step_logged)
+        self._mark_tokens_before(trainer, logging_step(trainer) + 1)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tokens.reset("train")
+        self._mark_tokens_before(trainer, logging_step(trainer))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Gate, compute: the epoch's token counts and any step figure still waiting, in one read.
-        if "train" in self._tokens.disabled:
+        # Gate on the settings only, never on what one rank saw: every rank must join the collective.
+        if not self.token_accuracy:
             return
+        # Compute: the epoch's token counts and any step figure still waiting, in one read.
         pending = self._take_pending_acc(pl_module.device)
         per_rank = gather_ranks(torch.cat([pending, self._tokens.epoch_counts("train")]))
         # Log.
@@ -575,7 +590,7 @@ class TrainingMonitor(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Gate: only real validation during fit; runs after the module logged its metrics in every epoch-end hook.
         watch_loss = self._val is not None
-        watch_acc = "val" not in self._tokens.disabled
+        watch_acc = self.token_accuracy  # the settings, not what one rank saw: every rank joins the collective
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or not (watch_loss or watch_acc):
             return
 
@@ -775,15 +790,23 @@ class TrainingMonitor(Callback):
 
     def _log_figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
         """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in figures.items()})
+        mirror_callback_metrics(trainer, figures)
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
+
+    def _mark_tokens_before(self, trainer: pl.Trainer, step: int) -> None:
+        """Mark the token counts if the step about to run at logging step ``step`` logs (Lightning's own test)."""
+        every = trainer.log_every_n_steps
+        if self.token_accuracy and every and (step + 1) % every == 0:
+            self._tokens.mark(step)
 
     def _take_pending_acc(self, device: torch.device) -> Tensor:
         """The token counts of the last logging step, still on the device (zeros when none wait), and forget them."""
         if self._pending_acc is None:
             self._pending_step = None
-            return torch.zeros(2, dtype=host_dtype(device), device=device)
+            if self._no_counts is None or self._no_counts.device != device:
+                self._no_counts = torch.zeros(2, dtype=host_dtype(device), device=device)
+            return self._no_counts
         counts, self._pending_step = self._pending_acc
         self._pending_acc = None
         return counts.to(device)

@@ -21,7 +21,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import gather_ranks, host_dtype
+from lightning_monitor.halting import gather_ranks
 
 __all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -61,9 +61,10 @@ class StepFigures:
         return None
 
 
-# Layout of the header that precedes the per-layer squares in the packed per-rank tensor.
-_LOSS_SUM, _LOSS_COUNT, _PRESENT, _PEAK_REP, _PEAK_SHARD, _OVERFLOWS, _STEPS, _SCALE = range(8)
-_HEADER = 8
+# Layout of the header of the packed per-rank tensor. After it: the held peak (replicated, sharded) and the held
+# overflow count when steps were held, then the [2, layers] squares flattened, then the extras.
+_LOSS_COUNT, _PRESENT, _HELD, _LOSS_SUM, _SCALE = range(5)
+_HEADER = 5
 
 
 class StepCheck:
@@ -91,6 +92,7 @@ class StepCheck:
         self._overflows: Tensor | None = None
         self._present = 0
         self._held_steps = 0
+        self._zeros: Tensor | None = None
 
     def hold(self, squared: Tensor) -> None:
         """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
@@ -110,53 +112,57 @@ class StepCheck:
         extras: Tensor,
     ) -> StepFigures:
         """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
-        self.hold(squared)
         loss_sum, loss_count = loss
-        device = squared.device
-        counts = torch.tensor([float(loss_count), float(self._present)]).to(device, non_blocking=True)
-        header = torch.cat(
-            [
-                torch.zeros(1, device=device) if loss_sum is None else loss_sum.reshape(1).to(device),
-                counts,
-                self._peak,  # type: ignore[list-item]
-                self._overflows,  # type: ignore[list-item]
-                torch.full((1,), float(self._held_steps), device=device),
-                scale_tensor(scaler, device),
-            ]
-        )
-        dtype = host_dtype(device)
-        packed = torch.cat([header.to(dtype), squared.flatten().to(dtype), extras.to(device=device, dtype=dtype)])
-        per_rank = gather_ranks(packed)  # the one host sync of this check
+        device, held = squared.device, self._held_steps
+        # Host-known counts travel with the rest, so every rank decides on the same numbers. The copy is
+        # non-blocking: it queues behind the device work instead of waiting for it.
+        counts = [float(loss_count), float(max(self._present, self.norms.present)), float(held)]
+        parts = [
+            torch.tensor(counts, dtype=squared.dtype).to(device, non_blocking=True),
+            self._zero(device) if loss_sum is None else loss_sum.reshape(1),
+            scale_tensor(scaler, device),
+        ]
+        if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
+            parts += [self._peak, self._overflows]  # type: ignore[list-item]
+        parts += [squared.flatten(), extras]
+        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
-        layers_end = _HEADER + 2 * len(self.norms.names)
 
         first = per_rank[0]
+        layers_start = _HEADER + (3 if held else 0)
+        layers_end = layers_start + 2 * len(self.norms.names)
         scale = first[_SCALE] if scaler is not None else 1.0
         # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
         unscale = scale**2 if self.fused else 1.0
-        layer_sq = [v / unscale for v in combine_ranks([r[_HEADER:layers_end] for r in per_rank])]
+        layer_sq = [v / unscale for v in combine_ranks([r[layers_start:layers_end] for r in per_rank])]
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
-
-        grad_norm = math.sqrt(math.fsum(layer_sq)) if has_grads else None
-        if first[_STEPS] > 1:  # the worst step since the last check
-            peak_sq = combine_ranks([[r[_PEAK_REP], r[_PEAK_SHARD]] for r in per_rank])[0] / unscale
-            grad_peak = math.sqrt(peak_sq)
-        else:
-            grad_peak = grad_norm
+        total_sq = math.fsum(layer_sq)
+        overflow_steps = 0 if math.isfinite(total_sq) else 1
+        grad_norm = grad_peak = math.sqrt(total_sq) if has_grads else None
+        if held and has_grads:
+            held_sq = combine_ranks([r[_HEADER : _HEADER + 2] for r in per_rank])[0] / unscale
+            grad_peak = max(math.sqrt(held_sq), grad_norm, key=lambda v: math.inf if math.isnan(v) else v)  # type: ignore[arg-type]
+            overflow_steps += int(max(r[_HEADER + 2] for r in per_rank))
         count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
         return StepFigures(
             loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count * accumulate / scale if count else None,
             grad_norm=grad_norm,
-            grad_peak=grad_peak if has_grads else None,
+            grad_peak=grad_peak,
             layer_sq=layer_sq,
-            overflow_steps=int(max(r[_OVERFLOWS] for r in per_rank)) if scaler is not None else 0,
-            checked_steps=int(first[_STEPS]),
+            overflow_steps=overflow_steps if scaler is not None else 0,
+            checked_steps=held + 1,
             loss_scale=scale if scaler is not None else None,
             amp=scaler is not None,
             loss_ranks=[r[_LOSS_SUM] for r in per_rank],
-            grad_ranks=[r[_PEAK_REP] + r[_PEAK_SHARD] for r in per_rank],
+            grad_ranks=[math.fsum(r[layers_start:layers_end]) for r in per_rank],
             extras=[r[layers_end:] for r in per_rank],
         )
+
+    def _zero(self, device: torch.device) -> Tensor:
+        """A cached 1-element zero, for a step without a loss."""
+        if self._zeros is None or self._zeros.device != device:
+            self._zeros = torch.zeros(1, device=device)
+        return self._zeros
 
     def check(self, step: StepFigures) -> list[Detection]:
         """Run every detector on the figures of one check; report causes, not their echoes."""
@@ -226,7 +232,8 @@ class StepCheck:
                     out[f"grad_norm{self.suffix}/{name}"] = math.sqrt(sq)
         if step.loss_scale is not None:
             out["loss_scale"] = step.loss_scale
-        out["skipped_steps"] = float(skipped_steps)
+        if skipped_steps:  # absent means none: no constant zero written at every logging step
+            out["skipped_steps"] = float(skipped_steps)
         return out
 
     def state_dict(self) -> dict[str, Any]:

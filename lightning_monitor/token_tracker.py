@@ -2,8 +2,8 @@
 
 :class:`TokenAccuracyTracker` is what :class:`~lightning_monitor.TrainingMonitor` uses for ``train_token_acc`` and
 ``val_token_acc``. It finds logits and labels in what ``training_step``/``validation_step`` returned (or in the
-batch), feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage, and keeps the counts of the optimizer
-step under way so the monitor can log a per-step figure. Nothing here reads a value on the host: the monitor
+batch), feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage, and, when asked, marks the counts at the
+end of a step so the monitor can log the next step's own figure. Nothing here reads a value on the host: the monitor
 gathers the counts with its other figures in its one read per check.
 """
 
@@ -68,9 +68,10 @@ class TokenAccuracyTracker:
 
     Example:
         >>> tracker = TokenAccuracyTracker()
+        >>> tracker.mark(tag=7)
         >>> logits = torch.tensor([[[0.1, 0.9], [0.8, 0.2]]])
         >>> tracker.update("train", {"logits": logits, "labels": torch.tensor([[1, 1]])}, None)
-        >>> tracker.window_counts().tolist()
+        >>> tracker.counts_since_mark(tag=7).tolist()
         [1.0, 2.0]
         >>> tracker.epoch_counts("train").tolist()
         [1.0, 2.0, 0.0]
@@ -93,7 +94,7 @@ class TokenAccuracyTracker:
             for stage in ("train", "val")
         }
         self.disabled: set[Stage] = set()
-        self._window_start: Tensor | None = None
+        self._mark: tuple[int, Tensor] | None = None
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``."""
@@ -103,8 +104,8 @@ class TokenAccuracyTracker:
     def reset(self, stage: Stage) -> None:
         """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
         self.metrics[stage].reset()
-        if stage == "train":
-            self._window_start = None
+        if stage == "train" and self._mark is not None:
+            self._mark = (self._mark[0], torch.zeros_like(self._mark[1]))
 
     def update(self, stage: Stage, outputs: Any, batch: Any) -> None:
         """Count one batch of ``stage``; on the first failure, warn once with the fix and stop trying."""
@@ -135,16 +136,17 @@ class TokenAccuracyTracker:
         except ValueError as err:
             self._disable(stage, f"the logits and labels from `{where}` do not fit: {err}")
 
-    def window_counts(self) -> Tensor:
-        """``[correct, total]`` (on the device) of the training batches since the last call: one step's worth.
-
-        Meant to be called once per optimizer step, after its last micro-batch.
-        """
+    def mark(self, tag: int) -> None:
+        """Remember the training counts now, under ``tag`` (one copy of two numbers, on the device)."""
         metric = self.metrics["train"]
-        now = torch.stack([metric.correct, metric.total]).to(host_dtype(metric.device))
-        counts = now if self._window_start is None else now - self._window_start
-        self._window_start = now
-        return counts
+        self._mark = (tag, torch.stack([metric.correct, metric.total]).to(host_dtype(metric.device)))
+
+    def counts_since_mark(self, tag: int) -> Tensor | None:
+        """``[correct, total]`` (on the device) counted since :meth:`mark` was called with ``tag``, else ``None``."""
+        if self._mark is None or self._mark[0] != tag:
+            return None
+        metric = self.metrics["train"]
+        return torch.stack([metric.correct, metric.total]).to(self._mark[1].dtype) - self._mark[1]
 
     def epoch_counts(self, stage: Stage) -> Tensor:
         """``[correct, total, invalid]`` (on the device) counted on this rank since the last reset of ``stage``.

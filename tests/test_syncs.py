@@ -45,11 +45,20 @@ class LightningRecipe(pl.Callback):
         pl_module.log_dict(grad_norm(pl_module, norm_type=2))
 
 
+class ProgressBarLoss(ScriptedModel):
+    """Logs its loss to the progress bar, as most modules do (Lightning reads such values on the host)."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], prog_bar=True)
+        return out
+
+
 def run(tmp_path, callback, **kwargs: Any) -> Counter:
     counter, per_step = HostSyncCounter(), Counter()
     count_syncs(callback, counter, per_step)
     trainer = make_trainer(tmp_path, [callback], logger=CSVLogger(tmp_path), **kwargs)
-    trainer.fit(ScriptedModel(val_losses=[1.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
+    trainer.fit(ProgressBarLoss(val_losses=[1.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
     return per_step
 
 

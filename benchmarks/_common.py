@@ -1,0 +1,53 @@
+"""Helpers shared by the benchmarks: the machine, the peak-RSS counters of ``/proc``, and robust summaries."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``"?"`` where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
+def proc_status(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def iqr(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles (both the value itself for a single value)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q1, q3
+
+
+def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval of the median, from order statistics.
+
+    With ``n`` values the interval runs from the ``j``-th to the ``k``-th smallest, ``j = floor((n - z sqrt(n)) / 2)``
+    and ``k = ceil(1 + (n + z sqrt(n)) / 2)``, clipped to the sample (then it is simply min to max).
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    half = z * math.sqrt(n)
+    low = max(1, math.floor((n - half) / 2))
+    high = min(n, math.ceil(1 + (n + half) / 2))
+    return ordered[low - 1], ordered[high - 1]

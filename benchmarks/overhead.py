@@ -1,0 +1,879 @@
+"""What ``TrainingMonitor`` costs a training run: step time, host syncs and peak memory, against three baselines.
+
+Four configurations train the same GPT-style decoder (token and position embeddings, an ``nn.ModuleList`` of
+pre-norm blocks, a final LayerNorm, an untied head; AdamW) on random tokens. ``training_step`` logs
+``self.log("train_loss", loss, prog_bar=True)``, as most modules do, and returns ``{"loss", "logits", "labels"}``, so
+the monitor's token accuracy runs:
+
+- ``bare``: no callback;
+- ``monitor``: ``TrainingMonitor()`` with its defaults (per-layer gradient norms, every detector, token accuracy);
+- ``recipe``: Lightning's documented recipe, ``pl_module.log_dict(grad_norm(pl_module, norm_type=2))`` in
+  ``on_before_optimizer_step``;
+- ``naive``: ``total += p.grad.norm().item() ** 2`` over the parameters, then ``pl_module.log("grad_norm", ...)``.
+
+Two sizes: ``25M`` (6 layers, d=512, 8 heads, V=8192, T=128, B=8: a step of one to a few seconds on two CPU cores)
+and ``1M`` (4 layers, d=128, 4 heads, V=1024, T=64, B=4: a step short enough for per-step Python work to show). Every
+step is a logging step (``--log-every 1``, TensorBoard logger): the worst case for all three callbacks.
+
+**How it measures.** Each configuration trains in its own fresh process (``multiprocessing`` spawn), and the parent
+lets one process at a time run one optimizer step: every configuration once per round, in a new random order each
+round (so none always follows the same one), plus a ``control``, a second bare process. A step's time runs from one
+``on_train_batch_start`` to the next, so it holds everything: the hooks, Lightning's logger flush, fetching the next
+batch. The timing processes run with glibc settings that keep freed memory resident (:data:`STEADY_MALLOC`), so a
+step's time does not depend on the process's allocation history.
+
+- **Table 1, paired ratio.** Each step's time over the bare time linearly interpolated between the bare steps just
+  before and just after it, so a drift of the machine's load cancels. ``x bare`` is the median of these ratios, with
+  their interquartile range and a distribution-free 95% confidence interval of the median; ``CPU time`` is the same
+  with each process's CPU time, which leaves out the time other jobs held the cores. The ``bare`` row gives each bare
+  step over the one before (the step-to-step noise); the ``control`` row is an A/A test, a bare process measured like
+  the others: its distance from 1 is the resolution of the method (processes differ by a percent or two). ``verdict``
+  compares the median overhead with the target (``<= 1%`` at 25M, ``<= 3%`` at 1M); ``?`` means the confidence
+  interval straddles the target.
+- **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter`` in the same timed
+  steps: the median share of the step spent inside them, and for the monitor its parts: the gradient-norm kernel
+  (``LayerGradNorms.squared``), the token-accuracy update (``TokenAccuracy.update``), the logger writes
+  (``LoggerSink.log_figures``) and the rest (Python, small tensors, the one host read, the detectors). It has far
+  less noise than table 1, but misses costs paid outside the hooks (Lightning converting and writing what
+  ``log_dict`` logged, at its flush), which table 1 includes.
+- **Table 3, host syncs and memory**, in a second set of fresh processes, one per configuration. Syncs per optimizer
+  step are counted with :class:`~lightning_monitor.sync_count.HostSyncCounter` over the whole step loop for a few
+  steps (the counter slows them; they are not timed), as a difference to bare, and inside the configuration's own
+  hooks (attributed as ``tests/test_syncs.py`` does). On the CPU the bare loop's count is mostly AdamW reading each
+  parameter's step counter, a CPU tensor on any device, so no sync on a GPU. On CUDA,
+  ``torch.cuda.set_sync_debug_mode("warn")`` counts the real syncs too. ``aten ops`` counts the dispatcher ops run
+  inside the hooks per step (kernels launched, tensors made). Peak memory is the process's RSS high-water mark
+  (VmHWM) after two steps, with glibc mapping every block of 64 KiB or more afresh (:data:`TRACKING_MALLOC`) so the
+  peak follows live memory, and the peak of those two steps over the RSS before them (plus
+  ``torch.cuda.max_memory_allocated`` on CUDA).
+- **Table 4, the gradient-norm kernel alone**, round-robin on one backward's gradients of each model (hot in
+  cache): ``LayerGradNorms.squared()`` with its plan cached, against the floor of reading every gradient once. The
+  target (within 1.3x) is judged against ``torch._foreach_norm(grads)``: one read of every gradient where it lies,
+  with the L2 arithmetic and nothing else, the kernel ``squared()`` is built on. ``flat.sum()`` over the same bytes
+  in one contiguous buffer, the memory-bandwidth floor, is printed for reference: reaching it would need the
+  gradients in one buffer, and on the CPU the L2 reduction runs at about half the speed of a plain sum
+  (perf_anchors.md, A6).
+
+Run: ``python benchmarks/overhead.py`` (about five minutes on two CPU cores), ``--quick`` for a smoke run of about
+three, ``--sizes 1M --rounds 300`` to choose, ``--threads 1`` on a busy machine (a parallel region waits for its
+slowest thread, so a neighbour's load stalls every op). Other jobs on the machine inflate every time: the header
+and the footer print the load average. On CUDA the same comparisons run on the GPU (``--device cuda``, the default
+there) with a device sync at each step boundary; table 2 is then the host's time in the hooks, which for the monitor
+includes waiting for the queued kernels at its one read, so table 1 is the measure there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+import lightning
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from _common import cpu_model, iqr, median_ci, proc_status, reset_peak_rss
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import grad_norm
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor.grad_norms import LayerGradNorms
+from lightning_monitor.sinks import LoggerSink
+from lightning_monitor.sync_count import HostSyncCounter
+from lightning_monitor.token_accuracy import TokenAccuracy
+
+CONFIGS = ("bare", "monitor", "recipe", "naive")
+#: The timed processes: the configurations plus a control, a second bare process (an A/A test of the paired ratio).
+TIMED = (*CONFIGS, "control")
+#: glibc settings of the timing processes: serve every block from the heap and never give it back, so that after
+#: warm-up a step reuses resident memory (about 31,700 page faults per 25M step by default, 340 with these) and its
+#: time does not depend on each process's allocation history.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+#: glibc settings of the memory processes: map every block of 64 KiB or more afresh and unmap it on free, so the
+#: peak RSS follows what is live (by default the threshold adapts, and freed blocks stay resident).
+TRACKING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+#: The hooks whose time and syncs are attributed to a configuration (those of ``tests/test_syncs.py``).
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
+#: The monitor's parts timed inside its hooks: (class, method, label).
+PARTS = (
+    (LayerGradNorms, "squared", "grad-norm kernel"),
+    (TokenAccuracy, "update", "token-acc update"),
+    (LoggerSink, "log_figures", "logger writes"),
+)
+MEMORY_STEPS = 2  # steps over which the peak RSS is taken
+SYNC_TARGET = 1  # host syncs per optimizer step the monitor may make
+KERNEL_TARGET = 1.3  # LayerGradNorms.squared() time over the read-once floor
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A GPT-style decoder, its batch, and the defaults of the benchmark at that size."""
+
+    name: str
+    vocab: int
+    seq: int
+    d_model: int
+    layers: int
+    heads: int
+    batch: int
+    target: float  # the monitor's allowed step-time overhead, as a fraction
+    rounds: int  # default timed rounds (each runs every configuration once)
+    warmup: int  # default untimed rounds before them
+
+
+SIZES = {
+    "25M": ModelSize("25M", vocab=8192, seq=128, d_model=512, layers=6, heads=8, batch=8, target=0.01, rounds=12,
+                     warmup=2),
+    "1M": ModelSize("1M", vocab=1024, seq=64, d_model=128, layers=4, heads=4, batch=4, target=0.03, rounds=150,
+                    warmup=10),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, channels = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, channels // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, channels))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Embeddings, a ``ModuleList`` of blocks (the monitor's layers ``blocks.<i>``), a final LayerNorm, a head."""
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(size.vocab, size.d_model)
+        self.pos_emb = nn.Embedding(size.seq, size.d_model)
+        self.blocks = nn.ModuleList(Block(size.d_model, size.heads) for _ in range(size.layers))
+        self.ln_f = nn.LayerNorm(size.d_model)
+        self.head = nn.Linear(size.d_model, size.vocab, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class LanguageModel(pl.LightningModule):
+    """Next-token prediction; ``training_step`` returns the logits and labels for the monitor's token accuracy."""
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.model = GPT(size)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> dict[str, Tensor]:
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)  # what most modules do; the progress bar itself is off
+        return {"loss": loss, "logits": logits.detach(), "labels": labels}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
+class RandomTokens(Dataset):
+    """Endless random token windows (64 distinct ones, repeated), so no epoch ends during a run."""
+
+    def __init__(self, size: ModelSize, rows: int = 64) -> None:
+        self.data = torch.randint(size.vocab, (rows, size.seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return 10**9
+
+    def __getitem__(self, index: int) -> Tensor:
+        return self.data[index % len(self.data)]
+
+
+# ---------------------------------------------------------------------------------------------------- baselines
+
+
+class LightningRecipe(Callback):
+    """Lightning's documented replacement for ``track_grad_norm``: log ``grad_norm(module, 2)`` at every step."""
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
+class NaiveLoop(Callback):
+    """The loop people write first: one ``.item()`` per parameter tensor, summed on the host."""
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        total = 0.0
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                total += p.grad.norm().item() ** 2
+        pl_module.log("grad_norm", total**0.5)
+
+
+def make_callback(config: str) -> Callback | None:
+    if config == "monitor":
+        return TrainingMonitor()
+    return {"recipe": LightningRecipe, "naive": NaiveLoop}.get(config, lambda: None)()
+
+
+# ---------------------------------------------------------------------------------------------------- the workers
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one worker process runs, in order: warm-up, timed, memory and counted steps, then one dropped step.
+
+    The dropped step holds what Lightning runs when ``max_steps`` is reached (the epoch-end hooks), so no measured
+    step does.
+    """
+
+    size: ModelSize
+    config: str
+    threads: int
+    device: str
+    log_every: int
+    warmup: int
+    timed: int = 0
+    memory: int = 0  # steps over which the peak RSS is taken
+    counted: int = 0  # steps whose host syncs are counted
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.timed + self.memory + self.counted + 1
+
+    def phase(self, step: int) -> str:
+        for phase, end in (
+            ("warmup", self.warmup),
+            ("timed", self.warmup + self.timed),
+            ("memory", self.warmup + self.timed + self.memory),
+            ("counted", self.total - 1),
+        ):
+            if step < end:
+                return phase
+        return "dropped"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the dispatcher ops run while it is active (kernels launched, tensors made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Probe(Callback):
+    """Lets the parent run one step at a time; times, measures memory or counts syncs, as the plan's phase says.
+
+    A step runs from one ``on_train_batch_start`` to the next (or to ``on_train_end``). The probe is the first
+    callback, so its ``on_train_batch_start`` runs before the measured configuration's.
+    """
+
+    def __init__(self, conn: Connection, plan: Plan) -> None:
+        self.conn = conn
+        self.plan = plan
+        self.cuda = plan.device == "cuda"
+        self.step = 0
+        self.phase = "start"
+        self.started: tuple[float, float] | None = None  # wall and CPU time at the start of the step under way
+        self.hook_ms: defaultdict[str, float] = defaultdict(float)  # this step: time in each hook and part
+        self.timed: list[dict[str, float]] = []  # per timed step: "step" and hook_ms
+        self.memory: dict[str, int] = {}
+        self.counting = False
+        self.loop_syncs, self.hook_syncs, self.hook_ops = HostSyncCounter(), HostSyncCounter(), OpCounter()
+        self.marks: list[Counter[str]] = []  # running counts at each counted step's start, and after the last
+        self._caught: list[warnings.WarningMessage] = []
+        self._catch: warnings.catch_warnings | None = None
+
+    def now(self) -> float:
+        """Wall time at a step boundary; on CUDA after the queued kernels (not while counting: a sync would warn)."""
+        if self.cuda and not self.counting:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._end_step()
+        self._enter(self.plan.phase(self.step))
+        self.conn.recv()  # wait for the parent's go
+        self.hook_ms.clear()
+        self.started = (self.now(), time.process_time())
+        self.step += 1
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_step()
+        self._enter("end")
+
+    def _end_step(self) -> None:
+        """Close the step under way (if any) and tell the parent how long it took."""
+        wall = cpu = None
+        if self.started is not None:
+            wall = (self.now() - self.started[0]) * 1e3
+            cpu = (time.process_time() - self.started[1]) * 1e3
+        if wall is not None and self.phase == "timed":
+            self.timed.append({"step": wall, **self.hook_ms})
+        self.conn.send(("at", self.step, wall, cpu))
+
+    def _enter(self, phase: str) -> None:
+        """At a step boundary: snapshot the counts, and start or stop measuring when the phase changes."""
+        if self.counting:
+            self._mark()
+        previous, self.phase = self.phase, phase
+        if phase == previous:
+            return
+        if previous == "memory":
+            self.memory = {"peak": proc_status("VmHWM"), "step_peak": proc_status("VmHWM") - self.memory["resting"]}
+            if self.cuda:
+                self.memory["cuda_peak"] = torch.cuda.max_memory_allocated()
+        if previous == "counted":
+            self._stop_counting()
+        if phase == "memory":
+            reset_peak_rss()
+            self.memory = {"resting": proc_status("VmRSS")}
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+        if phase == "counted":
+            self._start_counting()
+
+    def _start_counting(self) -> None:
+        if self.cuda:
+            self._catch = warnings.catch_warnings(record=True)
+            self._caught = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        self.loop_syncs.__enter__()
+        self.counting = True
+        self._mark()
+
+    def _stop_counting(self) -> None:
+        self.counting = False
+        self.loop_syncs.__exit__(None, None, None)
+        if self._catch is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._catch.__exit__(None, None, None)
+
+    def _mark(self) -> None:
+        """Snapshot the running counts."""
+        self.marks.append(
+            Counter(
+                {
+                    "loop": self.loop_syncs.count,
+                    "hooks": self.hook_syncs.count,
+                    "ops": self.hook_ops.count,
+                    "cuda": sum("synchronizing" in str(w.message) for w in self._caught),
+                    **{f"kind:{k}": v for k, v in self.hook_syncs.by_kind.items()},
+                }
+            )
+        )
+
+    def instrument(self, callback: Callback) -> None:
+        """Time the callback's step hooks, and in the counted phase count the syncs and ops inside them."""
+        for name in STEP_HOOKS:
+            setattr(callback, name, self._wrap(getattr(callback, name), name, hook=True))
+
+    def time_parts(self) -> None:
+        """Time the monitor's parts (:data:`PARTS`); call it before the monitor is built."""
+        for owner, method, label in PARTS:
+            setattr(owner, method, self._wrap(getattr(owner, method), label, hook=False))
+
+    def _wrap(self, fn: Callable[..., Any], label: str, hook: bool) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()  # host time: on CUDA it includes the wait of a read, adds no sync
+            try:
+                if hook and self.counting:
+                    with self.hook_syncs, self.hook_ops:
+                        return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
+            finally:
+                self.hook_ms[label] += (time.perf_counter() - start) * 1e3
+
+        return timed
+
+    def summary(self, trainer: pl.Trainer, callback: Callback | None) -> dict[str, Any]:
+        per_step = [{key: end[key] - start[key] for key in end} for start, end in itertools.pairwise(self.marks)]
+        kinds = sorted({key for step in per_step for key in step if key.startswith("kind:")})
+        return {
+            "timed": self.timed,
+            "memory": self.memory,
+            "loop_syncs": [step["loop"] for step in per_step],
+            "hook_syncs": [step["hooks"] for step in per_step],
+            "hook_ops": [step["ops"] for step in per_step],
+            "cuda_syncs": [step["cuda"] for step in per_step],
+            "hook_kinds": {k[5:]: statistics.median(step.get(k, 0) for step in per_step) for k in kinds},
+            "params": sum(p.numel() for p in trainer.lightning_module.parameters()),
+            "tensors": sum(1 for _ in trainer.lightning_module.parameters()),
+            "alerts": [a.kind.value for a in callback.alerts] if isinstance(callback, TrainingMonitor) else [],
+        }
+
+
+def worker(conn: Connection, plan: Plan) -> None:
+    """Train ``plan.config`` one step at a time, as the parent says, then send the summary."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.set_num_threads(plan.threads)
+    torch.manual_seed(0)
+    probe = Probe(conn, plan)
+    if plan.config == "monitor" and plan.timed:
+        probe.time_parts()
+    callback = make_callback(plan.config)
+    if callback is not None:
+        probe.instrument(callback)
+    with tempfile.TemporaryDirectory(prefix="overhead-") as root:
+        trainer = pl.Trainer(
+            accelerator=plan.device,
+            devices=1,
+            max_steps=plan.total,
+            callbacks=[probe] if callback is None else [probe, callback],
+            logger=TensorBoardLogger(root, name=plan.config),
+            log_every_n_steps=plan.log_every,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=root,
+        )
+        model = LanguageModel(plan.size)
+        trainer.fit(model, DataLoader(RandomTokens(plan.size), batch_size=plan.size.batch))
+        conn.send(("summary", probe.summary(trainer, callback)))
+    conn.close()
+
+
+class Pool:
+    """One worker process per plan, driven one step at a time.
+
+    Args:
+        plans: The plan of each worker, by name.
+        env: Environment variables for the workers (on top of this process's), e.g. a fixed mmap threshold.
+    """
+
+    def __init__(self, plans: dict[str, Plan], env: dict[str, str] | None = None) -> None:
+        context = mp.get_context("spawn")
+        self.conns: dict[str, Connection] = {}
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        saved = dict(os.environ)
+        os.environ.update(env or {})  # a spawned process starts with this process's environment
+        try:
+            for name, plan in plans.items():
+                parent, child = context.Pipe()
+                proc = context.Process(target=worker, args=(child, plan), name=f"overhead-{name}", daemon=True)
+                proc.start()
+                child.close()
+                self.conns[name], self.procs[name] = parent, proc
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        for name in plans:
+            self.receive(name)  # ("at", 0, None, None): built, and waiting before its first step
+
+    def receive(self, name: str) -> tuple[Any, ...]:
+        conn, proc = self.conns[name], self.procs[name]
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"worker {name!r} died (exit code {proc.exitcode}); run it alone to see why")
+        return conn.recv()
+
+    def step(self, name: str) -> Step:
+        """Run one optimizer step in ``name``; its wall and CPU time."""
+        self.conns[name].send("go")
+        _, _, wall, cpu = self.receive(name)
+        return Step(name, wall, cpu)
+
+    def finish(self, name: str, steps: int) -> dict[str, Any]:
+        """Run the last ``steps`` steps of ``name`` and return its summary."""
+        for _ in range(steps):
+            self.step(name)
+        _, summary = self.receive(name)
+        self.procs[name].join(timeout=60)
+        return summary
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+
+
+class Step(NamedTuple):
+    """One timed optimizer step: which configuration, its wall time and its process CPU time (ms)."""
+
+    config: str
+    wall: float
+    cpu: float
+
+
+@dataclass
+class SizeResult:
+    size: ModelSize
+    sequence: list[Step]  # every timed step, in the order they ran
+    summaries: dict[str, dict[str, Any]]
+
+
+def run_size(size: ModelSize, rounds: int, warmup: int, counted: int, args: argparse.Namespace) -> SizeResult:
+    """Time the four configurations of one size round-robin, then measure their memory and count their syncs."""
+    common = {"size": size, "threads": args.threads, "device": args.device, "log_every": args.log_every}
+    # Each round runs every configuration once, in a fresh random order, so no configuration always follows the same
+    # one; one more bare step before the first round and after the last gives every step a bare neighbour each side.
+    order = random.Random(0)
+    rounds_order = [order.sample(TIMED, len(TIMED)) for _ in range(rounds)]
+    schedule = ["bare", *itertools.chain.from_iterable(rounds_order), "bare"]
+    timing = {c: Plan(config=c, warmup=warmup, timed=schedule.count(c), **common) for c in TIMED}
+    pool = Pool(timing, env=STEADY_MALLOC)
+    try:
+        for _ in range(warmup):
+            for config in TIMED:
+                pool.step(config)
+        sequence = [pool.step(config) for config in schedule]
+        summaries = {c: pool.finish(c, 1) for c in TIMED}
+    finally:
+        pool.close()
+
+    counting = {c: Plan(config=c, warmup=1, memory=MEMORY_STEPS, counted=counted, **common) for c in CONFIGS}
+    pool = Pool(counting, env=TRACKING_MALLOC)
+    try:
+        for config in CONFIGS:
+            measured = pool.finish(config, counting[config].total)
+            summaries[config].update({k: v for k, v in measured.items() if k != "timed"})
+    finally:
+        pool.close()
+    return SizeResult(size, sequence, summaries)
+
+
+# ---------------------------------------------------------------------------------------------------- analysis
+
+
+def paired_ratios(sequence: Sequence[Step], clock: str = "wall") -> dict[str, list[float]]:
+    """Each step's time over the bare time linearly interpolated between the bare steps before and after it.
+
+    For ``bare`` itself: each bare step over the one before, the noise of the measure. ``clock`` is ``"wall"`` or
+    ``"cpu"`` (the process's CPU time, which leaves out the time other jobs held the cores).
+    """
+    times = [getattr(step, clock) for step in sequence]
+    bare = [i for i, step in enumerate(sequence) if step.config == "bare"]
+    out: dict[str, list[float]] = {c: [] for c in TIMED}
+    out["bare"] = [times[b] / times[a] for a, b in itertools.pairwise(bare)]
+    for a, b in itertools.pairwise(bare):
+        for i in range(a + 1, b):
+            expected = times[a] + (times[b] - times[a]) * (i - a) / (b - a)
+            out[sequence[i].config].append(times[i] / expected)
+    return out
+
+
+def verdict(ratios: Sequence[float], target: float) -> str:
+    low, high = median_ci(ratios)
+    ok = statistics.median(ratios) - 1 <= target
+    sure = (high - 1 <= target) if ok else (low - 1 > target)
+    return ("pass" if ok else "FAIL") + ("" if sure else " ?")
+
+
+def print_step_table(results: Sequence[SizeResult]) -> None:
+    print("\n## 1. Step time, round-robin in shuffled rounds (ratio to the bare time interpolated at the step)\n")
+    header = ["model", "config", "step ms", "IQR ms", "x bare", "IQR", "95% CI", "overhead", "target", "verdict"]
+    header += ["x bare, CPU time", "95% CI"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for res in results:
+        wall, cpu = paired_ratios(res.sequence, "wall"), paired_ratios(res.sequence, "cpu")
+        for config in TIMED:
+            ts, rs = [step.wall for step in res.sequence if step.config == config], wall[config]
+            med = statistics.median(rs)
+            (q1, q3), (r1, r3), (c1, c3) = iqr(ts), iqr(rs), median_ci(rs)
+            cols = [res.size.name, config, f"{statistics.median(ts):.1f}", f"{q1:.1f}-{q3:.1f}"]
+            cols += [f"{med:.3f}" + (" (noise)" if config == "bare" else ""), f"{r1:.3f}-{r3:.3f}"]
+            cols += [f"{c1:.3f}-{c3:.3f}"]
+            if config == "bare":
+                cols += ["-", "-", "-"]
+            elif config == "control":
+                cols += [f"{med - 1:+.2%}", "-", "(A/A)"]
+            else:
+                cols += [f"{med - 1:+.2%}", f"<= {res.size.target:.0%}", verdict(rs, res.size.target)]
+            (k1, k3) = median_ci(cpu[config])
+            cols += [f"{statistics.median(cpu[config]):.3f}", f"{k1:.3f}-{k3:.3f}"]
+            print("| " + " | ".join(cols) + " |")
+
+
+def print_hook_table(results: Sequence[SizeResult]) -> None:
+    print("\n## 2. Time inside the configuration's own hooks (in-process perf_counter, timed steps, medians)\n")
+    labels = [label for _, _, label in PARTS]
+    header = ["model", "config", "in hooks ms/step", "IQR", "share of step", "IQR"]
+    header += [f"{label} ms" for label in labels] + ["rest ms", "target", "verdict"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for res in results:
+        for config in CONFIGS[1:]:
+            timed = res.summaries[config]["timed"]
+            hooks = [sum(s.get(h, 0.0) for h in STEP_HOOKS) for s in timed]
+            shares = [h / s["step"] for h, s in zip(hooks, timed, strict=True)]
+            rest = [h - sum(s.get(label, 0.0) for label in labels) for h, s in zip(hooks, timed, strict=True)]
+            parts = [[s.get(label, 0.0) for s in timed] for label in labels] + [rest]
+            (q1, q3), (s1, s3) = iqr(hooks), iqr(shares)
+            share = statistics.median(shares)
+            cols = [res.size.name, config, f"{statistics.median(hooks):.3f}", f"{q1:.3f}-{q3:.3f}"]
+            cols += [f"{share:.2%}", f"{s1:.2%}-{s3:.2%}"]
+            cols += [f"{statistics.median(v):.3f}" if config == "monitor" else "-" for v in parts]
+            cols += [f"<= {res.size.target:.0%}", "pass" if share <= res.size.target else "FAIL"]
+            print("| " + " | ".join(cols) + " |")
+
+
+def print_sync_memory_table(results: Sequence[SizeResult], cuda: bool) -> None:
+    print("\n## 3. Host syncs per optimizer step (HostSyncCounter), and peak memory (fresh processes)\n")
+    header = ["model", "config", "syncs/step, whole loop", "Δ vs bare", "in its hooks", "kinds in hooks"]
+    header += ["aten ops in hooks", "target (Δ)"]
+    header += ["CUDA syncs (warn mode)", "Δ vs bare"] if cuda else []
+    header += ["peak RSS MiB", "Δ vs bare", "step peak over resting RSS MiB", "Δ vs bare"]
+    header += ["CUDA peak MiB", "Δ vs bare"] if cuda else []
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for res in results:
+        bare = res.summaries["bare"]
+        bare_loop = statistics.median(bare["loop_syncs"])
+        for config in CONFIGS:
+            s = res.summaries[config]
+            loop = statistics.median(s["loop_syncs"])
+            cols = [res.size.name, config, f"{loop:g}", f"{loop - bare_loop:+g}"]
+            if config == "bare":
+                cols += ["-", "-", "-", "-"]
+            else:
+                verdict = "pass" if loop - bare_loop <= SYNC_TARGET else "FAIL"
+                cols += [
+                    f"{statistics.median(s['hook_syncs']):g}",
+                    ", ".join(f"{k} {v:g}" for k, v in sorted(s["hook_kinds"].items())) or "none",
+                    f"{statistics.median(s['hook_ops']):g}",
+                    f"<= {SYNC_TARGET}: {verdict}",
+                ]
+            if cuda:
+                warn, warn_bare = statistics.median(s["cuda_syncs"]), statistics.median(bare["cuda_syncs"])
+                cols += [f"{warn:g}", f"{warn - warn_bare:+g}"]
+            keys = ["peak", "step_peak"] + (["cuda_peak"] if cuda else [])
+            for key in keys:
+                mine, ref = s["memory"][key] / 2**20, bare["memory"][key] / 2**20
+                cols += [f"{mine:.1f}", f"{mine - ref:+.1f}"]
+            print("| " + " | ".join(cols) + " |")
+    for res in results:
+        bare = res.summaries["bare"]
+        alerts = res.summaries["monitor"]["alerts"]
+        print(
+            f"\n{res.size.name}: {bare['params'] / 1e6:.2f}M parameters in {bare['tensors']} tensors;"
+            f" monitor alerts during the run: {', '.join(alerts) or 'none'}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- the kernel
+
+
+def kernel_cases(model: nn.Module) -> dict[str, Callable[[], object]]:
+    """The ways to measure the gradients' norms, each a call on the gradients already there."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    norms = LayerGradNorms(model.named_parameters())
+    norms.squared()  # builds and caches the plan
+
+    def naive() -> float:
+        return sum(g.norm().item() ** 2 for g in grads) ** 0.5
+
+    return {
+        "floor: flat.sum(), one contiguous buffer": flat.sum,
+        "floor: torch._foreach_norm(grads)": lambda: torch._foreach_norm(grads, 2.0),
+        "torch._foreach_norm(grads, dtype=float32)": lambda: torch._foreach_norm(grads, 2.0, dtype=torch.float32),
+        "LayerGradNorms.squared() (the monitor)": norms.squared,
+        "torch.nn.utils.get_total_norm(grads)": lambda: torch.nn.utils.get_total_norm(grads, 2.0),
+        "lightning grad_norm(model, 2)": lambda: grad_norm(model, 2),
+        "naive: sum of p.grad.norm().item() ** 2": naive,
+    }
+
+
+def time_kernels(size: ModelSize, repeats: int, device: str) -> dict[str, Any]:
+    """Round-robin timings (ms per call) of every case on one backward's gradients, and the syncs of one call."""
+    torch.manual_seed(0)
+    model = GPT(size).to(device)
+    ids = RandomTokens(size).data[: size.batch].to(device)
+    logits = model(ids[:, :-1])
+    F.cross_entropy(logits.reshape(-1, size.vocab), ids[:, 1:].reshape(-1)).backward()
+    cases = kernel_cases(model)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    floor = cases["floor: torch._foreach_norm(grads)"]
+    for run in cases.values():  # warm-up
+        run()
+    sync()
+    start = time.perf_counter()
+    floor()
+    sync()
+    number = max(1, round(2e-3 / max(time.perf_counter() - start, 1e-6)))  # calls per timing: about 2 ms of work
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, run in cases.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(number):
+                run()
+            sync()
+            times[name].append((time.perf_counter() - start) * 1e3 / number)
+    syncs = {}
+    for name, run in cases.items():
+        with HostSyncCounter() as counter:
+            run()
+        syncs[name] = f"{counter.count}" + (f" ({cuda_syncs(run)} warn)" if device == "cuda" else "")
+    grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    return {"times": times, "syncs": syncs, "bytes": grad_bytes, "number": number}
+
+
+def cuda_syncs(run: Callable[[], object]) -> int:
+    """The syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports while ``run`` runs once."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:
+    print("\n## 4. Gradient-norm kernel alone, round-robin (ms per call; x floor: median of per-round ratios)\n")
+    print("| model | case | ms | IQR ms | GB/s | x foreach floor | IQR | x sum floor | syncs | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, k in kernels.items():
+        times = k["times"]
+        foreach, flat = times["floor: torch._foreach_norm(grads)"], times["floor: flat.sum(), one contiguous buffer"]
+        for case, ts in times.items():
+            med = statistics.median(ts)
+            q1, q3 = iqr(ts)
+            ratios = [t / f for t, f in zip(ts, foreach, strict=True)]
+            r1, r3 = iqr(ratios)
+            to_sum = statistics.median(t / f for t, f in zip(ts, flat, strict=True))
+            target = "-"
+            if case.startswith("LayerGradNorms"):
+                target = f"<= {KERNEL_TARGET}x: " + ("pass" if statistics.median(ratios) <= KERNEL_TARGET else "FAIL")
+            print(
+                f"| {name} | {case} | {med:.3f} | {q1:.3f}-{q3:.3f} | {k['bytes'] / med / 1e6:.1f} |"
+                f" {statistics.median(ratios):.2f} | {r1:.2f}-{r3:.2f} | {to_sum:.2f} | {k['syncs'][case]} | {target} |"
+            )
+    calls = ", ".join(f"{name}: {k['number']} calls per timing" for name, k in kernels.items())
+    print(f"\n({calls})")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    defaults = ", ".join(f"{s.rounds} at {name}" for name, s in SIZES.items())
+    parser.add_argument("--rounds", type=int, help=f"timed rounds per size (default: {defaults})")
+    defaults = ", ".join(f"{s.warmup} at {name}" for name, s in SIZES.items())
+    parser.add_argument("--warmup", type=int, help=f"untimed rounds first (default: {defaults})")
+    parser.add_argument("--counted", type=int, default=3, help="steps whose host syncs are counted (default 3)")
+    parser.add_argument("--kernel-repeats", type=int, default=30, help="round-robin repeats of the kernel table")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--log-every", type=int, default=1, help="Trainer(log_every_n_steps=...) (default 1)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few rounds and repeats")
+    args = parser.parse_args()
+    if args.rounds is not None and args.rounds < 2:
+        parser.error("--rounds must be at least 2 (the IQR needs two ratios)")
+    if args.counted < 1:
+        parser.error("--counted must be at least 1")
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    quick = {"25M": (3, 1), "1M": (30, 5)}
+    plan = {}
+    for name in args.sizes:
+        size = SIZES[name]
+        rounds, warmup = quick[name] if args.quick else (size.rounds, size.warmup)
+        plan[name] = (args.rounds or rounds, warmup if args.warmup is None else args.warmup)
+    kernel_repeats = 10 if args.quick else args.kernel_repeats
+    counted = 2 if args.quick else args.counted
+
+    print(
+        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {platform.node()} | {cpu_model()} | {os.cpu_count()} CPUs"
+    )
+    print(
+        f"# torch {torch.__version__} ({args.threads} threads) | lightning {lightning.__version__} | device"
+        f" {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+    )
+    for name, (rounds, warmup) in plan.items():
+        s = SIZES[name]
+        print(
+            f"# {name}: {s.layers} layers, d={s.d_model}, {s.heads} heads, V={s.vocab}, T={s.seq}, B={s.batch} |"
+            f" {warmup} warm-up + {rounds} timed rounds, {counted} counted steps"
+        )
+    print(f"# log_every_n_steps={args.log_every} (TensorBoard) | kernel table: {kernel_repeats} repeats")
+    print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)", flush=True)
+
+    results = []
+    for name, (rounds, warmup) in plan.items():
+        results.append(run_size(SIZES[name], rounds, warmup, counted, args))
+        print(f"# {name} done after {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
+    kernels = {name: time_kernels(SIZES[name], kernel_repeats, args.device) for name in plan}
+
+    print_step_table(results)
+    print_hook_table(results)
+    print_sync_memory_table(results, cuda=args.device == "cuda")
+    print_kernel_table(kernels)
+    print(
+        f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} |"
+        f" {time.perf_counter() - started:.0f} s in all"
+    )
+
+
+if __name__ == "__main__":
+    main()
