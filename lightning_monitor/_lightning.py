@@ -16,8 +16,15 @@ __all__ = ["grad_scaler", "gradient_sharding", "is_logging_step", "logging_step"
 
 
 def is_logging_step(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes to the loggers at the end of this batch (``log_every_n_steps``)."""
-    return bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+    """Whether Lightning writes to the loggers at the end of this training batch (``log_every_n_steps``).
+
+    Lightning's own test (``_LoggerConnector.should_update_logs``) for the training loop, without its walk over
+    the loops.
+    """
+    every = trainer.log_every_n_steps
+    if not trainer.loggers or not every:
+        return False
+    return (logging_step(trainer) + 1) % every == 0 or trainer.should_stop
 
 
 def logging_step(trainer: pl.Trainer) -> int:

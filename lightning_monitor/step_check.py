@@ -92,7 +92,7 @@ class StepCheck:
         self._overflows: Tensor | None = None
         self._present = 0
         self._held_steps = 0
-        self._zeros: Tensor | None = None
+        self._zero_one: Tensor | None = None
 
     def hold(self, squared: Tensor) -> None:
         """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
@@ -117,10 +117,11 @@ class StepCheck:
         # Host-known counts travel with the rest, so every rank decides on the same numbers. The copy is
         # non-blocking: it queues behind the device work instead of waiting for it.
         counts = [float(loss_count), float(max(self._present, self.norms.present)), float(held)]
+        scale_now = scale_tensor(scaler, device)
         parts = [
             torch.tensor(counts, dtype=squared.dtype).to(device, non_blocking=True),
-            self._zero(device) if loss_sum is None else loss_sum.reshape(1),
-            scale_tensor(scaler, device),
+            self._constant(device)[:1] if loss_sum is None else loss_sum.reshape(1),  # no loss: 0
+            self._constant(device)[1:] if scale_now is None else scale_now,  # no scaler: a scale of 1
         ]
         if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
             parts += [self._peak, self._overflows]  # type: ignore[list-item]
@@ -158,11 +159,11 @@ class StepCheck:
             extras=[r[layers_end:] for r in per_rank],
         )
 
-    def _zero(self, device: torch.device) -> Tensor:
-        """A cached 1-element zero, for a step without a loss."""
-        if self._zeros is None or self._zeros.device != device:
-            self._zeros = torch.zeros(1, device=device)
-        return self._zeros
+    def _constant(self, device: torch.device) -> Tensor:
+        """A cached ``[0, 1]`` on ``device``, whose slices stand in for figures a step does not have."""
+        if self._zero_one is None or self._zero_one.device != device:
+            self._zero_one = torch.tensor([0.0, 1.0], device=device)
+        return self._zero_one
 
     def check(self, step: StepFigures) -> list[Detection]:
         """Run every detector on the figures of one check; report causes, not their echoes."""
@@ -263,9 +264,10 @@ class StepDetectors:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
-def scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor:
-    """The current loss scale as a 1-element device tensor, without a host sync (``get_scale()`` would sync)."""
+def scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:
+    """The current loss scale as a 1-element device tensor, without a host sync (``get_scale()`` would sync).
+
+    ``None`` without a GradScaler, or before its first ``scale()``.
+    """
     scale = getattr(scaler, "_scale", None)
-    if isinstance(scale, Tensor):
-        return scale.reshape(1).to(device=device, dtype=torch.float32)
-    return torch.ones(1, device=device)
+    return scale.reshape(1).to(device=device, dtype=torch.float32) if isinstance(scale, Tensor) else None

@@ -259,13 +259,13 @@ def _update(
         return ((preds == target) & counted).sum(), counted.sum(), zero
 
     vocab = preds.shape[-1]
-    valid = counted & (target >= 0) & (target < vocab)
+    in_range = (target >= 0) & (target < vocab)
+    valid = in_range if not 0 <= ignore_index < vocab else in_range & counted
     if validate_args:
-        _raise_if_out_of_range(target, counted & ~valid, ignore_index, vocab)
-    # Ignored and out-of-range labels read the logit at index 0 instead, which is then masked out: the gather index
+        _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
+    # Ignored and out-of-range labels read a clamped, in-bounds logit, which is then masked out: the gather index
     # is always in bounds, and no boolean compaction (a host sync) is needed.
-    index = torch.where(valid, target, 0).to(torch.long).unsqueeze(-1)
-    label_logit = preds.gather(-1, index).squeeze(-1)
+    label_logit = preds.gather(-1, target.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
     if top_k == 1:
         # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
         hit = label_logit >= preds.amax(dim=-1)
@@ -273,7 +273,9 @@ def _update(
         # topk orders NaN above every number, so a row holding a NaN has one among its top values.
         top = preds.topk(top_k, dim=-1, sorted=True).values
         hit = (label_logit >= top[..., -1]) & ~top.isnan().any(dim=-1)
-    return (hit & valid).sum(), valid.sum(), (counted & ~valid).sum()
+    # One reduction for the three counts; `valid` is a subset of `counted`, so the invalid ones are the difference.
+    correct, total, counted_total = torch.stack([hit & valid, valid, counted]).flatten(1).sum(1)
+    return correct, total, counted_total - total
 
 
 def _raise_if_out_of_range(target: Tensor, bad: Tensor, ignore_index: int, vocab: int) -> None:
