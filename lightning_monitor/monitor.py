@@ -459,12 +459,13 @@ class TrainingMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # Keep a reference (not a copy) to the micro-batches of the step under way, for the post-mortem bundle.
-        if self.postmortem is None:
-            return
+        # A new optimizer step begins after one has been taken. Keep a reference (not a copy) to the micro-batches
+        # of the step under way, for the post-mortem bundle.
         if self._window_closed:
-            self._batches, self._window_closed = [], False
-        self._batches.append((batch_idx, batch))
+            self._batches = []
+        self._window_closed = False
+        if self.postmortem is not None:
+            self._batches.append((batch_idx, batch))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:

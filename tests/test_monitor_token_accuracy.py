@@ -57,13 +57,14 @@ def test_per_step_epoch_and_validation_figures_equal_the_reference(tmp_path):
         assert value == pytest.approx(reference(model.seen["val"][2 * i : 2 * i + 2]), abs=1e-12)  # 2 batches
 
 
-def test_accumulated_step_counts_every_micro_batch(tmp_path):
+@pytest.mark.parametrize("postmortem", ["halt", None])
+def test_accumulated_step_counts_every_micro_batch(tmp_path, postmortem):
     model = TinyLM()
     csv = CSVLogger(tmp_path, name="csv")
     fit(
         tmp_path,
         model,
-        TrainingMonitor(val_loss_key=None),
+        TrainingMonitor(val_loss_key=None, postmortem=postmortem),
         logger=csv,
         max_steps=3,
         accumulate_grad_batches=3,
