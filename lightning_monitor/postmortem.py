@@ -89,7 +89,7 @@ def write_bundle(
         [(index, move_data_to_device(batch, "cpu")) for index, batch in batches],
         folder / f"batch_rank{trainer.global_rank}.pt",
     )
-    trainer.save_checkpoint(folder / "last_good.ckpt")
+    trainer.save_checkpoint(folder / "last_good.ckpt", weights_only=False)  # a full checkpoint, to resume from
     if not trainer.is_global_zero:
         return
     rows = _write_lines(folder / "history.jsonl", history)

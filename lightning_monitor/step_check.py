@@ -214,7 +214,7 @@ class StepCheck:
         bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
         if bad:
             bad = self.order.sort(bad) if self.order is not None else bad
-            shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {shown}."
         total = math.fsum(squares)
         if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
