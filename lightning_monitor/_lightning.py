@@ -12,7 +12,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
-__all__ = ["grad_scaler", "gradient_sharding", "is_logging_step", "logging_step", "mirror_callback_metrics"]
+__all__ = [
+    "grad_scaler",
+    "gradient_sharding",
+    "is_logging_step",
+    "log_every",
+    "logging_step",
+    "mirror_callback_metrics",
+]
+
+
+def log_every(trainer: pl.Trainer) -> int:
+    """``Trainer(log_every_n_steps=...)``, which Lightning sets on the trainer at run time."""
+    return int(getattr(trainer, "log_every_n_steps", 0) or 0)
 
 
 def is_logging_step(trainer: pl.Trainer) -> bool:
@@ -21,7 +33,7 @@ def is_logging_step(trainer: pl.Trainer) -> bool:
     Lightning's own test (``_LoggerConnector.should_update_logs``) for the training loop, without its walk over
     the loops.
     """
-    every = trainer.log_every_n_steps
+    every = log_every(trainer)
     if not trainer.loggers or not every:
         return False
     return (logging_step(trainer) + 1) % every == 0 or trainer.should_stop

@@ -139,11 +139,11 @@ class LayerGradNorms:
             return out.view(2, -1)
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
-            grads = [_local_grad(g, p) for g, p in zip(grads, self.params, strict=True) if g is not None]
-        elif missing:
-            grads = [g for g in grads if g is not None]
+            present = [_local_grad(g, p) for g, p in zip(grads, self.params, strict=True) if g is not None]
+        else:
+            present = [g for g in grads if g is not None]
         per_group = [
-            _norms_float32(grads if idx is None else [grads[i] for i in idx], dtype)
+            _norms_float32(present if idx is None else [present[i] for i in idx], dtype)
             for idx, dtype in zip(plan.groups, plan.dtypes, strict=True)
         ]
         norms = per_group[0] if len(per_group) == 1 else torch.cat([n.to(self.device) for n in per_group])
@@ -169,11 +169,8 @@ class LayerGradNorms:
         present = [i for i in range(len(self.params)) if i not in skip]
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for j, i in enumerate(present):
-            local = (
-                self.params[i].to_local()
-                if self._has_dtensor and isinstance(self.params[i], DTensor)
-                else self.params[i]
-            )
+            param = self.params[i]
+            local = param.to_local() if self._has_dtensor and isinstance(param, DTensor) else param
             groups.setdefault((local.device, local.dtype), []).append(j)
         order = [present[j] for idx in groups.values() for j in idx]
         single = len(groups) == 1

@@ -21,6 +21,7 @@ from lightning_monitor._lightning import (
     grad_scaler,
     gradient_sharding,
     is_logging_step,
+    log_every,
     logging_step,
     mirror_callback_metrics,
 )
@@ -797,7 +798,7 @@ class TrainingMonitor(Callback):
 
     def _mark_tokens_before(self, trainer: pl.Trainer, step: int) -> None:
         """Mark the token counts if the step about to run at logging step ``step`` logs (Lightning's own test)."""
-        every = trainer.log_every_n_steps
+        every = log_every(trainer)
         if self.token_accuracy and every and (step + 1) % every == 0:
             self._tokens.mark(step)
 

@@ -142,7 +142,7 @@ class StepCheck:
         grad_norm = grad_peak = math.sqrt(total_sq) if has_grads else None
         if held and has_grads:
             held_sq = combine_ranks([r[_HEADER : _HEADER + 2] for r in per_rank])[0] / unscale
-            grad_peak = max(math.sqrt(held_sq), grad_norm, key=lambda v: math.inf if math.isnan(v) else v)  # type: ignore[arg-type]
+            grad_peak = max(math.sqrt(held_sq), grad_norm, key=lambda v: math.inf if math.isnan(v) else v)
             overflow_steps += int(max(r[_HEADER + 2] for r in per_rank))
         count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
         return StepFigures(
