@@ -1,10 +1,29 @@
-"""Helpers shared by the benchmarks: the machine, the peak-RSS counters of ``/proc``, and robust summaries."""
+"""Helpers shared by the benchmarks: the example's model, the machine, the peak-RSS counters of ``/proc``, and
+robust summaries."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_lm.py"
+
+
+def load_example() -> ModuleType:
+    """``examples/train_tiny_lm.py`` as a module (its model, its ``main``), loaded once."""
+    if "train_tiny_lm" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_tiny_lm", EXAMPLE)
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["train_tiny_lm"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["train_tiny_lm"]
 
 
 def cpu_model() -> str:

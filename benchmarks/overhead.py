@@ -87,7 +87,7 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import cpu_model, iqr, median_ci, proc_status, reset_peak_rss
+from _common import cpu_model, iqr, load_example, median_ci, proc_status, reset_peak_rss
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
@@ -157,49 +157,9 @@ SIZES = {
 # ---------------------------------------------------------------------------------------------------- the model
 
 
-class Attention(nn.Module):
-    def __init__(self, d_model: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, seq, channels = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, channels // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, channels))
-
-
-class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, heads)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """Embeddings, a ``ModuleList`` of blocks (the monitor's layers ``blocks.<i>``), a final LayerNorm, a head."""
-
-    def __init__(self, size: ModelSize) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(size.vocab, size.d_model)
-        self.pos_emb = nn.Embedding(size.seq, size.d_model)
-        self.blocks = nn.ModuleList(Block(size.d_model, size.heads) for _ in range(size.layers))
-        self.ln_f = nn.LayerNorm(size.d_model)
-        self.head = nn.Linear(size.d_model, size.vocab, bias=False)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+def GPT(size: ModelSize) -> nn.Module:
+    """The example's GPT (a ``ModuleList`` of blocks, so the monitor's layers read ``blocks.<i>``) at ``size``."""
+    return load_example().TinyGPT(size.vocab, size.seq, size.d_model, size.layers, size.heads)
 
 
 class LanguageModel(pl.LightningModule):

@@ -19,27 +19,20 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
+
+from _common import load_example
 
 from lightning_monitor.alerts import AlertKind
 from lightning_monitor.detectors import SpikeDetector
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_lm.py"
-
 
 def record(steps: int, folder: Path) -> list[tuple[float, float]]:
     """Train the example for ``steps`` steps, spike checks off, and return ``[(loss, grad_norm), ...]`` per step."""
-    spec = importlib.util.spec_from_file_location("train_tiny_lm", EXAMPLE)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_lm"] = example
-    spec.loader.exec_module(example)
+    example = load_example()
     example.main(
         [
             *("--max-steps", str(steps), "--log-every", "1", "--val-every", str(max(steps // 5, 1))),
