@@ -360,7 +360,6 @@ class TrainingMonitor(Callback):
             None if token_acc_patience is None else AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, token_acc_patience)
         )
         self._step_logged: int | None = None  # the logging step of the optimizer step under way, if it logs
-        self._pending_step: int | None = None  # the logging step of the counts handed over last
         self._no_counts: Tensor | None = None  # cached zeros standing for "no counts waiting"
         self._pending_acc: tuple[Tensor, int] | None = None  # a step's token counts waiting for the next read
 
@@ -493,7 +492,8 @@ class TrainingMonitor(Callback):
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
         scaler = grad_scaler(trainer)
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        extras = [self._take_pending_acc(squared.device)]
+        pending, pending_step = self._take_pending_acc(squared.device)
+        extras = [pending]
         if self._activations is not None:
             extras.append(self._activations.flags())
         step = watch.read(squared, self._take_loss(), scaler, accumulate, torch.cat(extras))
@@ -502,9 +502,9 @@ class TrainingMonitor(Callback):
         if self._order is not None:
             watch.order = self._order
             self._order.close()
-        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], self._pending_step)
+        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         flag_rows = [r[2:] for r in step.extras]
-        figures = watch.figures(step, self.skipped_steps, self.layer_norms)
+        figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         self._history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **self.latest})
 
@@ -523,7 +523,8 @@ class TrainingMonitor(Callback):
             self.skipped_steps += 1
         if scaler is not None:
             self.skipped_steps += step.overflow_steps
-        self.latest["skipped_steps"] = figures["skipped_steps"] = float(self.skipped_steps)
+        if self.skipped_steps:  # absent means none: no constant zero written at every logging step
+            self.latest["skipped_steps"] = figures["skipped_steps"] = float(self.skipped_steps)
 
         # Log, then act.
         for alert in alerts:
@@ -560,10 +561,10 @@ class TrainingMonitor(Callback):
         if not self.token_accuracy:
             return
         # Compute: the epoch's token counts and any step figure still waiting, in one read.
-        pending = self._take_pending_acc(pl_module.device)
+        pending, pending_step = self._take_pending_acc(pl_module.device)
         per_rank = gather_ranks(torch.cat([pending, self._tokens.epoch_counts("train")]))
         # Log.
-        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in per_rank], self._pending_step)
+        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in per_rank], pending_step)
         # At the epoch's last step, where Lightning writes epoch-end metrics too.
         epoch_step = logging_step(trainer) - 1
         self._log_accuracy(trainer, "train_token_acc_epoch", [r[2:4] for r in per_rank], epoch_step)
@@ -802,16 +803,14 @@ class TrainingMonitor(Callback):
         if self.token_accuracy and every and (step + 1) % every == 0:
             self._tokens.mark(step)
 
-    def _take_pending_acc(self, device: torch.device) -> Tensor:
-        """The token counts of the last logging step, still on the device (zeros when none wait), and forget them."""
+    def _take_pending_acc(self, device: torch.device) -> tuple[Tensor, int | None]:
+        """The token counts of the last logging step (zeros when none wait) and that step; forget them."""
         if self._pending_acc is None:
-            self._pending_step = None
             if self._no_counts is None or self._no_counts.device != device:
                 self._no_counts = torch.zeros(2, dtype=host_dtype(device), device=device)
-            return self._no_counts
-        counts, self._pending_step = self._pending_acc
-        self._pending_acc = None
-        return counts.to(device)
+            return self._no_counts, None
+        (counts, step), self._pending_acc = self._pending_acc, None
+        return counts.to(device), step
 
     def _log_accuracy(
         self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None

@@ -223,7 +223,7 @@ class StepCheck:
         shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
         return f" Largest layers (norm, share of squared total): {shares}."
 
-    def figures(self, step: StepFigures, skipped_steps: int, layer_norms: bool) -> dict[str, float]:
+    def figures(self, step: StepFigures, layer_norms: bool) -> dict[str, float]:
         """The host figures to log for this step."""
         out: dict[str, float] = {}
         if step.grad_norm is not None:
@@ -233,8 +233,6 @@ class StepCheck:
                     out[f"grad_norm{self.suffix}/{name}"] = math.sqrt(sq)
         if step.loss_scale is not None:
             out["loss_scale"] = step.loss_scale
-        if skipped_steps:  # absent means none: no constant zero written at every logging step
-            out["skipped_steps"] = float(skipped_steps)
         return out
 
     def state_dict(self) -> dict[str, Any]:
