@@ -585,7 +585,7 @@ def summarize_run(run: Run, keys: RunKeys | None = None) -> str:
         (keys.val_acc, "max"),
     )
     rows.extend((key, _final_and_best(run.scalars[key], mode)) for key, mode in curves if key is not None)
-    rows.extend((key, _grad_summary(run.scalars[key])) for key in keys.grad_norm)
+    rows.extend((key, _final_and_best(run.scalars[key], "max", "max")) for key in keys.grad_norm)
     if keys.loss_scale is not None:
         scale = run.scalars[keys.loss_scale]
         low = scale.best("min")
@@ -625,24 +625,12 @@ def _length(run: Run) -> str:
     return f"last step {last}, {span}"
 
 
-def _final_and_best(series: Series, mode: Literal["min", "max"]) -> str:
+def _final_and_best(series: Series, mode: Literal["min", "max"], best_word: str = "best") -> str:
     step, value = series.steps[-1], series.values[-1]  # a stored series is never empty
     text = f"final {_fmt(value)} (step {step})"
     best = series.best(mode)
     if best is not None:
-        text += f", best {_fmt(best[1])} (step {best[0]})"
-    bad = series.nonfinite_steps
-    if bad:
-        text += f", {len(bad)} non-finite (first at step {bad[0]})"
-    return text
-
-
-def _grad_summary(series: Series) -> str:
-    step, value = series.steps[-1], series.values[-1]
-    text = f"final {_fmt(value)} (step {step})"
-    peak = series.best("max")
-    if peak is not None:
-        text += f", max {_fmt(peak[1])} (step {peak[0]})"
+        text += f", {best_word} {_fmt(best[1])} (step {best[0]})"
     bad = series.nonfinite_steps
     if bad:
         text += f", {len(bad)} non-finite (first at step {bad[0]})"
