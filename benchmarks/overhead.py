@@ -96,6 +96,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor._lightning import STEP_HOOKS
 from lightning_monitor.grad_norms import LayerGradNorms
 from lightning_monitor.sinks import LoggerSink
 from lightning_monitor.sync_count import HostSyncCounter
@@ -111,14 +112,6 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_":
 #: glibc settings of the memory processes: map every block of 64 KiB or more afresh and unmap it on free, so the
 #: peak RSS follows what is live (by default the threshold adapts, and freed blocks stay resident).
 TRACKING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-#: The hooks whose time and syncs are attributed to a configuration (those of ``tests/test_syncs.py``).
-STEP_HOOKS = (
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-)
 #: The monitor's parts timed inside its hooks: (class, method, label).
 PARTS = (
     (LayerGradNorms, "squared", "grad-norm kernel"),

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
 __all__ = [
+    "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
     "is_logging_step",
@@ -20,6 +21,16 @@ __all__ = [
     "logging_step",
     "mirror_callback_metrics",
 ]
+
+
+#: The callback hooks Lightning calls within one training batch, in order (what a step of the monitor costs).
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
 
 
 def log_every(trainer: pl.Trainer) -> int:

@@ -115,36 +115,31 @@ def _dp_reference(ref: nn.Module) -> tuple[list[str], list[float]]:
 # ------------------------------------------------------------------------------------------------- scenarios
 
 
-def _fsdp2(rank: int, meshes: dict) -> dict:
+def _fully_shard(rank: int, mesh: object) -> tuple[nn.Module, nn.Module, dict]:
+    """Shard each block and the head, then the root, with FSDP2 on ``mesh``; backward on this rank's half batch."""
     from torch.distributed.fsdp import fully_shard
 
     model, ref = _fresh(_Net)
     for block in [*model.blocks, model.head]:
-        fully_shard(block, mesh=meshes["1d"])
-    fully_shard(model, mesh=meshes["1d"])
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     x, y = _batch()
     nn.functional.mse_loss(model(_local(x, rank)), _local(y, rank)).backward()
     out = _measure(model.named_parameters())
-    out["local_shapes"] = {n: list(p.grad.to_local().shape) for n, p in model.named_parameters()}
     out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
     out["ref_names"], out["reference"] = _dp_reference(ref)
+    return model, ref, out
+
+
+def _fsdp2(rank: int, meshes: dict) -> dict:
+    model, _, out = _fully_shard(rank, meshes["1d"])
+    out["local_shapes"] = {n: list(p.grad.to_local().shape) for n, p in model.named_parameters()}
     return out
 
 
 def _hsdp(rank: int, meshes: dict) -> dict:
     """fully_shard on a (replicate=2, shard=1) mesh: placements (Replicate(), Shard(0)), full grads on each rank."""
-    from torch.distributed.fsdp import fully_shard
-
-    model, ref = _fresh(_Net)
-    for block in [*model.blocks, model.head]:
-        fully_shard(block, mesh=meshes["2d"])
-    fully_shard(model, mesh=meshes["2d"])
-    x, y = _batch()
-    nn.functional.mse_loss(model(_local(x, rank)), _local(y, rank)).backward()
-    out = _measure(model.named_parameters())
-    out["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
-    out["ref_names"], out["reference"] = _dp_reference(ref)
-    return out
+    return _fully_shard(rank, meshes["2d"])[2]
 
 
 def _dtensor_replicated(rank: int, meshes: dict, batch_sharded: bool) -> dict:

@@ -12,15 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor._lightning import STEP_HOOKS
 from lightning_monitor.sync_count import HostSyncCounter
-
-STEP_HOOKS = (
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-)
 
 
 def count_syncs(callback: pl.Callback, counter: HostSyncCounter, per_step: Counter, hooks=STEP_HOOKS) -> None:
