@@ -2,7 +2,7 @@
 
 :class:`LayerGradNorms` resolves once which layer each parameter belongs to, then on every call reads each
 gradient once with ``torch._foreach_norm`` (one kernel per device and dtype, no per-parameter ``.item()``) and
-sums the squares per layer with a single ``index_add_``. The result is a device tensor; nothing here synchronises
+sums the squares per layer with a single ``index_add``. The result is a device tensor; nothing here synchronises
 with the host.
 
 Sharded gradients: a replicated gradient (single device, DDP) is the same on every rank, while a sharded one (FSDP,
@@ -120,37 +120,42 @@ class LayerGradNorms:
         self._weights = weights if any(w != 1.0 for w in weights) else None
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
         self._plans: dict[tuple[int, ...], _Plan] = {}
+        # The flattened output starts from these zeros (never written: `torch.index_add` returns a new tensor).
+        self._zeros = torch.zeros(2 * num_layers, dtype=host_dtype(self.device), device=self.device)
         self.present = 0
 
     def squared(self) -> Tensor:
         """Return a ``[2, num_layers]`` tensor of squared norms on this rank: replicated row, sharded row.
 
-        The norms are accumulated in float32 and squared in float64 (float32 on MPS), on the gradients' device.
+        Each gradient's norm is accumulated in float32, squared in float32 (the square of a norm that float32 holds
+        is finite whenever the kernel's own sum of squares was) and summed per layer in float64 (float32 on MPS),
+        so a sum of large squares does not overflow. Four ops in all, on the gradients' device.
 
         Parameters without a gradient count as zero. A non-finite gradient makes its layer's entry non-finite.
         ``DTensor`` gradients placed unlike their parameters are redistributed first, a collective over their mesh.
         """
-        grads = [p.grad for p in self.params]
-        missing = tuple(i for i, g in enumerate(grads) if g is None)
-        self.present = len(grads) - len(missing)
-        # Squares in float64 where the device has it: a finite norm above ~1.8e19 would overflow a float32 square.
-        out = torch.zeros(2 * len(self.names), dtype=host_dtype(self.device), device=self.device)
-        if len(missing) == len(grads):
-            return out.view(2, -1)
+        present = [g for p in self.params if (g := p.grad) is not None]
+        self.present = len(present)
+        if not present:
+            return self._zeros.clone().view(2, -1)
+        missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
-            present = [_local_grad(g, p) for g, p in zip(grads, self.params, strict=True) if g is not None]
+            present = [_local_grad(p.grad, p) for p in self.params if p.grad is not None]
+        if plan.groups == [None]:  # one device and dtype: one kernel over all of them
+            norms = _norms_float32(present, plan.dtypes[0])
         else:
-            present = [g for g in grads if g is not None]
-        per_group = [
-            _norms_float32(present if idx is None else [present[i] for i in idx], dtype)
-            for idx, dtype in zip(plan.groups, plan.dtypes, strict=True)
-        ]
-        norms = per_group[0] if len(per_group) == 1 else torch.cat([n.to(self.device) for n in per_group])
-        squares = norms.to(device=self.device, dtype=out.dtype).square()
+            per_group = [
+                _norms_float32([present[i] for i in idx], dtype)  # type: ignore[union-attr]
+                for idx, dtype in zip(plan.groups, plan.dtypes, strict=True)
+            ]
+            norms = torch.cat([n.to(self.device) for n in per_group])
+        # Computed in float32, stored widened. `mul` rather than `square`: the kernels a step runs anyway are the ones
+        # already in the CPU's caches, and on the host a cold kernel costs more than the arithmetic.
+        squares = torch.mul(norms, norms, out=plan.squares)
         if plan.weight is not None:
             squares = squares * plan.weight
-        return out.index_add_(0, plan.slot, squares).view(2, -1)
+        return torch.index_add(self._zeros, 0, plan.slot, squares).view(2, -1)
 
     def norms(self) -> tuple[Tensor, Tensor]:
         """Return ``(total, per_layer)`` norms for a single process: both rows summed, then the square root.
@@ -159,6 +164,10 @@ class LayerGradNorms:
         """
         per_layer = self.squared().sum(0)
         return per_layer.sum().sqrt(), per_layer.sqrt()
+
+    def _missing(self) -> tuple[int, ...]:
+        """The positions of the parameters without a gradient."""
+        return tuple(i for i, p in enumerate(self.params) if p.grad is None)
 
     def _plan(self, missing: tuple[int, ...]) -> _Plan:
         """Group the parameters that have a gradient by (device, dtype), once per pattern of missing gradients.
@@ -173,11 +182,12 @@ class LayerGradNorms:
             local = param.to_local() if self._has_dtensor and isinstance(param, DTensor) else param
             groups.setdefault((local.device, local.dtype), []).append(j)
         order = [present[j] for idx in groups.values() for j in idx]
-        single = len(groups) == 1
+        single = len(groups) == 1 and next(iter(groups))[0] == self.device  # else the norms move to self.device
         plan = _Plan(
             groups=[None] if single else list(groups.values()),
             dtypes=[dtype for _, dtype in groups],
             slot=torch.tensor([self._slots[i] for i in order], device=self.device),
+            squares=torch.empty(len(order), dtype=self._zeros.dtype, device=self.device),
             weight=None
             if self._weights is None
             else torch.tensor([self._weights[i] for i in order], device=self.device),
@@ -191,7 +201,8 @@ class _Plan(NamedTuple):
 
     groups: list[list[int] | None]  # positions in the list of present gradients; None means all of them
     dtypes: list[torch.dtype]  # the dtype of each group
-    slot: Tensor
+    slot: Tensor  # where each square goes in the flattened output
+    squares: Tensor  # the squares' buffer, reused at every call
     weight: Tensor | None
 
 
@@ -208,6 +219,9 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     """
     world = len(per_rank)
     num_layers = len(per_rank[0]) // 2
+    if world == 1:  # the same sums, without the per-layer loops over ranks
+        row = per_rank[0]
+        return [a + b for a, b in zip(row[:num_layers], row[num_layers:], strict=True)]
     replicated = [math.fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
     sharded = [math.fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
     return [a + b for a, b in zip(replicated, sharded, strict=True)]

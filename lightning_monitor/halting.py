@@ -40,20 +40,18 @@ def gather_ranks(local: Tensor) -> list[list[float]]:
     """Gather a 1-D tensor from every rank and return it on the host as one list per rank, in rank order.
 
     This is the monitor's one collective and its one host synchronisation per check: a single ``all_gather`` of
-    a few floats (nothing at all in a single-process run), then one device-to-host copy.
+    a few floats (nothing at all in a single-process run), then one device-to-host copy. The tensor travels in its
+    own dtype: pack figures in :func:`host_dtype` so that counts and sums stay exact.
 
     Example:
         >>> gather_ranks(torch.tensor([1.0, 2.0]))
         [[1.0, 2.0]]
     """
-    local = local.detach().to(host_dtype(local.device)).contiguous()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        world = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(world, local)
-        local = torch.stack(world)
-    else:
-        local = local.unsqueeze(0)
-    return local.tolist()  # the host sync
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [local.tolist()]  # the host sync
+    world = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(world, local.detach().contiguous())
+    return torch.stack(world).tolist()  # the host sync
 
 
 def host_dtype(device: torch.device) -> torch.dtype:

@@ -471,7 +471,7 @@ class TrainingMonitor(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # The loss as handed to backward: divided by `accumulate_grad_batches`, and multiplied by the loss scale
         # under fp16 AMP. Both are undone at the check. Summing keeps NaN and Inf: any bad micro-batch shows.
-        loss = loss.detach().float()
+        loss = loss.detach() if loss.dtype == torch.float32 else loss.detach().float()
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._loss_count += 1
 
@@ -485,18 +485,18 @@ class TrainingMonitor(Callback):
         squared = watch.norms.squared()
         logs = is_logging_step(trainer)
         self._step_logged = logging_step(trainer) if logs else None
-        if trainer.global_step % self.check_every_n_steps != 0 and not logs:
+        if self.check_every_n_steps > 1 and trainer.global_step % self.check_every_n_steps != 0 and not logs:
             watch.hold(squared)
             return
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
         scaler = grad_scaler(trainer)
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        pending, pending_step = self._take_pending_acc(squared.device)
+        pending, pending_step = self._take_pending_acc(watch.norms.device)
         extras = [pending]
         if self._activations is not None:
             extras.append(self._activations.flags())
-        step = watch.read(squared, self._take_loss(), scaler, accumulate, torch.cat(extras))
+        step = watch.read(squared, self._take_loss(), scaler, accumulate, extras)
         if self._activations is not None:
             self._activations.reset()
         if self._order is not None:
@@ -816,8 +816,10 @@ class TrainingMonitor(Callback):
         self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
     ) -> float | None:
         """Log ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
+        if step is None:
+            return None
         correct, total = math.fsum(r[0] for r in per_rank), math.fsum(r[1] for r in per_rank)
-        if step is None or total <= 0:
+        if total <= 0:
             return None
         self._log_figures(trainer, {key: correct / total}, step)
         return correct / total

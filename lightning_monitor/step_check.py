@@ -21,7 +21,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import gather_ranks
+from lightning_monitor.halting import gather_ranks, host_dtype
 
 __all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -87,12 +87,15 @@ class StepCheck:
         self.suffix = suffix
         self.fused = fused
         self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
+        self._total_key = f"grad_norm{suffix}"
+        self._layer_keys = [f"grad_norm{suffix}/{name}" for name in norms.names]
         # Device-side figures since the last check: worst total (replicated, sharded), overflowing steps, steps.
         self._peak: Tensor | None = None
         self._overflows: Tensor | None = None
         self._present = 0
         self._held_steps = 0
-        self._zero_one: Tensor | None = None
+        self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a [0] and a [1] on it
+        self._counts: dict[tuple[int, int, int], Tensor] = {}
 
     def hold(self, squared: Tensor) -> None:
         """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
@@ -109,23 +112,23 @@ class StepCheck:
         loss: tuple[Tensor | None, int],
         scaler: torch.amp.GradScaler | None,
         accumulate: int,
-        extras: Tensor,
+        extras: list[Tensor],
     ) -> StepFigures:
         """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
         loss_sum, loss_count = loss
-        device, held = squared.device, self._held_steps
-        # Host-known counts travel with the rest, so every rank decides on the same numbers. The copy is
-        # non-blocking: it queues behind the device work instead of waiting for it.
-        counts = [float(loss_count), float(max(self._present, self.norms.present)), float(held)]
+        device, held = self.norms.device, self._held_steps  # `squared` is on the norms' device
+        # Host-known counts travel with the rest, so every rank decides on the same numbers.
+        counts = (loss_count, max(self._present, self.norms.present), held)
         scale_now = scale_tensor(scaler, device)
+        zero, one, counts_now = self._constants(device, counts)
         parts = [
-            torch.tensor(counts, dtype=squared.dtype).to(device, non_blocking=True),
-            self._constant(device)[:1] if loss_sum is None else loss_sum.reshape(1),  # no loss: 0
-            self._constant(device)[1:] if scale_now is None else scale_now,  # no scaler: a scale of 1
+            counts_now,
+            zero if loss_sum is None else loss_sum.view(1),  # no loss: 0
+            one if scale_now is None else scale_now,  # no scaler: a scale of 1
         ]
         if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
             parts += [self._peak, self._overflows]  # type: ignore[list-item]
-        parts += [squared.flatten(), extras]
+        parts += [squared.view(-1), *extras]
         per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
@@ -135,7 +138,9 @@ class StepCheck:
         scale = first[_SCALE] if scaler is not None else 1.0
         # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
         unscale = scale**2 if self.fused else 1.0
-        layer_sq = [v / unscale for v in combine_ranks([r[layers_start:layers_end] for r in per_rank])]
+        layer_sq = combine_ranks([r[layers_start:layers_end] for r in per_rank])
+        if self.fused:
+            layer_sq = [v / unscale for v in layer_sq]
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
         total_sq = math.fsum(layer_sq)
         overflow_steps = 0 if math.isfinite(total_sq) else 1
@@ -159,11 +164,23 @@ class StepCheck:
             extras=[r[layers_end:] for r in per_rank],
         )
 
-    def _constant(self, device: torch.device) -> Tensor:
-        """A cached ``[0, 1]`` on ``device``, whose slices stand in for figures a step does not have."""
-        if self._zero_one is None or self._zero_one.device != device:
-            self._zero_one = torch.tensor([0.0, 1.0], device=device)
-        return self._zero_one
+    def _constants(self, device: torch.device, counts: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+        """A ``[0]`` and a ``[1]`` that stand in for figures a step does not have, and ``counts`` as a tensor.
+
+        All three are cached on ``device``. The counts rarely change, so most steps create and copy nothing; a new
+        pattern is copied without blocking (the copy queues behind the device work instead of waiting for it).
+        """
+        if self._fills is None or self._fills[0] != device:
+            self._fills = (device, torch.zeros(1, device=device), torch.ones(1, device=device))
+            self._counts = {}
+        cached = self._counts.get(counts)
+        if cached is None:
+            if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
+                self._counts.clear()
+            cached = torch.tensor(counts, dtype=host_dtype(device)).to(device, non_blocking=True)
+            self._counts[counts] = cached
+        _, zero, one = self._fills
+        return zero, one, cached
 
     def check(self, step: StepFigures) -> list[Detection]:
         """Run every detector on the figures of one check; report causes, not their echoes."""
@@ -196,6 +213,8 @@ class StepCheck:
 
     def beyond(self, kinds: frozenset[AlertKind]) -> bool:
         """Whether the last check's figure was beyond the limit of any of ``kinds`` (even before patience ran out)."""
+        if not kinds:
+            return False
         states = {
             AlertKind.NONFINITE_LOSS: self.detectors.nonfinite_loss.active,
             AlertKind.NONFINITE_GRAD: self.detectors.nonfinite_grad.active,
@@ -227,10 +246,9 @@ class StepCheck:
         """The host figures to log for this step."""
         out: dict[str, float] = {}
         if step.grad_norm is not None:
-            out[f"grad_norm{self.suffix}"] = step.grad_norm
+            out[self._total_key] = step.grad_norm
             if layer_norms:
-                for name, sq in zip(self.norms.names, step.layer_sq, strict=True):
-                    out[f"grad_norm{self.suffix}/{name}"] = math.sqrt(sq)
+                out.update(zip(self._layer_keys, map(math.sqrt, step.layer_sq), strict=True))
         if step.loss_scale is not None:
             out["loss_scale"] = step.loss_scale
         return out

@@ -168,9 +168,10 @@ class TokenAccuracy(Metric):
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add the counts of one batch to the states."""
         correct, total, invalid = _update(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
-        self.correct += correct
-        self.total += total
-        self.invalid += invalid
+        # In place: `+=` would also assign the attribute, and a module's `__setattr__` is slow at every step.
+        self.correct.add_(correct)
+        self.total.add_(total)
+        self.invalid.add_(invalid)
 
     @override
     def compute(self) -> Tensor:
@@ -215,35 +216,35 @@ def _check_inputs(preds: Tensor, target: Tensor, top_k: int, shift: bool) -> Non
     for name, t in (("preds", preds), ("target", target)):
         if not isinstance(t, Tensor):
             raise ValueError(f"Expected argument `{name}` to be a tensor, but got {type(t).__name__}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise ValueError(f"Expected argument `target` to be an integer tensor, but got dtype {target.dtype}")
-    if preds.is_complex() or preds.dtype == torch.bool:
-        raise ValueError(f"Expected argument `preds` to be a floating or integer tensor, but got dtype {preds.dtype}")
+    # Each piece of metadata is read once: this runs at every training step.
+    pdtype, tdtype, pshape, tshape = preds.dtype, target.dtype, preds.shape, target.shape
+    if tdtype.is_floating_point or tdtype.is_complex or tdtype == torch.bool:
+        raise ValueError(f"Expected argument `target` to be an integer tensor, but got dtype {tdtype}")
+    if pdtype.is_complex or pdtype == torch.bool:
+        raise ValueError(f"Expected argument `preds` to be a floating or integer tensor, but got dtype {pdtype}")
     if preds.device != target.device:
         raise ValueError(
             f"Expected arguments `preds` and `target` to be on the same device, but got {preds.device} and"
             f" {target.device}"
         )
-    if shift and target.ndim == 0:
+    if shift and not tshape:
         raise ValueError("Expected argument `target` to have a sequence dimension with `shift=True`, but got 0-d")
-    if not preds.is_floating_point():
-        if preds.shape != target.shape:
+    if not pdtype.is_floating_point:
+        if pshape != tshape:
             raise ValueError(
                 "Expected argument `preds` (integer predictions) to have the shape of `target`, but got"
-                f" {tuple(preds.shape)} and {tuple(target.shape)}"
+                f" {tuple(pshape)} and {tuple(tshape)}"
             )
         if top_k != 1:
             raise ValueError(f"Expected argument `top_k` to be 1 for integer predictions, but got {top_k}")
         return
-    if preds.ndim != target.ndim + 1 or preds.shape[:-1] != target.shape:
+    if pshape[:-1] != tshape or not pshape:
         raise ValueError(
             "Expected argument `preds` (logits) to have shape `target.shape + (V,)`, but got"
-            f" {tuple(preds.shape)} for target shape {tuple(target.shape)}"
+            f" {tuple(pshape)} for target shape {tuple(tshape)}"
         )
-    if top_k > preds.shape[-1]:
-        raise ValueError(
-            f"Expected argument `top_k` to be at most the vocabulary size {preds.shape[-1]}, but got {top_k}"
-        )
+    if top_k > pshape[-1]:
+        raise ValueError(f"Expected argument `top_k` to be at most the vocabulary size {pshape[-1]}, but got {top_k}")
 
 
 def _update(
@@ -251,31 +252,35 @@ def _update(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(correct, total, invalid)`` for one batch; ``invalid`` counts labels out of ``[0, V)``."""
     _check_inputs(preds, target, top_k, shift)
+    logits = preds.dtype.is_floating_point
     if shift:  # views: slicing copies nothing, and both reductions below run on the strided view
-        preds, target = preds[..., :-1, :] if preds.is_floating_point() else preds[..., :-1], target[..., 1:]
+        preds, target = preds[..., :-1, :] if logits else preds[..., :-1], target[..., 1:]
     counted = target != ignore_index
-    if not preds.is_floating_point():
+    if not logits:
         zero = torch.zeros((), dtype=torch.long, device=target.device)
         return ((preds == target) & counted).sum(), counted.sum(), zero
 
     vocab = preds.shape[-1]
-    in_range = (target >= 0) & (target < vocab)
-    valid = in_range if not 0 <= ignore_index < vocab else in_range & counted
+    # Ignored and out-of-range labels read a clamped, in-bounds logit, which is then masked out: the gather index
+    # is always in bounds, and no boolean compaction (a host sync) is needed. A label is in range when clamping
+    # leaves it as it is.
+    index = target.clamp(0, vocab - 1)
+    in_range = index == target
     if validate_args:
         _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
-    # Ignored and out-of-range labels read a clamped, in-bounds logit, which is then masked out: the gather index
-    # is always in bounds, and no boolean compaction (a host sync) is needed.
-    label_logit = preds.gather(-1, target.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
+    # An ignore_index outside [0, V), such as -100, is never in range, so the in-range labels are the counted ones.
+    valid = in_range & counted if 0 <= ignore_index < vocab else in_range
+    label_logit = preds.gather(-1, (index if index.dtype == torch.long else index.long()).unsqueeze(-1))
     if top_k == 1:
         # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
-        hit = label_logit >= preds.amax(dim=-1)
+        hit = label_logit >= preds.amax(dim=-1, keepdim=True)
     else:
         # topk orders NaN above every number, so a row holding a NaN has one among its top values.
         top = preds.topk(top_k, dim=-1, sorted=True).values
-        hit = (label_logit >= top[..., -1]) & ~top.isnan().any(dim=-1)
-    # One reduction for the three counts; `valid` is a subset of `counted`, so the invalid ones are the difference.
-    correct, total, counted_total = torch.stack([hit & valid, valid, counted]).flatten(1).sum(1)
-    return correct, total, counted_total - total
+        hit = (label_logit >= top[..., -1:]) & ~top.isnan().any(dim=-1, keepdim=True)
+    # Few distinct kernels (compare, and, sum), which is what a step pays for on the host, more than the op count.
+    total = valid.sum()
+    return (hit.squeeze(-1) & valid).sum(), total, counted.sum() - total
 
 
 def _raise_if_out_of_range(target: Tensor, bad: Tensor, ignore_index: int, vocab: int) -> None:

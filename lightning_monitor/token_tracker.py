@@ -50,7 +50,7 @@ def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key
 
 
 def _lookup(container: Any, key: str) -> Any:
-    if isinstance(container, Mapping):
+    if type(container) is dict or isinstance(container, Mapping):  # a plain dict, the usual case, skips the ABC check
         return container.get(key)
     return getattr(container, key, None) if not isinstance(container, (Tensor, list, tuple)) else None
 
@@ -132,7 +132,7 @@ class TokenAccuracyTracker:
         if metric.device != logits.device:
             metric.to(logits.device)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
-            metric.update(logits.detach(), labels.detach())
+            metric.update(logits, labels)  # the metric runs without autograd, so nothing needs detaching
         except ValueError as err:
             self._disable(stage, f"the logits and labels from `{where}` do not fit: {err}")
 
