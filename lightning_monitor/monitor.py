@@ -502,8 +502,8 @@ class TrainingMonitor(Callback):
         if self._order is not None:
             watch.order = self._order
             self._order.close()
-        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
-        flag_rows = [r[2:] for r in step.extras]
+        if pending_step is not None:
+            self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         self._history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **self.latest})
@@ -511,7 +511,7 @@ class TrainingMonitor(Callback):
         # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle.
         detections = watch.check(step)
         first_bad = (
-            self._activations.first_nonfinite(max(col) for col in zip(*flag_rows, strict=True))
+            self._activations.first_nonfinite(max(col) for col in zip(*(r[2:] for r in step.extras), strict=True))
             if self._activations is not None
             else None
         )

@@ -203,6 +203,8 @@ class StepCheck:
                 if detector is not None:
                     found.append(detector.update(value))
         detections = [d for d in found if d is not None]
+        if not detections:
+            return detections
         kinds = {d.kind for d in detections}
         # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
         if AlertKind.NONFINITE_LOSS in kinds or self.detectors.nonfinite_loss.active:
