@@ -72,7 +72,7 @@ class TokenAccuracyTracker:
         >>> logits = torch.tensor([[[0.1, 0.9], [0.8, 0.2]]])
         >>> tracker.update("train", {"logits": logits, "labels": torch.tensor([[1, 1]])}, None)
         >>> tracker.counts_since_mark(tag=7).tolist()
-        [1.0, 2.0]
+        [1, 2]
         >>> tracker.epoch_counts("train").tolist()
         [1.0, 2.0, 0.0]
     """
@@ -139,14 +139,14 @@ class TokenAccuracyTracker:
     def mark(self, tag: int) -> None:
         """Remember the training counts now, under ``tag`` (one copy of two numbers, on the device)."""
         metric = self.metrics["train"]
-        self._mark = (tag, torch.stack([metric.correct, metric.total]).to(host_dtype(metric.device)))
+        self._mark = (tag, torch.stack([metric.correct, metric.total]))
 
     def counts_since_mark(self, tag: int) -> Tensor | None:
-        """``[correct, total]`` (on the device) counted since :meth:`mark` was called with ``tag``, else ``None``."""
+        """``[correct, total]`` counted since :meth:`mark` was called with ``tag`` (int64, on the device), else None."""
         if self._mark is None or self._mark[0] != tag:
             return None
         metric = self.metrics["train"]
-        return torch.stack([metric.correct, metric.total]).to(self._mark[1].dtype) - self._mark[1]
+        return torch.stack([metric.correct, metric.total]) - self._mark[1]
 
     def epoch_counts(self, stage: Stage) -> Tensor:
         """``[correct, total, invalid]`` (on the device) counted on this rank since the last reset of ``stage``.
