@@ -208,6 +208,21 @@ def test_all_ignored_batch_contributes_nothing():
         torch.testing.assert_close(metric.compute(), _argmax_reference(good_logits, good_labels)[2], rtol=0, atol=0)
 
 
+def test_in_place_updates_leave_the_defaults_alone():
+    # update() adds to the states in place; reset() must still start from zero, and forward() must still return
+    # the batch's own value while the states keep the running sum.
+    logits, labels = _data((2, 6), seed=3)
+    correct, total, accuracy = _argmax_reference(logits, labels)
+    metric = TokenAccuracy()
+    metric.update(logits, labels)
+    metric.reset()
+    assert (int(metric.correct), int(metric.total), int(metric.invalid)) == (0, 0, 0)
+    assert all(int(default) == 0 for default in metric._defaults.values())
+    torch.testing.assert_close(metric(logits, labels), accuracy, rtol=0, atol=0)
+    torch.testing.assert_close(metric(logits, labels), accuracy, rtol=0, atol=0)
+    assert (int(metric.correct), int(metric.total)) == (2 * correct, 2 * total)
+
+
 def test_metric_attributes_and_state_dtypes():
     metric = TokenAccuracy()
     assert metric.higher_is_better is True
