@@ -141,7 +141,7 @@ class LayerGradNorms:
         missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
-            present = [_local_grad(p.grad, p) for p in self.params if p.grad is not None]
+            present = [_local_grad(g, p) for p in self.params if (g := p.grad) is not None]
         if plan.groups == [None]:  # one device and dtype: one kernel over all of them
             norms = _norms_float32(present, plan.dtypes[0])
         else:

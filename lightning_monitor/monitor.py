@@ -471,7 +471,7 @@ class TrainingMonitor(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # The loss as handed to backward: divided by `accumulate_grad_batches`, and multiplied by the loss scale
         # under fp16 AMP. Both are undone at the check. Summing keeps NaN and Inf: any bad micro-batch shows.
-        loss = loss.detach() if loss.dtype == torch.float32 else loss.detach().float()
+        loss = loss.detach().float()
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._loss_count += 1
 
@@ -502,8 +502,7 @@ class TrainingMonitor(Callback):
         if self._order is not None:
             watch.order = self._order
             self._order.close()
-        if pending_step is not None:
-            self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
+        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         self._history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **self.latest})

@@ -270,7 +270,7 @@ def _update(
         _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
     # An ignore_index outside [0, V), such as -100, is never in range, so the in-range labels are the counted ones.
     valid = in_range & counted if 0 <= ignore_index < vocab else in_range
-    label_logit = preds.gather(-1, (index if index.dtype == torch.long else index.long()).unsqueeze(-1))
+    label_logit = preds.gather(-1, index.long().unsqueeze(-1))
     if top_k == 1:
         # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
         hit = label_logit >= preds.amax(dim=-1, keepdim=True)

@@ -50,7 +50,7 @@ def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key
 
 
 def _lookup(container: Any, key: str) -> Any:
-    if type(container) is dict or isinstance(container, Mapping):  # a plain dict, the usual case, skips the ABC check
+    if isinstance(container, Mapping):
         return container.get(key)
     return getattr(container, key, None) if not isinstance(container, (Tensor, list, tuple)) else None
 
