@@ -669,10 +669,10 @@ def print_hook_table(results: Sequence[SizeResult]) -> None:
             / statistics.median(s.get(label, 0.0) for s in res.summaries["floor"]["timed"])
             for label in PART_LABELS[:2]
         )
-        verdict = "pass" if grad <= KERNEL_TARGET else "FAIL"
+        kernel = "pass" if grad <= KERNEL_TARGET else "FAIL"
         print(
             f"\n{res.size.name}, monitor over floor inside the step (medians): gradient norms {grad:.2f}x"
-            f" (target <= {KERNEL_TARGET}x: {verdict}; table 4 has the kernel hot), token accuracy {token:.2f}x one"
+            f" (target <= {KERNEL_TARGET}x: {kernel}; table 4 has the kernel hot), token accuracy {token:.2f}x one"
             " amax over the logits"
         )
 
