@@ -2,7 +2,7 @@
 
 Separate processes differ by several percent in speed (memory layout, CPU placement), far more than a hot-path
 change of tens of microseconds, so comparing two runs cannot resolve one. Here both versions run in the same
-process on the same training run: the revision's ``lightning_monitor`` (extracted with ``git archive`` into a
+process on the same training run: the revision's ``lightning_monitor`` (read with ``git show`` into a
 temporary package, its imports renamed) acts on even optimizer steps, the working tree's on odd ones, and each acts
 cold, after a whole step of other work, as it would alone. Each pair of neighbouring steps gives one difference of
 the time spent in the two monitors' hooks; the table gives the medians and a distribution-free 95% interval of the
