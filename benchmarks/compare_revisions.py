@@ -35,9 +35,7 @@ import lightning.pytorch as pl
 import torch
 from _common import median_ci
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
-from overhead import SIZES, LanguageModel, RandomTokens
-from torch.utils.data import DataLoader
+from overhead import SIZES, fit
 
 from lightning_monitor._lightning import STEP_HOOKS
 
@@ -112,19 +110,7 @@ def main() -> None:
         ref_module = import_revision(args.ref, Path(root))
         ref = on_parity(keyed(ref_module.TrainingMonitor, "ref"), 0, times["ref"])
         tree = on_parity(keyed(lightning_monitor.TrainingMonitor, "tree"), 1, times["tree"])
-        trainer = pl.Trainer(
-            max_steps=args.steps,
-            callbacks=[ref, tree],
-            logger=TensorBoardLogger(root, name="compare"),
-            log_every_n_steps=args.log_every,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=root,
-        )
-        trainer.fit(LanguageModel(size), DataLoader(RandomTokens(size), batch_size=size.batch))
+        fit(size, [ref, tree], root, "compare", args.log_every, args.steps)
 
     def logs(step: int) -> bool:  # a logging step, or the one before it
         return args.log_every > 0 and ((step + 1) % args.log_every == 0 or (step + 2) % args.log_every == 0)

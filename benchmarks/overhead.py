@@ -189,6 +189,37 @@ class RandomTokens(Dataset):
         return self.data[index % len(self.data)]
 
 
+def fit(
+    size: ModelSize,
+    callbacks: list[Callback],
+    root: str,
+    name: str,
+    log_every: int,
+    max_steps: int,
+    device: str = "cpu",
+) -> pl.Trainer:
+    """Train the model of ``size`` on :class:`RandomTokens` for ``max_steps``, logging to TensorBoard under ``root``.
+
+    Nothing else of Lightning's runs: no progress bar, summary, checkpointing or validation.
+    """
+    trainer = pl.Trainer(
+        accelerator=device,
+        devices=1,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=TensorBoardLogger(root, name=name),
+        log_every_n_steps=log_every,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+    trainer.fit(LanguageModel(size), DataLoader(RandomTokens(size), batch_size=size.batch))
+    return trainer
+
+
 # ---------------------------------------------------------------------------------------------------- baselines
 
 
@@ -464,22 +495,8 @@ def worker(conn: Connection, plan: Plan) -> None:
     if callback is not None:
         probe.instrument(callback)
     with tempfile.TemporaryDirectory(prefix="overhead-") as root:
-        trainer = pl.Trainer(
-            accelerator=plan.device,
-            devices=1,
-            max_steps=plan.total,
-            callbacks=[probe] if callback is None else [probe, callback],
-            logger=TensorBoardLogger(root, name=plan.config),
-            log_every_n_steps=plan.log_every,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=root,
-        )
-        model = LanguageModel(plan.size)
-        trainer.fit(model, DataLoader(RandomTokens(plan.size), batch_size=plan.size.batch))
+        callbacks = [probe] if callback is None else [probe, callback]
+        trainer = fit(plan.size, callbacks, root, plan.config, plan.log_every, plan.total, plan.device)
         conn.send(("summary", probe.summary(trainer, callback)))
     conn.close()
 
