@@ -37,6 +37,7 @@ from _common import median_ci
 from lightning.pytorch.callbacks import Callback
 from overhead import SIZES, fit
 
+import lightning_monitor
 from lightning_monitor._lightning import STEP_HOOKS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +103,6 @@ def main() -> None:
     logging.getLogger(REF_PACKAGE).setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    import lightning_monitor
 
     size = SIZES[args.size]
     times: dict[str, dict[int, float]] = {"ref": {}, "tree": {}}
