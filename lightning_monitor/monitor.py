@@ -339,6 +339,7 @@ class TrainingMonitor(Callback):
             else None
         )
         self._watches: dict[int, StepCheck] = {}
+        self._last_watch: tuple[Optimizer, StepCheck] | None = None  # the one `_watch` returned last, by optimizer
         self._restored_watches: dict[str, Any] = {}
         self._warned: set[str] = set()
         # Set up per run in `setup`.
@@ -348,7 +349,9 @@ class TrainingMonitor(Callback):
         self._log_dir = Path(".")
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
-        self._history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        # (global step, epoch, figures) of the last checks, for the post-mortem bundle's history.
+        self._history: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=_HISTORY)
+        self._scaler: torch.amp.GradScaler | None = None  # the fp16 AMP GradScaler of the run, found at train start
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._window_closed = True
         self._order: ForwardOrder | None = None
@@ -378,7 +381,7 @@ class TrainingMonitor(Callback):
         self._log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._jsonl = JsonlSink(self._log_dir / self.alerts_file) if self.alerts_file else None
         self._loggers = LoggerSink(trainer.loggers)
-        self._watches = {}
+        self._watches, self._last_watch = {}, None
         self._loss_sum, self._loss_count = None, 0
         self._history.clear()
         self._batches, self._window_closed = [], True
@@ -393,6 +396,7 @@ class TrainingMonitor(Callback):
         # Learn the forward order of the layers once (the hooks go after the first check), and watch activations.
         self._order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
         self._activations = ActivationWatch(pl_module) if self.watch_activations else None
+        self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -490,7 +494,7 @@ class TrainingMonitor(Callback):
             return
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
-        scaler = grad_scaler(trainer)
+        scaler = self._scaler
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         pending, pending_step = self._take_pending_acc(watch.norms.device)
         extras = [pending]
@@ -505,7 +509,7 @@ class TrainingMonitor(Callback):
         self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
-        self._history.append({"step": trainer.global_step, "epoch": trainer.current_epoch, **self.latest})
+        self._history.append((trainer.global_step, trainer.current_epoch, self.latest))
 
         # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle.
         detections = watch.check(step)
@@ -663,12 +667,14 @@ class TrainingMonitor(Callback):
         if self._stall is not None:
             self._stall.load_state_dict(state_dict.get("stall", {}))
         self._restored_watches = dict(state_dict.get("watches", {}))
-        self._watches = {}
+        self._watches, self._last_watch = {}, None
 
     # ------------------------------------------------------------------------------------------------ helpers
 
     def _watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> StepCheck:
         """The checks of ``optimizer``, built on its first step (and after a resume, from the checkpoint)."""
+        if self._last_watch is not None and self._last_watch[0] is optimizer:  # every step of a single optimizer
+            return self._last_watch[1]
         index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         watch = self._watches.get(index)
         if watch is None:
@@ -685,6 +691,7 @@ class TrainingMonitor(Callback):
             if str(index) in self._restored_watches:
                 watch.load_state_dict(self._restored_watches.pop(str(index)))
             self._watches[index] = watch
+        self._last_watch = (optimizer, watch)
         return watch
 
     def _step_detectors(self) -> StepDetectors:
@@ -862,7 +869,8 @@ class TrainingMonitor(Callback):
             return
         try:
             batches = self._batches if batches is None else batches
-            write_bundle(folder, trainer, batches, self._history, self.alerts, cause, halted)
+            history = ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self._history)
+            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted)
         except OSError as err:
             self._warn_once("postmortem", f"TrainingMonitor could not write the post-mortem bundle ({err}).")
 
