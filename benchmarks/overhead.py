@@ -33,16 +33,21 @@ step's time does not depend on the process's allocation history.
   the others: its distance from 1 is the resolution of the method (processes differ by a percent or two). ``verdict``
   compares the median overhead with the target (``<= 1%`` at 25M, ``<= 3%`` at 1M); ``?`` means the confidence
   interval straddles the target. ``floor`` has no verdict: it is the reference the monitor's cost sits on.
-- **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter`` in the same timed
-  steps: the median share of the step spent inside them, and for the monitor its parts: the gradient-norm kernel
-  (``LayerGradNorms.squared``), the token-accuracy update (``TokenAccuracy.update``), the logger writes
-  (``LoggerSink.log_figures``) and the rest (Python, small tensors, the one host read, the detectors). The
-  ``floor`` row is what reading the same data once costs inside a training step, where the gradients and logits
-  are no longer in the CPU's caches and the code is cold, with its gradient read and its ``amax`` timed as the same
-  two parts; the monitor's time above it is its own work. A line under the table gives the monitor's parts over
-  the floor's: the gradient-norm kernel against the 1.3x target as a step meets it (table 4 has it hot). Table 2
-  has far less noise than table 1, but misses costs paid outside the hooks (Lightning converting and writing what
-  ``log_dict`` logged, at its flush), which table 1 includes.
+- **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter``, and the median
+  share of the step spent inside them is taken two ways. *Round-robin*: in the timed steps of table 1. *Back to
+  back*: after the rounds, each configuration runs ``steady`` steps alone, one right after the other, as a real run
+  does, while the other processes wait; that is the steady, in-process share the target is judged on. Its steps are
+  faster than the round-robin ones, where each step follows a step of five other processes (at 1M, about 25 ms
+  against 36), so the same hooks take a larger share of them. For the monitor the table also
+  gives its parts in the round-robin steps: the gradient-norm kernel (``LayerGradNorms.squared``), the
+  token-accuracy update (``TokenAccuracy.update``), the logger writes (``LoggerSink.log_figures``) and the rest
+  (Python, small tensors, the one host read, the detectors). The ``floor`` row is what reading the same data once
+  costs inside a training step, where the gradients and logits are no longer in the CPU's caches and the code is
+  cold, with its gradient read and its ``amax`` timed as the same two parts; the monitor's time above it is its own
+  work. A line under the table gives the monitor's parts over the floor's: the gradient-norm kernel against the
+  1.3x target as a step meets it (table 4 has it hot). Table 2 has far less noise than table 1, but misses costs
+  paid outside the hooks (Lightning converting and writing what ``log_dict`` logged, at its flush), which table 1
+  includes.
 - **Table 3, host syncs and memory**, in a second set of fresh processes, one per configuration. Syncs per optimizer
   step are counted with :class:`~lightning_monitor.sync_count.HostSyncCounter` over the whole step loop for a few
   steps (the counter slows them; they are not timed), as a difference to bare, and inside the configuration's own
@@ -61,12 +66,12 @@ step's time does not depend on the process's allocation history.
   gradients in one buffer, and on the CPU the L2 reduction runs at about half the speed of a plain sum
   (perf_anchors.md, A6).
 
-Run: ``python benchmarks/overhead.py`` (about five minutes on two CPU cores), ``--quick`` for a smoke run of about
-three, ``--sizes 1M --rounds 300`` to choose, ``--threads 1`` on a busy machine (a parallel region waits for its
-slowest thread, so a neighbour's load stalls every op). Other jobs on the machine inflate every time: the header
-and the footer print the load average. On CUDA the same comparisons run on the GPU (``--device cuda``, the default
-there) with a device sync at each step boundary; table 2 is then the host's time in the hooks, which for the monitor
-includes waiting for the queued kernels at its one read, so table 1 is the measure there.
+Run: ``python benchmarks/overhead.py`` (about six minutes on two CPU cores), ``--quick`` for a smoke run of about three,
+``--sizes 1M --rounds 300 --steady 500`` to choose, ``--threads 1`` on a busy machine (a parallel region waits for its
+slowest thread, so a neighbour's load stalls every op). Other jobs on the machine inflate every time: the header and the
+footer print the load average. On CUDA the same comparisons run on the GPU (``--device cuda``, the default there) with a
+device sync at each step boundary; table 2 is then the host's time in the hooks, which for the monitor includes waiting
+for the queued kernels at its one read, so table 1 is the measure there.
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ from lightning_monitor.token_accuracy import TokenAccuracy
 CONFIGS = ("bare", "floor", "monitor", "recipe", "naive")
 #: The timed processes: the configurations plus a control, a second bare process (an A/A test of the paired ratio).
 TIMED = (*CONFIGS, "control")
+#: The configurations with hooks to time.
+HOOKED = CONFIGS[1:]
 #: glibc settings of the timing processes: serve every block from the heap and never give it back, so that after
 #: warm-up a step reuses resident memory (about 31,700 page faults per 25M step by default, 340 with these) and its
 #: time does not depend on each process's allocation history.
@@ -140,13 +147,14 @@ class ModelSize:
     target: float  # the monitor's allowed step-time overhead, as a fraction
     rounds: int  # default timed rounds (each runs every configuration once)
     warmup: int  # default untimed rounds before them
+    steady: int  # default steps each configuration then runs back to back, alone
 
 
 SIZES = {
     "25M": ModelSize("25M", vocab=8192, seq=128, d_model=512, layers=6, heads=8, batch=8, target=0.01, rounds=12,
-                     warmup=2),
+                     warmup=2, steady=12),
     "1M": ModelSize("1M", vocab=1024, seq=64, d_model=128, layers=4, heads=4, batch=4, target=0.03, rounds=150,
-                    warmup=10),
+                    warmup=10, steady=200),
 }  # fmt: skip
 
 
@@ -292,7 +300,7 @@ def make_callback(config: str) -> Callback | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one worker process runs, in order: warm-up, timed, memory and counted steps, then one dropped step.
+    """What one worker process runs, in order: warm-up, timed, steady, memory and counted steps, then one dropped step.
 
     The dropped step holds what Lightning runs when ``max_steps`` is reached (the epoch-end hooks), so no measured
     step does.
@@ -305,20 +313,24 @@ class Plan:
     log_every: int
     warmup: int
     timed: int = 0
+    steady: int = 0  # steps timed back to back, the parent waiting for the last one only
     memory: int = 0  # steps over which the peak RSS is taken
     counted: int = 0  # steps whose host syncs are counted
 
     @property
     def total(self) -> int:
-        return self.warmup + self.timed + self.memory + self.counted + 1
+        return self.warmup + self.timed + self.steady + self.memory + self.counted + 1
 
     def phase(self, step: int) -> str:
-        for phase, end in (
+        end = 0
+        for phase, steps in (
             ("warmup", self.warmup),
-            ("timed", self.warmup + self.timed),
-            ("memory", self.warmup + self.timed + self.memory),
-            ("counted", self.total - 1),
+            ("timed", self.timed),
+            ("steady", self.steady),
+            ("memory", self.memory),
+            ("counted", self.counted),
         ):
+            end += steps
             if step < end:
                 return phase
         return "dropped"
@@ -342,7 +354,8 @@ class Probe(Callback):
     """Lets the parent run one step at a time; times, measures memory or counts syncs, as the plan's phase says.
 
     A step runs from one ``on_train_batch_start`` to the next (or to ``on_train_end``). The probe is the first
-    callback, so its ``on_train_batch_start`` runs before the measured configuration's.
+    callback, so its ``on_train_batch_start`` runs before the measured configuration's. The steady phase runs on
+    the parent's one go, its steps back to back, and reports once, after its last step.
     """
 
     def __init__(self, conn: Connection, plan: Plan) -> None:
@@ -354,6 +367,7 @@ class Probe(Callback):
         self.started: tuple[float, float] | None = None  # wall and CPU time at the start of the step under way
         self.hook_ms: defaultdict[str, float] = defaultdict(float)  # this step: time in each hook and part
         self.timed: list[dict[str, float]] = []  # per timed step: "step" and hook_ms
+        self.steady: list[dict[str, float]] = []  # the same for the steady steps
         self.memory: dict[str, int] = {}
         self.counting = False
         self.loop_syncs, self.hook_syncs, self.hook_ops = HostSyncCounter(), HostSyncCounter(), OpCounter()
@@ -368,9 +382,11 @@ class Probe(Callback):
         return time.perf_counter()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._end_step()
+        within_steady = self.phase == "steady" == self.plan.phase(self.step)
+        self._end_step(report=not within_steady)
         self._enter(self.plan.phase(self.step))
-        self.conn.recv()  # wait for the parent's go
+        if not within_steady:
+            self.conn.recv()  # wait for the parent's go
         self.hook_ms.clear()
         self.started = (self.now(), time.process_time())
         self.step += 1
@@ -379,15 +395,16 @@ class Probe(Callback):
         self._end_step()
         self._enter("end")
 
-    def _end_step(self) -> None:
-        """Close the step under way (if any) and tell the parent how long it took."""
+    def _end_step(self, report: bool = True) -> None:
+        """Close the step under way (if any) and, if ``report``, tell the parent how long it took."""
         wall = cpu = None
         if self.started is not None:
             wall = (self.now() - self.started[0]) * 1e3
             cpu = (time.process_time() - self.started[1]) * 1e3
-        if wall is not None and self.phase == "timed":
-            self.timed.append({"step": wall, **self.hook_ms})
-        self.conn.send(("at", self.step, wall, cpu))
+        if wall is not None and self.phase in ("timed", "steady"):
+            (self.timed if self.phase == "timed" else self.steady).append({"step": wall, **self.hook_ms})
+        if report:
+            self.conn.send(("at", self.step, wall, cpu))
 
     def _enter(self, phase: str) -> None:
         """At a step boundary: snapshot the counts, and start or stop measuring when the phase changes."""
@@ -470,6 +487,7 @@ class Probe(Callback):
         kinds = sorted({key for step in per_step for key in step if key.startswith("kind:")})
         return {
             "timed": self.timed,
+            "steady": self.steady,
             "memory": self.memory,
             "loop_syncs": [step["loop"] for step in per_step],
             "hook_syncs": [step["hooks"] for step in per_step],
@@ -570,21 +588,30 @@ class SizeResult:
     summaries: dict[str, dict[str, Any]]
 
 
-def run_size(size: ModelSize, rounds: int, warmup: int, counted: int, args: argparse.Namespace) -> SizeResult:
-    """Time the four configurations of one size round-robin, then measure their memory and count their syncs."""
+def run_size(
+    size: ModelSize, rounds: int, warmup: int, steady: int, counted: int, args: argparse.Namespace
+) -> SizeResult:
+    """Time the configurations of one size round-robin, then each alone back to back; then memory and syncs."""
     common = {"size": size, "threads": args.threads, "device": args.device, "log_every": args.log_every}
     # Each round runs every configuration once, in a fresh random order, so no configuration always follows the same
     # one; one more bare step before the first round and after the last gives every step a bare neighbour each side.
     order = random.Random(0)
     rounds_order = [order.sample(TIMED, len(TIMED)) for _ in range(rounds)]
     schedule = ["bare", *itertools.chain.from_iterable(rounds_order), "bare"]
-    timing = {c: Plan(config=c, warmup=warmup, timed=schedule.count(c), **common) for c in TIMED}
+    # Then each configuration with hooks runs `steady` steps alone, back to back as in a real run, while the others
+    # wait: the share of its step spent in its hooks, steady.
+    timing = {
+        c: Plan(config=c, warmup=warmup, timed=schedule.count(c), steady=steady if c in HOOKED else 0, **common)
+        for c in TIMED
+    }
     pool = Pool(timing, env=STEADY_MALLOC)
     try:
         for _ in range(warmup):
             for config in TIMED:
                 pool.step(config)
         sequence = [pool.step(config) for config in schedule]
+        for config in HOOKED:
+            pool.step(config)  # the whole steady phase, on one go
         summaries = {c: pool.finish(c, 1) for c in TIMED}
     finally:
         pool.close()
@@ -594,7 +621,7 @@ def run_size(size: ModelSize, rounds: int, warmup: int, counted: int, args: argp
     try:
         for config in CONFIGS:
             measured = pool.finish(config, counting[config].total)
-            summaries[config].update({k: v for k, v in measured.items() if k != "timed"})
+            summaries[config].update({k: v for k, v in measured.items() if k not in ("timed", "steady")})
     finally:
         pool.close()
     return SizeResult(size, sequence, summaries)
@@ -655,25 +682,35 @@ def print_step_table(results: Sequence[SizeResult]) -> None:
             print("| " + " | ".join(cols) + " |")
 
 
+def hook_times(steps: Sequence[dict[str, float]]) -> tuple[list[float], list[float]]:
+    """Per step: the time in the configuration's hooks (ms), and its share of the step."""
+    hooks = [sum(s.get(h, 0.0) for h in STEP_HOOKS) for s in steps]
+    return hooks, [h / s["step"] for h, s in zip(hooks, steps, strict=True)]
+
+
 def print_hook_table(results: Sequence[SizeResult]) -> None:
-    print("\n## 2. Time inside the configuration's own hooks (in-process perf_counter, timed steps, medians)\n")
+    print("\n## 2. Time inside the configuration's own hooks (in-process perf_counter, medians)\n")
     labels = PART_LABELS
-    header = ["model", "config", "in hooks ms/step", "IQR", "share of step", "IQR"]
-    header += [f"{label} ms" for label in labels] + ["rest ms", "target", "verdict"]
+    header = ["model", "config", "round-robin: in hooks ms/step", "share of step", "IQR"]
+    header += ["back to back: step ms", "in hooks ms/step", "share of step", "IQR"]
+    header += [f"{label} ms" for label in labels] + ["rest ms", "target (back to back)", "verdict"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for res in results:
-        for config in CONFIGS[1:]:
-            timed = res.summaries[config]["timed"]
-            hooks = [sum(s.get(h, 0.0) for h in STEP_HOOKS) for s in timed]
-            shares = [h / s["step"] for h, s in zip(hooks, timed, strict=True)]
+        for config in HOOKED:
+            timed, steady = res.summaries[config]["timed"], res.summaries[config]["steady"]
+            cols = [res.size.name, config]
+            for steps in (timed, steady):
+                hooks, shares = hook_times(steps)
+                s1, s3 = iqr(shares)
+                if steps is steady:
+                    cols += [f"{statistics.median(s['step'] for s in steps):.1f}"]
+                cols += [f"{statistics.median(hooks):.3f}", f"{statistics.median(shares):.2%}", f"{s1:.2%}-{s3:.2%}"]
+            hooks, _ = hook_times(timed)  # the parts, from the round-robin steps
             rest = [h - sum(s.get(label, 0.0) for label in labels) for h, s in zip(hooks, timed, strict=True)]
             parts = [[s.get(label, 0.0) for s in timed] for label in labels] + [rest]
-            (q1, q3), (s1, s3) = iqr(hooks), iqr(shares)
-            share = statistics.median(shares)
-            cols = [res.size.name, config, f"{statistics.median(hooks):.3f}", f"{q1:.3f}-{q3:.3f}"]
-            cols += [f"{share:.2%}", f"{s1:.2%}-{s3:.2%}"]
             cols += [f"{statistics.median(v):.3f}" if config in PARTS else "-" for v in parts]
+            share = statistics.median(hook_times(steady)[1])
             if config == "floor":
                 cols += ["-", "(reference)"]
             else:
@@ -847,6 +884,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help=f"timed rounds per size (default: {defaults})")
     defaults = ", ".join(f"{s.warmup} at {name}" for name, s in SIZES.items())
     parser.add_argument("--warmup", type=int, help=f"untimed rounds first (default: {defaults})")
+    defaults = ", ".join(f"{s.steady} at {name}" for name, s in SIZES.items())
+    parser.add_argument("--steady", type=int, help=f"steps timed back to back per configuration (default: {defaults})")
     parser.add_argument("--counted", type=int, default=3, help="steps whose host syncs are counted (default 3)")
     parser.add_argument("--kernel-repeats", type=int, default=30, help="round-robin repeats of the kernel table")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
@@ -856,17 +895,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds is not None and args.rounds < 2:
         parser.error("--rounds must be at least 2 (the IQR needs two ratios)")
+    if args.steady is not None and args.steady < 2:
+        parser.error("--steady must be at least 2 (the IQR needs two shares)")
     if args.counted < 1:
         parser.error("--counted must be at least 1")
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    quick = {"25M": (3, 1), "1M": (30, 5)}
+    quick = {"25M": (3, 1, 3), "1M": (30, 5, 30)}
     plan = {}
     for name in args.sizes:
         size = SIZES[name]
-        rounds, warmup = quick[name] if args.quick else (size.rounds, size.warmup)
-        plan[name] = (args.rounds or rounds, warmup if args.warmup is None else args.warmup)
+        rounds, warmup, steady = quick[name] if args.quick else (size.rounds, size.warmup, size.steady)
+        plan[name] = (
+            args.rounds or rounds,
+            warmup if args.warmup is None else args.warmup,
+            args.steady or steady,
+        )
     kernel_repeats = 10 if args.quick else args.kernel_repeats
     counted = 2 if args.quick else args.counted
 
@@ -877,18 +922,18 @@ def main() -> None:
         f"# torch {torch.__version__} ({args.threads} threads) | lightning {lightning.__version__} | device"
         f" {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
-    for name, (rounds, warmup) in plan.items():
+    for name, (rounds, warmup, steady) in plan.items():
         s = SIZES[name]
         print(
             f"# {name}: {s.layers} layers, d={s.d_model}, {s.heads} heads, V={s.vocab}, T={s.seq}, B={s.batch} |"
-            f" {warmup} warm-up + {rounds} timed rounds, {counted} counted steps"
+            f" {warmup} warm-up + {rounds} timed rounds, {steady} steps back to back, {counted} counted steps"
         )
     print(f"# log_every_n_steps={args.log_every} (TensorBoard) | kernel table: {kernel_repeats} repeats")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)", flush=True)
 
     results = []
-    for name, (rounds, warmup) in plan.items():
-        results.append(run_size(SIZES[name], rounds, warmup, counted, args))
+    for name, (rounds, warmup, steady) in plan.items():
+        results.append(run_size(SIZES[name], rounds, warmup, steady, counted, args))
         print(f"# {name} done after {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
     kernels = {name: time_kernels(SIZES[name], kernel_repeats, args.device) for name in plan}
 
