@@ -621,7 +621,8 @@ def run_size(
     try:
         for config in CONFIGS:
             measured = pool.finish(config, counting[config].total)
-            summaries[config].update({k: v for k, v in measured.items() if k not in ("timed", "steady")})
+            # The timing process's steps and alerts (it ran the most steps), the counting process's memory and syncs.
+            summaries[config].update({k: v for k, v in measured.items() if k not in ("timed", "steady", "alerts")})
     finally:
         pool.close()
     return SizeResult(size, sequence, summaries)
@@ -770,7 +771,7 @@ def print_sync_memory_table(results: Sequence[SizeResult], cuda: bool) -> None:
         alerts = res.summaries["monitor"]["alerts"]
         print(
             f"\n{res.size.name}: {bare['params'] / 1e6:.2f}M parameters in {bare['tensors']} tensors;"
-            f" monitor alerts during the run: {', '.join(alerts) or 'none'}"
+            f" monitor alerts in its timing process: {', '.join(alerts) or 'none'}"
         )
 
 
