@@ -33,6 +33,12 @@ step's time does not depend on the process's allocation history.
   the others: its distance from 1 is the resolution of the method (processes differ by a percent or two). ``verdict``
   compares the median overhead with the target (``<= 1%`` at 25M, ``<= 3%`` at 1M); ``?`` means the confidence
   interval straddles the target. ``floor`` has no verdict: it is the reference the monitor's cost sits on.
+- **Table 1b, paired ratio back to back.** After the share in hooks below, the floor and the monitor run
+  ``2 * steady`` more steps alone, back to back, with their hooks on every other step only: each step with the
+  hooks over the mean of its two neighbours without them. In one process and one run, the ratio is free of the
+  process-to-process differences that limit table 1, and it counts what the hooks change outside themselves (an
+  optimizer step that finds the gradients just read in the CPU's caches). Each configuration sees every other step,
+  which is enough for its figures and detectors to run as usual.
 - **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter``, and the median
   share of the step spent inside them is taken two ways. *Round-robin*: in the timed steps of table 1. *Back to
   back*: after the rounds, each configuration runs ``steady`` steps alone, one right after the other, as a real run
@@ -119,6 +125,8 @@ CONFIGS = ("bare", "floor", "monitor", "recipe", "naive")
 TIMED = (*CONFIGS, "control")
 #: The configurations with hooks to time.
 HOOKED = CONFIGS[1:]
+#: The configurations also timed with their hooks on every other step (table 1's back-to-back paired ratio).
+ALTERNATED = ("floor", "monitor")
 #: glibc settings of the timing processes: serve every block from the heap and never give it back, so that after
 #: warm-up a step reuses resident memory (about 31,700 page faults per 25M step by default, 340 with these) and its
 #: time does not depend on each process's allocation history.
@@ -300,7 +308,8 @@ def make_callback(config: str) -> Callback | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one worker process runs, in order: warm-up, timed, steady, memory and counted steps, then one dropped step.
+    """What one worker process runs, in order: warm-up, timed, steady, alternate, memory and counted steps, then one
+    dropped step.
 
     The dropped step holds what Lightning runs when ``max_steps`` is reached (the epoch-end hooks), so no measured
     step does.
@@ -314,12 +323,13 @@ class Plan:
     warmup: int
     timed: int = 0
     steady: int = 0  # steps timed back to back, the parent waiting for the last one only
+    alternate: int = 0  # steps timed back to back with the configuration's hooks on every other step only
     memory: int = 0  # steps over which the peak RSS is taken
     counted: int = 0  # steps whose host syncs are counted
 
     @property
     def total(self) -> int:
-        return self.warmup + self.timed + self.steady + self.memory + self.counted + 1
+        return self.warmup + self.timed + self.steady + self.alternate + self.memory + self.counted + 1
 
     def phase(self, step: int) -> str:
         end = 0
@@ -327,6 +337,7 @@ class Plan:
             ("warmup", self.warmup),
             ("timed", self.timed),
             ("steady", self.steady),
+            ("alternate", self.alternate),
             ("memory", self.memory),
             ("counted", self.counted),
         ):
@@ -354,8 +365,9 @@ class Probe(Callback):
     """Lets the parent run one step at a time; times, measures memory or counts syncs, as the plan's phase says.
 
     A step runs from one ``on_train_batch_start`` to the next (or to ``on_train_end``). The probe is the first
-    callback, so its ``on_train_batch_start`` runs before the measured configuration's. The steady phase runs on
-    the parent's one go, its steps back to back, and reports once, after its last step.
+    callback, so its ``on_train_batch_start`` runs before the measured configuration's. The steady and the
+    alternate phases each run on one go of the parent, their steps back to back, and report once, after their last
+    step. In the alternate phase the configuration's hooks run on every other step only (the "on" steps).
     """
 
     def __init__(self, conn: Connection, plan: Plan) -> None:
@@ -368,6 +380,7 @@ class Probe(Callback):
         self.hook_ms: defaultdict[str, float] = defaultdict(float)  # this step: time in each hook and part
         self.timed: list[dict[str, float]] = []  # per timed step: "step" and hook_ms
         self.steady: list[dict[str, float]] = []  # the same for the steady steps
+        self.alternate: list[tuple[bool, float]] = []  # per alternate step: whether the hooks ran, and its time
         self.memory: dict[str, int] = {}
         self.counting = False
         self.loop_syncs, self.hook_syncs, self.hook_ops = HostSyncCounter(), HostSyncCounter(), OpCounter()
@@ -382,10 +395,10 @@ class Probe(Callback):
         return time.perf_counter()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        within_steady = self.phase == "steady" == self.plan.phase(self.step)
-        self._end_step(report=not within_steady)
+        back_to_back = self.phase == self.plan.phase(self.step) and self.phase in ("steady", "alternate")
+        self._end_step(report=not back_to_back)
         self._enter(self.plan.phase(self.step))
-        if not within_steady:
+        if not back_to_back:
             self.conn.recv()  # wait for the parent's go
         self.hook_ms.clear()
         self.started = (self.now(), time.process_time())
@@ -403,6 +416,8 @@ class Probe(Callback):
             cpu = (time.process_time() - self.started[1]) * 1e3
         if wall is not None and self.phase in ("timed", "steady"):
             (self.timed if self.phase == "timed" else self.steady).append({"step": wall, **self.hook_ms})
+        if wall is not None and self.phase == "alternate":
+            self.alternate.append((self.hooks_on, wall))
         if report:
             self.conn.send(("at", self.step, wall, cpu))
 
@@ -468,9 +483,16 @@ class Probe(Callback):
         for owner, method, label in PARTS.get(config, ()):
             setattr(owner, method, self._wrap(getattr(owner, method), label, hook=False))
 
+    @property
+    def hooks_on(self) -> bool:
+        """Whether the configuration's hooks run in the step under way (in the alternate phase, every other step)."""
+        return self.phase != "alternate" or self.step % 2 == 1
+
     def _wrap(self, fn: Callable[..., Any], label: str, hook: bool) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if hook and not self.hooks_on:
+                return None
             start = time.perf_counter()  # host time: on CUDA it includes the wait of a read, adds no sync
             try:
                 if hook and self.counting:
@@ -488,6 +510,7 @@ class Probe(Callback):
         return {
             "timed": self.timed,
             "steady": self.steady,
+            "alternate": self.alternate,
             "memory": self.memory,
             "loop_syncs": [step["loop"] for step in per_step],
             "hook_syncs": [step["hooks"] for step in per_step],
@@ -588,6 +611,10 @@ class SizeResult:
     summaries: dict[str, dict[str, Any]]
 
 
+#: What a summary takes from the timing process rather than the counting one.
+TIMING_KEYS = ("timed", "steady", "alternate", "alerts")
+
+
 def run_size(
     size: ModelSize, rounds: int, warmup: int, steady: int, counted: int, args: argparse.Namespace
 ) -> SizeResult:
@@ -599,9 +626,17 @@ def run_size(
     rounds_order = [order.sample(TIMED, len(TIMED)) for _ in range(rounds)]
     schedule = ["bare", *itertools.chain.from_iterable(rounds_order), "bare"]
     # Then each configuration with hooks runs `steady` steps alone, back to back as in a real run, while the others
-    # wait: the share of its step spent in its hooks, steady.
+    # wait: the share of its step spent in its hooks, steady. The floor and the monitor then run `2 * steady` more,
+    # their hooks on every other step: each such step against its two neighbours is a paired ratio, back to back.
     timing = {
-        c: Plan(config=c, warmup=warmup, timed=schedule.count(c), steady=steady if c in HOOKED else 0, **common)
+        c: Plan(
+            config=c,
+            warmup=warmup,
+            timed=schedule.count(c),
+            steady=steady if c in HOOKED else 0,
+            alternate=2 * steady if c in ALTERNATED else 0,
+            **common,
+        )
         for c in TIMED
     }
     pool = Pool(timing, env=STEADY_MALLOC)
@@ -612,6 +647,8 @@ def run_size(
         sequence = [pool.step(config) for config in schedule]
         for config in HOOKED:
             pool.step(config)  # the whole steady phase, on one go
+            if config in ALTERNATED:
+                pool.step(config)  # the whole alternate phase
         summaries = {c: pool.finish(c, 1) for c in TIMED}
     finally:
         pool.close()
@@ -622,7 +659,7 @@ def run_size(
         for config in CONFIGS:
             measured = pool.finish(config, counting[config].total)
             # The timing process's steps and alerts (it ran the most steps), the counting process's memory and syncs.
-            summaries[config].update({k: v for k, v in measured.items() if k not in ("timed", "steady", "alerts")})
+            summaries[config].update({k: v for k, v in measured.items() if k not in TIMING_KEYS})
     finally:
         pool.close()
     return SizeResult(size, sequence, summaries)
@@ -646,6 +683,15 @@ def paired_ratios(sequence: Sequence[Step], clock: str = "wall") -> dict[str, li
             expected = times[a] + (times[b] - times[a]) * (i - a) / (b - a)
             out[sequence[i].config].append(times[i] / expected)
     return out
+
+
+def alternate_ratios(steps: Sequence[tuple[bool, float]]) -> list[float]:
+    """Each step with the hooks on over the mean of its two neighbours, which ran without them."""
+    return [
+        wall / ((before + after) / 2)
+        for (was_on, before), (on, wall), (next_on, after) in zip(steps, steps[1:], steps[2:], strict=False)
+        if on and not was_on and not next_on
+    ]
 
 
 def verdict(ratios: Sequence[float], target: float) -> str:
@@ -680,6 +726,26 @@ def print_step_table(results: Sequence[SizeResult]) -> None:
                 cols += [f"{med - 1:+.2%}", f"<= {res.size.target:.0%}", verdict(rs, res.size.target)]
             (k1, k3) = median_ci(cpu[config])
             cols += [f"{statistics.median(cpu[config]):.3f}", f"{k1:.3f}-{k3:.3f}"]
+            print("| " + " | ".join(cols) + " |")
+
+    print(
+        "\n## 1b. Step time back to back, in one process: the configuration's hooks on every other step (ratio to the"
+        " mean of the two neighbouring steps, which ran without them)\n"
+    )
+    header = ["model", "config", "pairs", "step ms", "x neighbours", "IQR", "95% CI", "overhead", "target", "verdict"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for res in results:
+        for config in ALTERNATED:
+            steps = res.summaries[config]["alternate"]
+            rs = alternate_ratios(steps)
+            med, (r1, r3), (c1, c3) = statistics.median(rs), iqr(rs), median_ci(rs)
+            cols = [res.size.name, config, str(len(rs)), f"{statistics.median(w for _, w in steps):.1f}"]
+            cols += [f"{med:.3f}", f"{r1:.3f}-{r3:.3f}", f"{c1:.3f}-{c3:.3f}", f"{med - 1:+.2%}"]
+            if config == "floor":
+                cols += ["-", "(reference)"]
+            else:
+                cols += [f"<= {res.size.target:.0%}", verdict(rs, res.size.target)]
             print("| " + " | ".join(cols) + " |")
 
 
