@@ -993,7 +993,8 @@ def main() -> None:
         s = SIZES[name]
         print(
             f"# {name}: {s.layers} layers, d={s.d_model}, {s.heads} heads, V={s.vocab}, T={s.seq}, B={s.batch} |"
-            f" {warmup} warm-up + {rounds} timed rounds, {steady} steps back to back, {counted} counted steps"
+            f" {warmup} warm-up + {rounds} timed rounds, {steady} steps back to back (then {2 * steady} with the hooks"
+            f" on every other step), {counted} counted steps"
         )
     print(f"# log_every_n_steps={args.log_every} (TensorBoard) | kernel table: {kernel_repeats} repeats")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)", flush=True)
