@@ -43,8 +43,8 @@ step's time does not depend on the process's allocation history.
   share of the step spent inside them is taken two ways. *Round-robin*: in the timed steps of table 1. *Back to
   back*: after the rounds, each configuration runs ``steady`` steps alone, one right after the other, as a real run
   does, while the other processes wait; that is the steady, in-process share the target is judged on. Its steps are
-  faster than the round-robin ones, where each step follows a step of five other processes (at 1M, about 25 ms
-  against 36), so the same hooks take a larger share of them. For the monitor the table also
+  usually faster than the round-robin ones, where each step follows a step of five other processes (at 1M, 23 to 32 ms
+  against 31 to 36 in two runs), so the same hooks take a larger share of them. For the monitor the table also
   gives its parts in the round-robin steps: the gradient-norm kernel (``LayerGradNorms.squared``), the
   token-accuracy update (``TokenAccuracy.update``), the logger writes (``LoggerSink.log_figures``) and the rest
   (Python, small tensors, the one host read, the detectors). The ``floor`` row is what reading the same data once
