@@ -766,18 +766,16 @@ def print_hook_table(results: Sequence[SizeResult]) -> None:
     for res in results:
         for config in HOOKED:
             timed, steady = res.summaries[config]["timed"], res.summaries[config]["steady"]
-            cols = [res.size.name, config]
-            for steps in (timed, steady):
-                hooks, shares = hook_times(steps)
-                s1, s3 = iqr(shares)
-                if steps is steady:
-                    cols += [f"{statistics.median(s['step'] for s in steps):.1f}"]
-                cols += [f"{statistics.median(hooks):.3f}", f"{statistics.median(shares):.2%}", f"{s1:.2%}-{s3:.2%}"]
-            hooks, _ = hook_times(timed)  # the parts, from the round-robin steps
+            (hooks, shares), (steady_hooks, steady_shares) = hook_times(timed), hook_times(steady)
+            (s1, s3), (t1, t3) = iqr(shares), iqr(steady_shares)
+            share = statistics.median(steady_shares)
+            cols = [res.size.name, config, f"{statistics.median(hooks):.3f}", f"{statistics.median(shares):.2%}"]
+            cols += [f"{s1:.2%}-{s3:.2%}", f"{statistics.median(s['step'] for s in steady):.1f}"]
+            cols += [f"{statistics.median(steady_hooks):.3f}", f"{share:.2%}", f"{t1:.2%}-{t3:.2%}"]
+            # The parts, from the round-robin steps.
             rest = [h - sum(s.get(label, 0.0) for label in labels) for h, s in zip(hooks, timed, strict=True)]
             parts = [[s.get(label, 0.0) for s in timed] for label in labels] + [rest]
             cols += [f"{statistics.median(v):.3f}" if config in PARTS else "-" for v in parts]
-            share = statistics.median(hook_times(steady)[1])
             if config == "floor":
                 cols += ["-", "(reference)"]
             else:
