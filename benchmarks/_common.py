@@ -70,3 +70,9 @@ def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
     low = max(1, math.floor((n - half) / 2))
     high = min(n, math.ceil(1 + (n + half) / 2))
     return ordered[low - 1], ordered[high - 1]
+
+
+#: How each warning that ``torch.cuda.set_sync_debug_mode("warn")`` gives for a real synchronisation starts (torch
+#: appends where it was triggered). The mode's one-time notice ("...does not yet detect all synchronizing
+#: operations") is no sync, and would match a looser test.
+CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"

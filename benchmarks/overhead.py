@@ -105,7 +105,7 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import cpu_model, iqr, load_example, median_ci, proc_status, reset_peak_rss
+from _common import CUDA_SYNC_WARNING, cpu_model, iqr, load_example, median_ci, proc_status, reset_peak_rss
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
@@ -467,7 +467,7 @@ class Probe(Callback):
                     "loop": self.loop_syncs.count,
                     "hooks": self.hook_syncs.count,
                     "ops": self.hook_ops.count,
-                    "cuda": sum("synchronizing" in str(w.message) for w in self._caught),
+                    "cuda": sum(str(w.message).startswith(CUDA_SYNC_WARNING) for w in self._caught),
                     **{f"kind:{k}": v for k, v in self.hook_syncs.by_kind.items()},
                 }
             )
@@ -912,7 +912,7 @@ def cuda_syncs(run: Callable[[], object]) -> int:
             run()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchronizing" in str(w.message) for w in caught)
+    return sum(str(w.message).startswith(CUDA_SYNC_WARNING) for w in caught)
 
 
 def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:

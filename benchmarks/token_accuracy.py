@@ -7,6 +7,10 @@ brackets the first, which also pages in the kernels' code), and the host-device 
 ``lightning_monitor.sync_count.HostSyncCounter``; the CPU has no real syncs, these are the calls and ops that would
 make the host wait on CUDA).
 
+On CUDA (``--device cuda``, the default where there is one) each timing waits for the GPU, the extra memory is the
+peak of ``torch.cuda.max_memory_allocated`` above what was allocated before the update (second call, in the same
+process), and the syncs are those ``torch.cuda.set_sync_debug_mode("warn")`` reports.
+
 Run: ``python benchmarks/token_accuracy.py [--repeats 15] [--vocab 8192 50257]``. Takes a few minutes on 2 cores.
 """
 
@@ -20,22 +24,23 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
-from _common import cpu_model, iqr, proc_status, reset_peak_rss
+from _common import CUDA_SYNC_WARNING, cpu_model, iqr, proc_status, reset_peak_rss
 
 B, T, IGNORED = 8, 256, 0.1
 
 
-def make_data(vocab: int, batch: int = B, seq: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(vocab: int, batch: int = B, seq: int = T, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, seq, vocab, generator=gen)
     labels = torch.randint(0, vocab, (batch, seq), generator=gen)
     labels[torch.rand(batch, seq, generator=gen) < IGNORED] = -100
-    return logits, labels
+    return logits.to(device), labels.to(device)
 
 
 @dataclass
@@ -50,7 +55,7 @@ class Case:
         return self.finish()
 
 
-def make_cases(vocab: int) -> dict[str, Case]:
+def make_cases(vocab: int, device: str = "cpu") -> dict[str, Case]:
     """Build every case's state once; each timed call is one update (+ compute + reset for the metric classes)."""
     from torchmetrics import Metric
     from torchmetrics.classification import MulticlassAccuracy
@@ -78,24 +83,50 @@ def make_cases(vocab: int) -> dict[str, Case]:
         "amax (floor)": Case(lambda logits, labels: logits.amax(-1)),
         "argmax + mask + sum": Case(argmax_mask),
         "torchmetrics MulticlassAccuracy micro": metric_case(
-            MulticlassAccuracy(vocab, average="micro", ignore_index=-100), flatten=True
+            MulticlassAccuracy(vocab, average="micro", ignore_index=-100).to(device), flatten=True
         ),
-        "TokenAccuracy top-1": metric_case(TokenAccuracy(validate_args=False)),
-        "TokenAccuracy top-1, validate_args=True": metric_case(TokenAccuracy()),
-        "TokenAccuracy top-1, shift=True": metric_case(TokenAccuracy(shift=True, validate_args=False)),
-        "TokenAccuracy top_k=5": metric_case(TokenAccuracy(top_k=5, validate_args=False)),
+        "TokenAccuracy top-1": metric_case(TokenAccuracy(validate_args=False).to(device)),
+        "TokenAccuracy top-1, validate_args=True": metric_case(TokenAccuracy().to(device)),
+        "TokenAccuracy top-1, shift=True": metric_case(TokenAccuracy(shift=True, validate_args=False).to(device)),
+        "TokenAccuracy top_k=5": metric_case(TokenAccuracy(top_k=5, validate_args=False).to(device)),
     }
 
 
-def count_update_syncs(vocab: int, case: str) -> int:
+def count_update_syncs(vocab: int, case: str, device: str = "cpu") -> int:
     """Syncs of one update alone (compute and reset excluded), on a small batch: the count does not depend on size."""
-    logits, labels = make_data(vocab, batch=2, seq=16)
+    logits, labels = make_data(vocab, batch=2, seq=16, device=device)
     from lightning_monitor.sync_count import HostSyncCounter
 
-    update = make_cases(vocab)[case].update
+    update = make_cases(vocab, device)[case].update
+    if device == "cuda":
+        update(logits, labels)  # the first call may set up state (and sync doing it)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                update(logits, labels)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return sum(str(w.message).startswith(CUDA_SYNC_WARNING) for w in caught)
     with HostSyncCounter() as counter:
         update(logits, labels)
     return counter.count
+
+
+def measure_cuda_memory(vocab: int, case: str) -> dict[str, float]:
+    """On CUDA, in this process: the peak allocated above the pre-call level, for the first and the second call."""
+    run = make_cases(vocab, "cuda")[case]
+    logits, labels = make_data(vocab, device="cuda")
+    result = {"logits_bytes": logits.nbytes}
+    for key in ("first_bytes", "steady_bytes"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run(logits, labels)
+        torch.cuda.synchronize()
+        result[key] = torch.cuda.max_memory_allocated() - before
+    return result
 
 
 def measure_memory_here(vocab: int, case: str) -> dict[str, float]:
@@ -132,16 +163,19 @@ def measure_memory(vocab: int, case: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def time_cases(vocab: int, repeats: int) -> dict[str, list[float]]:
-    logits, labels = make_data(vocab)
-    cases = make_cases(vocab)
+def time_cases(vocab: int, repeats: int, device: str = "cpu") -> dict[str, list[float]]:
+    logits, labels = make_data(vocab, device=device)
+    cases = make_cases(vocab, device)
+    wait = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for run in cases.values():  # warm-up
         run(logits, labels)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):  # round-robin, so drifting machine load hits every case alike
         for name, run in cases.items():
+            wait()
             start = time.perf_counter()
             run(logits, labels)
+            wait()
             times[name].append((time.perf_counter() - start) * 1e3)
     return times
 
@@ -150,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--vocab", type=int, nargs="+", default=[8192, 50257])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--memory-case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats < 2:
@@ -158,27 +193,36 @@ def main() -> None:
         print(json.dumps(measure_memory_here(args.vocab[0], args.memory_case)))
         return
 
+    cuda = args.device == "cuda"
+    where = f"{torch.cuda.get_device_name()} | " if cuda else ""
     print(
-        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {platform.node()} | {cpu_model()} | {os.cpu_count()} CPUs"
+        f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC | {platform.node()} | {where}{cpu_model()}"
+        f" | {os.cpu_count()} CPUs"
     )
-    print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads) | logits [{B}, {T}, V] fp32")
+    print(
+        f"# torch {torch.__version__} ({torch.get_num_threads()} threads) | logits [{B}, {T}, V] fp32 on {args.device}"
+    )
     print(f"# {IGNORED:.0%} labels = -100 | {args.repeats} round-robin repeats | median and IQR per update")
     print(f"# load average at start: {os.getloadavg()[0]:.2f} (other jobs on this machine inflate the times)")
-    print("# extra peak RSS of one update (2nd call in a fresh process; 1st call in brackets), MiB and % of logits")
+    if cuda:
+        print("# extra peak CUDA memory of one update (2nd call; 1st call in brackets), MiB and % of logits")
+    else:
+        print("# extra peak RSS of one update (2nd call in a fresh process; 1st call in brackets), MiB and % of logits")
     print("| V | case | median ms | IQR ms | x amax | extra MiB (1st) | % of logits (1st) | syncs/update |")
     print("|---|---|---|---|---|---|---|---|")
+    digits = 3 if cuda else 1
     for vocab in args.vocab:
-        times = time_cases(vocab, args.repeats)
+        times = time_cases(vocab, args.repeats, args.device)
         floor = statistics.median(times["amax (floor)"])
         for name, ts in times.items():
             q1, q3 = iqr(ts)
             med = statistics.median(ts)
-            mem = measure_memory(vocab, name)
-            syncs = count_update_syncs(vocab, name)
+            mem = measure_cuda_memory(vocab, name) if cuda else measure_memory(vocab, name)
+            syncs = count_update_syncs(vocab, name, args.device)
             mib = {k: mem[k] / 2**20 for k in ("first_bytes", "steady_bytes")}
             pct = {k: 100 * mem[k] / mem["logits_bytes"] for k in ("first_bytes", "steady_bytes")}
             print(
-                f"| {vocab} | {name} | {med:.1f} | {q1:.1f}-{q3:.1f} | {med / floor:.2f} |"
+                f"| {vocab} | {name} | {med:.{digits}f} | {q1:.{digits}f}-{q3:.{digits}f} | {med / floor:.2f} |"
                 f" {mib['steady_bytes']:.2f} ({mib['first_bytes']:.2f}) |"
                 f" {pct['steady_bytes']:.2f}% ({pct['first_bytes']:.2f}%) | {syncs} |",
                 flush=True,

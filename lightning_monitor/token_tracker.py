@@ -97,9 +97,9 @@ class TokenAccuracyTracker:
         self._mark: tuple[int, Tensor] | None = None
 
     def to(self, device: torch.device) -> None:
-        """Move the counts to ``device``."""
+        """Move the counts to ``device`` (without blocking: they are a few host scalars, staged at once)."""
         for metric in self.metrics.values():
-            metric.to(device)
+            metric.to(device, non_blocking=True)
 
     def reset(self, stage: Stage) -> None:
         """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
@@ -129,8 +129,8 @@ class TokenAccuracyTracker:
             return
         logits, labels = found
         metric = self.metrics[stage]
-        if metric.device != logits.device:
-            metric.to(logits.device)
+        if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
+            metric.to(logits.device, non_blocking=True)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             metric.update(logits, labels)  # the metric runs without autograd, so nothing needs detaching
         except ValueError as err:

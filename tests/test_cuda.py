@@ -1,0 +1,149 @@
+"""On a CUDA device: the figures under Lightning's own AMP plugins, and the host syncs as the GPU counts them.
+
+Skipped without a CUDA device (CI has none). The CPU suite pins the same behaviour with a CPU ``GradScaler`` and
+:class:`~lightning_monitor.sync_count.HostSyncCounter`; here ``precision="16-mixed"`` makes Lightning build its
+CUDA ``GradScaler`` itself, and ``torch.cuda.set_sync_debug_mode("warn")`` reports every real synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import ScriptedModel, close, loader, make_trainer
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor._lightning import STEP_HOOKS
+from lightning_monitor.token_accuracy import TokenAccuracy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+#: How the warning of each real sync in "warn" mode starts (the mode's one-time notice about what it cannot detect
+#: is no sync).
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+class Probe(pl.Callback):
+    """Placed after the monitor: copies ``monitor.latest`` at every optimizer step."""
+
+    def __init__(self, monitor: TrainingMonitor) -> None:
+        self.monitor = monitor
+        self.latest: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.latest.append(dict(self.monitor.latest))
+
+
+def fit_on_cuda(tmp_path: Any, model: pl.LightningModule, monitor: TrainingMonitor, **kwargs: Any) -> Probe:
+    probe = Probe(monitor)
+    trainer = make_trainer(tmp_path, [monitor, probe], accelerator="cuda", **kwargs)
+    trainer.fit(model, train_dataloaders=loader())
+    return probe
+
+
+def test_fp16_amp_norm_is_the_unscaled_one(tmp_path):
+    """Lightning's own CUDA GradScaler: the norm is unscaled, and the steps it skips on overflow are not alerts."""
+    model = ScriptedModel(loss_factor={0: 1e4}, default_factor=5.0)  # step 0 overflows at the initial scale 2**16
+    monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None)
+    probe = fit_on_cuda(tmp_path, model, monitor, precision="16-mixed", max_steps=16)
+    assert probe.latest[0]["loss_scale"] == 65536.0
+    finite = [(seen, ref) for seen, ref in zip(probe.latest, model.reference, strict=True) if math.isfinite(ref)]
+    assert len(finite) >= 8
+    for seen, ref in finite:
+        assert close(seen["grad_norm"], ref)
+    overflows = sum(not math.isfinite(ref) for ref in model.reference)
+    assert overflows >= 1
+    assert monitor.skipped_steps == overflows
+    assert monitor.alerts == []
+
+
+def test_bf16_mixed_norm_matches_the_reference(tmp_path):
+    model = ScriptedModel()
+    probe = fit_on_cuda(tmp_path, model, TrainingMonitor(val_loss_key=None), precision="bf16-mixed")
+    assert len(probe.latest) == len(model.reference) == 10
+    for seen, ref in zip(probe.latest, model.reference, strict=True):
+        assert close(seen["grad_norm"], ref)
+
+
+def test_nan_loss_on_cuda_halts_before_the_update(tmp_path):
+    model = ScriptedModel(loss_factor={3: float("nan")})
+    monitor = TrainingMonitor(val_loss_key=None)
+    fit_on_cuda(tmp_path, model, monitor, precision="16-mixed")
+    assert monitor.stopping_reason is not None and monitor.stopping_reason.value == "nonfinite_loss"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def count_cuda_syncs(callback: pl.Callback, per_batch: Counter, sites: list[str]) -> None:
+    """Wrap the callback's step hooks: count the syncs CUDA's debug mode reports inside them, per batch."""
+    for name in STEP_HOOKS:
+        hook = getattr(callback, name)
+
+        def counted(trainer, *args, _hook=hook, _name=name, **kwargs):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = _hook(trainer, *args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs = [w for w in caught if str(w.message).startswith(SYNC_WARNING)]
+            batch = trainer.fit_loop.total_batch_idx
+            per_batch[batch] += len(syncs)
+            sites.extend(f"batch {batch} {_name}: {w.filename}:{w.lineno}" for w in syncs)
+            return result
+
+        setattr(callback, name, counted)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_one_cuda_sync_per_optimizer_step(tmp_path, precision):
+    """The default monitor, token accuracy included: one sync per optimizer step, none on accumulating batches.
+
+    The first step too: what the monitor sets up then is copied to the device without blocking.
+    """
+    monitor, per_batch, sites = TrainingMonitor(val_loss_key=None), Counter(), []
+    count_cuda_syncs(monitor, per_batch, sites)
+    trainer = make_trainer(
+        tmp_path,
+        [monitor],
+        accelerator="cuda",
+        precision=precision,
+        max_steps=6,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path),
+    )
+    trainer.fit(ScriptedModel(), train_dataloaders=loader())
+    assert [per_batch[b] for b in range(12)] == [0, 1] * 6, "\n".join(sites)
+
+
+def test_token_accuracy_at_llm_vocabulary_makes_no_sync_and_little_memory():
+    """V = 50,257 and B*T = 2,048: no sync per update, extra peak memory under 5% of the logits, exact counts."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(8, 256, 50257, device="cuda", generator=gen)
+    labels = torch.randint(0, 50257, (8, 256), device="cuda", generator=gen)
+    labels[torch.rand(8, 256, device="cuda", generator=gen) < 0.1] = -100
+    labels[0, :8] = logits[0, :8].argmax(-1)  # some correct positions
+    metric = TokenAccuracy(validate_args=False).cuda()
+    metric.update(logits, labels)  # warm-up: kernels loaded, caching allocator primed
+    metric.reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        metric.update(logits, labels)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < 0.05 * logits.nbytes
+    counted = labels != -100
+    expected_correct = ((logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0] == logits.amax(-1)) & counted).sum()
+    assert (metric.correct.item(), metric.total.item()) == (expected_correct.item(), counted.sum().item())
+    assert metric.correct.item() >= 8
