@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["TrainingHalted", "gather_ranks", "host_dtype", "skip_optimizer_step"]
+__all__ = ["TrainingHalted", "gather_ranks", "host_dtype", "copies_without_blocking", "skip_optimizer_step"]
 
 
 class TrainingHalted(RuntimeError):
@@ -62,6 +62,20 @@ def host_dtype(device: torch.device) -> torch.dtype:
         torch.float64
     """
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def copies_without_blocking(device: torch.device) -> bool:
+    """Whether a fresh host tensor may be copied to ``device`` with ``non_blocking=True``: on CUDA only.
+
+    CUDA stages a pageable source at once, so the copy queues behind the device's work instead of waiting for it
+    (a host sync), and the source may be freed right after. A non-blocking copy to MPS reads its source later and
+    can read it freed (pytorch/pytorch#139550), so elsewhere the copy blocks.
+
+    Example:
+        >>> copies_without_blocking(torch.device("cuda")), copies_without_blocking(torch.device("mps"))
+        (True, False)
+    """
+    return device.type == "cuda"
 
 
 def skip_optimizer_step(optimizer: Optimizer) -> None:

@@ -21,7 +21,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import gather_ranks, host_dtype
+from lightning_monitor.halting import copies_without_blocking, gather_ranks, host_dtype
 
 __all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -168,7 +168,7 @@ class StepCheck:
         """A ``[0]`` and a ``[1]`` that stand in for figures a step does not have, and ``counts`` as a tensor.
 
         All three are cached on ``device``. The counts rarely change, so most steps create and copy nothing; a new
-        pattern is copied without blocking (the copy queues behind the device work instead of waiting for it).
+        pattern is copied without blocking on CUDA (the copy queues behind the device work instead of waiting for it).
         """
         if self._fills is None or self._fills[0] != device:
             self._fills = (device, torch.zeros(1, device=device), torch.ones(1, device=device))
@@ -177,7 +177,8 @@ class StepCheck:
         if cached is None:
             if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
                 self._counts.clear()
-            cached = torch.tensor(counts, dtype=host_dtype(device)).to(device, non_blocking=True)
+            host = torch.tensor(counts, dtype=host_dtype(device))
+            cached = host.to(device, non_blocking=copies_without_blocking(device))
             self._counts[counts] = cached
         _, zero, one = self._fills
         return zero, one, cached

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_monitor.halting import host_dtype
+from lightning_monitor.halting import copies_without_blocking, host_dtype
 from lightning_monitor.token_accuracy import TokenAccuracy
 
 __all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
@@ -97,9 +97,9 @@ class TokenAccuracyTracker:
         self._mark: tuple[int, Tensor] | None = None
 
     def to(self, device: torch.device) -> None:
-        """Move the counts to ``device`` (without blocking: they are a few host scalars, staged at once)."""
+        """Move the counts to ``device`` (on CUDA without blocking, which would wait for the queued work)."""
         for metric in self.metrics.values():
-            metric.to(device, non_blocking=True)
+            metric.to(device, non_blocking=copies_without_blocking(device))
 
     def reset(self, stage: Stage) -> None:
         """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
@@ -130,7 +130,7 @@ class TokenAccuracyTracker:
         logits, labels = found
         metric = self.metrics[stage]
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
-            metric.to(logits.device, non_blocking=True)
+            metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             metric.update(logits, labels)  # the metric runs without autograd, so nothing needs detaching
         except ValueError as err:
