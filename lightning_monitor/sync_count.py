@@ -6,6 +6,10 @@ On an accelerator, reading a tensor's value on the host (``.item()``, ``.tolist(
 invisible to a timer there, but the calls are the same. :class:`HostSyncCounter` intercepts them, so a test on the
 CPU can pin how many synchronisations a piece of code would make on a GPU (where
 ``torch.cuda.set_sync_debug_mode("warn")`` confirms it).
+
+It does not see blocking copies from the host to the device (``torch.tensor(values, device="cuda")``,
+``cpu_tensor.to("cuda")``), which on CUDA wait for the queued kernels too: on the CPU they are no copies at all.
+Only a GPU counts those.
 """
 
 from __future__ import annotations
