@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["TrainingHalted", "gather_ranks", "host_dtype", "copies_without_blocking", "skip_optimizer_step"]
+__all__ = ["TrainingHalted", "copies_without_blocking", "gather_ranks", "host_dtype", "skip_optimizer_step"]
 
 
 class TrainingHalted(RuntimeError):

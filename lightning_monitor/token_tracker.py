@@ -97,7 +97,7 @@ class TokenAccuracyTracker:
         self._mark: tuple[int, Tensor] | None = None
 
     def to(self, device: torch.device) -> None:
-        """Move the counts to ``device`` (on CUDA without blocking, which would wait for the queued work)."""
+        """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
         for metric in self.metrics.values():
             metric.to(device, non_blocking=copies_without_blocking(device))
 
