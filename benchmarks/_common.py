@@ -7,7 +7,8 @@ import importlib.util
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -76,3 +77,18 @@ def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
 #: appends where it was triggered). The mode's one-time notice ("...does not yet detect all synchronizing
 #: operations") is no sync, and would match a looser test.
 CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def cuda_syncs(run: Callable[[], object]) -> int:
+    """The syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports while ``run`` runs once."""
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(str(w.message).startswith(CUDA_SYNC_WARNING) for w in caught)

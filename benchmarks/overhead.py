@@ -105,7 +105,7 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import CUDA_SYNC_WARNING, cpu_model, iqr, load_example, median_ci, proc_status, reset_peak_rss
+from _common import CUDA_SYNC_WARNING, cpu_model, cuda_syncs, iqr, load_example, median_ci, proc_status, reset_peak_rss
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
@@ -900,19 +900,6 @@ def time_kernels(size: ModelSize, repeats: int, device: str) -> dict[str, Any]:
         syncs[name] = f"{counter.count}" + (f" ({cuda_syncs(run)} warn)" if device == "cuda" else "")
     grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     return {"times": times, "syncs": syncs, "bytes": grad_bytes, "number": number}
-
-
-def cuda_syncs(run: Callable[[], object]) -> int:
-    """The syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports while ``run`` runs once."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum(str(w.message).startswith(CUDA_SYNC_WARNING) for w in caught)
 
 
 def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:

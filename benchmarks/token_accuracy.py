@@ -24,13 +24,12 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
-from _common import CUDA_SYNC_WARNING, cpu_model, iqr, proc_status, reset_peak_rss
+from _common import cpu_model, cuda_syncs, iqr, proc_status, reset_peak_rss
 
 B, T, IGNORED = 8, 256, 0.1
 
@@ -100,15 +99,7 @@ def count_update_syncs(vocab: int, case: str, device: str = "cpu") -> int:
     update = make_cases(vocab, device)[case].update
     if device == "cuda":
         update(logits, labels)  # the first call may set up state (and sync doing it)
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                update(logits, labels)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        return sum(str(w.message).startswith(CUDA_SYNC_WARNING) for w in caught)
+        return cuda_syncs(lambda: update(logits, labels))
     with HostSyncCounter() as counter:
         update(logits, labels)
     return counter.count
