@@ -28,7 +28,7 @@ try:  # torch >= 2.4
 except ImportError:  # pragma: no cover - older torch without public DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
-from lightning_monitor.halting import copies_without_blocking, host_dtype
+from lightning_monitor.halting import host_dtype, to_device
 
 __all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
 
@@ -186,11 +186,11 @@ class LayerGradNorms:
         plan = _Plan(
             groups=[None] if single else list(groups.values()),
             dtypes=[dtype for _, dtype in groups],
-            # Built on the host and copied without blocking: `torch.tensor(..., device="cuda")` would wait for the
-            # queued backward (a host sync) at the first step and at each new pattern of present gradients.
-            slot=_to_device([self._slots[i] for i in order], self.device),
+            # `to_device`, not `torch.tensor(..., device=...)`: on CUDA that would wait for the queued backward at
+            # the first step and at each new pattern of present gradients.
+            slot=to_device([self._slots[i] for i in order], self.device),
             squares=torch.empty(len(order), dtype=self._zeros.dtype, device=self.device),
-            weight=None if self._weights is None else _to_device([self._weights[i] for i in order], self.device),
+            weight=None if self._weights is None else to_device([self._weights[i] for i in order], self.device),
         )
         self._plans[missing] = plan
         return plan
@@ -225,11 +225,6 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     replicated = [math.fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
     sharded = [math.fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
     return [a + b for a, b in zip(replicated, sharded, strict=True)]
-
-
-def _to_device(values: list[int] | list[float], device: torch.device) -> Tensor:
-    """A small host list as a tensor on ``device``, copied without blocking where that is safe."""
-    return torch.tensor(values).to(device, non_blocking=copies_without_blocking(device))
 
 
 def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> Tensor:

@@ -15,7 +15,14 @@ from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["TrainingHalted", "copies_without_blocking", "gather_ranks", "host_dtype", "skip_optimizer_step"]
+__all__ = [
+    "TrainingHalted",
+    "copies_without_blocking",
+    "gather_ranks",
+    "host_dtype",
+    "skip_optimizer_step",
+    "to_device",
+]
 
 
 class TrainingHalted(RuntimeError):
@@ -76,6 +83,20 @@ def copies_without_blocking(device: torch.device) -> bool:
         (True, False)
     """
     return device.type == "cuda"
+
+
+def to_device(
+    values: list[int] | list[float] | tuple[int, ...], device: torch.device, dtype: torch.dtype | None = None
+) -> Tensor:
+    """A few host numbers as a tensor on ``device``, copied without blocking where that is safe.
+
+    ``torch.tensor(values, device="cuda")`` would wait for the queued kernels (a host sync); this queues behind them.
+
+    Example:
+        >>> to_device([1, 2], torch.device("cpu"), torch.float64)
+        tensor([1., 2.], dtype=torch.float64)
+    """
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=copies_without_blocking(device))
 
 
 def skip_optimizer_step(optimizer: Optimizer) -> None:

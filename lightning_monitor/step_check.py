@@ -21,7 +21,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import copies_without_blocking, gather_ranks, host_dtype
+from lightning_monitor.halting import gather_ranks, host_dtype, to_device
 
 __all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -177,8 +177,7 @@ class StepCheck:
         if cached is None:
             if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
                 self._counts.clear()
-            host = torch.tensor(counts, dtype=host_dtype(device))
-            cached = host.to(device, non_blocking=copies_without_blocking(device))
+            cached = to_device(counts, device, host_dtype(device))
             self._counts[counts] = cached
         _, zero, one = self._fills
         return zero, one, cached
