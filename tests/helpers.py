@@ -1,4 +1,4 @@
-"""Models and readers shared by the Trainer-driven tests.
+"""Models, readers and a probe callback shared by the Trainer-driven tests.
 
 The models script a pathology at a chosen step and record an independent reference figure in their own
 ``on_before_optimizer_step`` (which Lightning calls right after the callback's), so a test can compare what the
@@ -22,6 +22,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_monitor import TrainingMonitor
 
 
 def free_port() -> int:
@@ -170,6 +172,36 @@ def all_finite(module: nn.Module) -> bool:
 
 def same_weights(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class Probe(pl.Callback):
+    """Placed after the monitor: copies ``monitor.latest`` at every optimizer step, and the post-clip norm."""
+
+    def __init__(self, monitor: TrainingMonitor) -> None:
+        self.monitor = monitor
+        self.latest: list[dict[str, float]] = []
+        self.after_clip: list[float] = []
+        self.scaled: list[float] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.scaled.append(total_norm(pl_module))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.latest.append(dict(self.monitor.latest))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after_clip.append(total_norm(pl_module))
+
+
+def fit_probed(
+    tmp_path: Any, model: pl.LightningModule, monitor: TrainingMonitor | None = None, data: Any = None, **kwargs: Any
+) -> tuple[pl.Trainer, TrainingMonitor, Probe]:
+    """Fit ``model`` with ``monitor`` (by default with no validation or exploding-gradient check) and a probe."""
+    monitor = monitor or TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None)
+    probe = Probe(monitor)
+    trainer = make_trainer(tmp_path, [monitor, probe], **kwargs)
+    trainer.fit(model, train_dataloaders=data or loader())
+    return trainer, monitor, probe
 
 
 Recorder = Callable[[pl.Trainer, pl.LightningModule], None]

@@ -10,12 +10,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections import Counter
-from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ScriptedModel, close, loader, make_trainer
+from helpers import ScriptedModel, close, fit_probed, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_monitor import TrainingMonitor
@@ -29,29 +28,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-class Probe(pl.Callback):
-    """Placed after the monitor: copies ``monitor.latest`` at every optimizer step."""
-
-    def __init__(self, monitor: TrainingMonitor) -> None:
-        self.monitor = monitor
-        self.latest: list[dict[str, float]] = []
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.latest.append(dict(self.monitor.latest))
-
-
-def fit_on_cuda(tmp_path: Any, model: pl.LightningModule, monitor: TrainingMonitor, **kwargs: Any) -> Probe:
-    probe = Probe(monitor)
-    trainer = make_trainer(tmp_path, [monitor, probe], accelerator="cuda", **kwargs)
-    trainer.fit(model, train_dataloaders=loader())
-    return probe
-
-
 def test_fp16_amp_norm_is_the_unscaled_one(tmp_path):
     """Lightning's own CUDA GradScaler: the norm is unscaled, and the steps it skips on overflow are not alerts."""
     model = ScriptedModel(loss_factor={0: 1e4}, default_factor=5.0)  # step 0 overflows at the initial scale 2**16
     monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None)
-    probe = fit_on_cuda(tmp_path, model, monitor, precision="16-mixed", max_steps=16)
+    _, _, probe = fit_probed(tmp_path, model, monitor, accelerator="cuda", precision="16-mixed", max_steps=16)
     assert probe.latest[0]["loss_scale"] == 65536.0
     finite = [(seen, ref) for seen, ref in zip(probe.latest, model.reference, strict=True) if math.isfinite(ref)]
     assert len(finite) >= 8
@@ -65,7 +46,8 @@ def test_fp16_amp_norm_is_the_unscaled_one(tmp_path):
 
 def test_bf16_mixed_norm_matches_the_reference(tmp_path):
     model = ScriptedModel()
-    probe = fit_on_cuda(tmp_path, model, TrainingMonitor(val_loss_key=None), precision="bf16-mixed")
+    monitor = TrainingMonitor(val_loss_key=None)
+    _, _, probe = fit_probed(tmp_path, model, monitor, accelerator="cuda", precision="bf16-mixed")
     assert len(probe.latest) == len(model.reference) == 10
     for seen, ref in zip(probe.latest, model.reference, strict=True):
         assert close(seen["grad_norm"], ref)
@@ -74,7 +56,7 @@ def test_bf16_mixed_norm_matches_the_reference(tmp_path):
 def test_nan_loss_on_cuda_halts_before_the_update(tmp_path):
     model = ScriptedModel(loss_factor={3: float("nan")})
     monitor = TrainingMonitor(val_loss_key=None)
-    fit_on_cuda(tmp_path, model, monitor, precision="16-mixed")
+    fit_probed(tmp_path, model, monitor, accelerator="cuda", precision="16-mixed")
     assert monitor.stopping_reason is not None and monitor.stopping_reason.value == "nonfinite_loss"
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

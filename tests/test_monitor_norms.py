@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ScriptedModel, close, csv_column, loader, make_trainer, tb_scalars, total_norm
+from helpers import Probe, ScriptedModel, close, csv_column, fit_probed, loader, make_trainer, tb_scalars, total_norm
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
@@ -17,38 +15,9 @@ from torch import nn
 from lightning_monitor import TrainingMonitor
 
 
-class Probe(pl.Callback):
-    """Placed after the monitor: copies ``monitor.latest`` at every optimizer step, and the post-clip norm."""
-
-    def __init__(self, monitor: TrainingMonitor) -> None:
-        self.monitor = monitor
-        self.latest: list[dict[str, float]] = []
-        self.after_clip: list[float] = []
-        self.scaled: list[float] = []
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.scaled.append(total_norm(pl_module))
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.latest.append(dict(self.monitor.latest))
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.after_clip.append(total_norm(pl_module))
-
-
-def run(
-    tmp_path: Any, model: pl.LightningModule, monitor: TrainingMonitor | None = None, data: Any = None, **kwargs: Any
-):
-    monitor = monitor or TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None)
-    probe = Probe(monitor)
-    trainer = make_trainer(tmp_path, [monitor, probe], **kwargs)
-    trainer.fit(model, train_dataloaders=data or loader())
-    return trainer, monitor, probe
-
-
 def test_total_and_layer_norms_match_reference(tmp_path):
     model = ScriptedModel()
-    _, _, probe = run(tmp_path, model)
+    _, _, probe = fit_probed(tmp_path, model)
     assert len(probe.latest) == len(model.reference) == 10
     for seen, ref in zip(probe.latest, model.reference, strict=True):
         assert close(seen["grad_norm"], ref)
@@ -65,7 +34,7 @@ def test_layer_norms_equal_their_own_reference(tmp_path):
             self.per_layer = {i: total_norm(self.layer[i]) for i in (0, 2)}
 
     model = PerLayer()
-    _, _, probe = run(tmp_path, model)
+    _, _, probe = fit_probed(tmp_path, model)
     assert close(probe.latest[-1]["grad_norm/layer.0"], model.per_layer[0])
     assert close(probe.latest[-1]["grad_norm/layer.2"], model.per_layer[2])
 
@@ -74,7 +43,8 @@ def test_fp16_amp_norm_is_unscaled(tmp_path):
     """With a real GradScaler, the norm is the unscaled one; overflowing calibration steps are not alerts."""
     model = ScriptedModel(default_factor=5.0)
     scaler = torch.amp.GradScaler("cpu")
-    _, monitor, probe = run(tmp_path, model, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_steps=16)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    _, monitor, probe = fit_probed(tmp_path, model, plugins=plugins, max_steps=16)
     finite = [(s, r) for s, r in zip(probe.latest, model.reference, strict=True) if math.isfinite(r)]
     assert finite, "no finite step to compare"
     for seen, ref in finite:
@@ -101,7 +71,8 @@ class LossRecorder(ScriptedModel):
 
 def test_amp_loss_is_unscaled_and_exact(tmp_path):
     model = LossRecorder()
-    _, _, probe = run(tmp_path, model, plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    _, _, probe = fit_probed(tmp_path, model, plugins=plugins)
     for seen, loss in zip(probe.latest, model.losses, strict=True):
         assert close(seen["loss"], loss)
 
@@ -109,7 +80,7 @@ def test_amp_loss_is_unscaled_and_exact(tmp_path):
 @pytest.mark.parametrize("accumulate", [2, 3])
 def test_accumulation_norm_is_of_summed_gradients(tmp_path, accumulate):
     model = LossRecorder()
-    _, _, probe = run(tmp_path, model, accumulate_grad_batches=accumulate, max_steps=4)
+    _, _, probe = fit_probed(tmp_path, model, accumulate_grad_batches=accumulate, max_steps=4)
     assert len(probe.latest) == len(model.reference) == 4  # one check per optimizer step, not per micro-batch
     for seen, ref in zip(probe.latest, model.reference, strict=True):
         assert close(seen["grad_norm"], ref)
@@ -127,7 +98,7 @@ def test_accumulation_reference_is_sum_of_micro_batch_gradients(tmp_path):
     initial.load_state_dict(model.state_dict())
     data = loader(n=6, batch_size=2)
     batches = list(data)
-    _, _, probe = run(tmp_path, model, data=data, accumulate_grad_batches=3, max_steps=1)
+    _, _, probe = fit_probed(tmp_path, model, data=data, accumulate_grad_batches=3, max_steps=1)
     grads = [torch.zeros_like(p) for p in initial.parameters()]
     for batch in batches:
         initial.zero_grad()
@@ -139,7 +110,7 @@ def test_accumulation_reference_is_sum_of_micro_batch_gradients(tmp_path):
 
 def test_clipping_reports_pre_clip_norm(tmp_path):
     model = ScriptedModel()
-    _, _, probe = run(tmp_path, model, gradient_clip_val=0.01)
+    _, _, probe = fit_probed(tmp_path, model, gradient_clip_val=0.01)
     for seen, ref, clipped in zip(probe.latest, model.reference, probe.after_clip, strict=True):
         assert close(seen["grad_norm"], ref)
         assert seen["grad_norm"] > 0.01
@@ -210,7 +181,7 @@ def test_figures_reach_every_logger_on_logging_steps(tmp_path):
 
 def test_layer_norms_can_be_turned_off(tmp_path):
     monitor = TrainingMonitor(val_loss_key=None, layer_norms=False)
-    _, _, probe = run(tmp_path, ScriptedModel(), monitor)
+    _, _, probe = fit_probed(tmp_path, ScriptedModel(), monitor)
     assert not [k for k in probe.latest[-1] if k.startswith("grad_norm/")]
 
 
