@@ -17,6 +17,7 @@ from typing import Any, Literal
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
 __all__ = [
+    "MIN_SPIKE_WINDOW",
     "AccuracyStallDetector",
     "AmpOverflowDetector",
     "NonFiniteDetector",
@@ -65,6 +66,13 @@ class NonFiniteDetector:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.active = bool(state.get("active", False))
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.active = False
 
 
 class ThresholdDetector:
@@ -129,6 +137,13 @@ class ThresholdDetector:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.count = int(state.get("count", 0))
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.count = min(self.count, self.patience - 1)
 
 
 class RisingDetector:
@@ -197,6 +212,14 @@ class RisingDetector:
         self.history = [float(v) for v in state.get("history", [])]
         self.nonfinite = bool(state.get("nonfinite", False))
 
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.count = min(self.count, self.patience - 1)
+        self.nonfinite = False
+
 
 class AmpOverflowDetector:
     """Tell a GradScaler calibrating itself from one that cannot recover.
@@ -256,6 +279,17 @@ class AmpOverflowDetector:
         self.consecutive = int(state.get("consecutive", 0))
         self.active = bool(state.get("active", False))
 
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.active = False
+
+
+#: The smallest ``window`` of :class:`SpikeDetector`: its level averages over ``window / 4`` values, so at least two.
+MIN_SPIKE_WINDOW = 8
+
 
 class SpikeDetector:
     """Fire when a positive figure jumps far above its own recent level, for ``patience`` steps in a row.
@@ -285,7 +319,7 @@ class SpikeDetector:
         kind: The alert kind to report.
         name: What the figure is called in messages.
         threshold: The z-score above which a value is an outlier.
-        window: The effective number of values the spread remembers (the level remembers a quarter of it).
+        window: The effective number of values the spread remembers (the level remembers a quarter of it); at least 8.
         warmup: Values to see before judging any.
         patience: Consecutive outliers that make an alert.
         min_std: Floor of the spread, in log units (0.05 is about 5%).
@@ -315,9 +349,13 @@ class SpikeDetector:
         for argument, value in (("threshold", threshold), ("min_std", min_std)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"Expected argument `{argument}` to be a finite number > 0, but got {value}")
-        for argument, count in (("window", window), ("warmup", warmup), ("patience", patience)):
-            if count < 1:
-                raise ValueError(f"Expected argument `{argument}` to be at least 1, but got {count}")
+        for argument, count, least in (
+            ("window", window, MIN_SPIKE_WINDOW),
+            ("warmup", warmup, 1),
+            ("patience", patience, 1),
+        ):
+            if count < least:
+                raise ValueError(f"Expected argument `{argument}` to be at least {least}, but got {count}")
         self.kind = kind
         self.name = name
         self.threshold = threshold
@@ -380,6 +418,13 @@ class SpikeDetector:
         self.var = float(state.get("var", 0.0))
         self.previous = float(state.get("previous", 0.0))
         self.count = int(state.get("count", 0))
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.count = min(self.count, self.patience - 1)
 
 
 class AccuracyStallDetector:
@@ -454,3 +499,10 @@ class AccuracyStallDetector:
         self.loss_at_best = float(state.get("loss_at_best", math.inf))
         self.count = int(state.get("count", 0))
         self.active = bool(state.get("active", False))
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.active = False

@@ -127,8 +127,9 @@ class LayerGradNorms:
     def squared(self) -> Tensor:
         """Return a ``[2, num_layers]`` tensor of squared norms on this rank: replicated row, sharded row.
 
-        Each gradient's norm is accumulated in float32, squared in float32 (the square of a norm that float32 holds
-        is finite whenever the kernel's own sum of squares was) and summed per layer in float64 (float32 on MPS),
+        Each gradient's norm is accumulated in float32 (float64 gradients: in float64), squared in that dtype (the
+        square of a norm that float32 holds is finite whenever the kernel's own sum of squares was) and summed per
+        layer in float64 (float32 on MPS),
         so a sum of large squares does not overflow. Four ops in all, on the gradients' device.
 
         Parameters without a gradient count as zero. A non-finite gradient makes its layer's entry non-finite.
@@ -228,9 +229,13 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
 
 
 def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """Per-tensor L2 norms in one fused kernel, accumulated and returned in float32 (float64 stays float64 inside)."""
+    """Per-tensor L2 norms in one fused kernel, accumulated and returned in float32, or float64 for float64 gradients.
+
+    float64 gradients keep their range: a norm of 1e-30 or 1e30 would underflow or overflow float32 (the square of
+    either, in any case).
+    """
     if dtype == torch.float64:  # `dtype=float32` would be a narrowing cast, which `_foreach_norm` refuses
-        return torch.stack(torch._foreach_norm(grads, 2.0)).float()
+        return torch.stack(torch._foreach_norm(grads, 2.0))
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
 
 

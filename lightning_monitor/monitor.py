@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from lightning_monitor._lightning import (
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.detectors import (
+    MIN_SPIKE_WINDOW,
     AccuracyStallDetector,
     AmpOverflowDetector,
     NonFiniteDetector,
@@ -161,7 +162,8 @@ class TrainingMonitor(Callback):
         skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
             halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
-        token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``.
+        token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``. A batch without logits and labels is left
+            out, with one warning (none for a batch ``training_step`` skipped by returning ``None``).
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
         shift_labels: The labels are the input ids, not yet shifted: score the logits at position ``t`` against the
@@ -184,8 +186,9 @@ class TrainingMonitor(Callback):
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
             so a bad step is skipped before it reaches the weights. With a larger value the steps in between cost
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next
-            check (the worst value is kept on the device), but its step cannot be skipped. Logging steps are
-            always checked.
+            check (the worst value is kept on the device), but its step cannot be skipped. Each optimizer counts its
+            own steps; logging steps, the last batch of an epoch and the ``max_steps``-th step are always checked.
+            Patiences then count checks, and the loss of a check is the mean over the steps it covers.
         alerts_file: File name, inside the trainer's log directory, of the JSON-lines alert log. ``None`` turns it
             off.
 
@@ -247,29 +250,32 @@ class TrainingMonitor(Callback):
         check_every_n_steps: int = 1,
         alerts_file: str | None = "alerts.jsonl",
     ) -> None:
-        for name, value in (
-            ("exploding_grad_threshold", exploding_grad_threshold),
-            ("vanishing_grad_threshold", vanishing_grad_threshold),
-            ("divergence_min_delta", divergence_min_delta),
-            ("min_loss_scale", min_loss_scale),
-            ("loss_spike_threshold", loss_spike_threshold),
-            ("grad_spike_threshold", grad_spike_threshold),
+        for name, value, positive in (
+            ("exploding_grad_threshold", exploding_grad_threshold, False),
+            ("vanishing_grad_threshold", vanishing_grad_threshold, False),
+            ("divergence_min_delta", divergence_min_delta, False),
+            ("min_loss_scale", min_loss_scale, False),
+            ("loss_spike_threshold", loss_spike_threshold, True),  # a z-score of 0 would call every rise a spike
+            ("grad_spike_threshold", grad_spike_threshold, True),
         ):
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"Expected argument `{name}` to be a finite number >= 0, but got {value}")
-        for name, count in (
-            ("vanishing_grad_patience", vanishing_grad_patience),
-            ("divergence_patience", divergence_patience),
-            ("amp_overflow_patience", amp_overflow_patience),
-            ("check_every_n_steps", check_every_n_steps),
-            ("spike_window", spike_window),
-            ("spike_warmup", spike_warmup),
-            ("spike_patience", spike_patience),
-            ("top_k", top_k),
-            ("token_acc_patience", 1 if token_acc_patience is None else token_acc_patience),
+            if value is None:
+                continue
+            if not (_is_number(value) and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+                bound = "> 0" if positive else ">= 0"
+                raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {value!r}")
+        for name, count, least in (
+            ("vanishing_grad_patience", vanishing_grad_patience, 1),
+            ("divergence_patience", divergence_patience, 1),
+            ("amp_overflow_patience", amp_overflow_patience, 1),
+            ("check_every_n_steps", check_every_n_steps, 1),
+            ("spike_window", spike_window, MIN_SPIKE_WINDOW),
+            ("spike_warmup", spike_warmup, 1),
+            ("spike_patience", spike_patience, 1),
+            ("top_k", top_k, 1),
+            ("token_acc_patience", 1 if token_acc_patience is None else token_acc_patience, 1),
         ):
-            if not isinstance(count, int) or count < 1:
-                raise ValueError(f"Expected argument `{name}` to be at least 1, but got {count}")
+            if not isinstance(count, int) or isinstance(count, bool) or count < least:
+                raise ValueError(f"Expected argument `{name}` to be at least {least}, but got {count!r}")
         if (
             exploding_grad_threshold is not None
             and vanishing_grad_threshold is not None
@@ -284,7 +290,7 @@ class TrainingMonitor(Callback):
         if postmortem not in ("halt", "alert", None):
             raise ValueError(f"Expected argument `postmortem` to be 'halt', 'alert' or None, but got {postmortem!r}")
         for name, kinds in (("halt_on", halt_on), ("skip_on", skip_on)):
-            if isinstance(kinds, str):
+            if isinstance(kinds, str) or not isinstance(kinds, Iterable):
                 raise ValueError(f"Expected argument `{name}` to be a collection of alert kinds, but got {kinds!r}")
         skip_kinds = frozenset(AlertKind.parse(k, "skip_on") for k in skip_on)
         if skip_kinds - _STEP_KINDS:
@@ -339,7 +345,8 @@ class TrainingMonitor(Callback):
             else None
         )
         self._watches: dict[int, StepCheck] = {}
-        self._last_watch: tuple[Optimizer, StepCheck] | None = None  # the one `_watch` returned last, by optimizer
+        self._last_watch: tuple[Optimizer, StepCheck, int] | None = None  # what `_watch` returned last, and for what
+        self._measured: dict[int, tuple[Optimizer, int]] = {}  # each watch's optimizer and its number of groups
         self._restored_watches: dict[str, Any] = {}
         self._warned: set[str] = set()
         # Set up per run in `setup`.
@@ -362,6 +369,7 @@ class TrainingMonitor(Callback):
         self._stall = (
             None if token_acc_patience is None else AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, token_acc_patience)
         )
+        self._window = 0  # optimizer steps (windows of micro-batches) closed so far: the tag of token-count marks
         self._step_logged: int | None = None  # the logging step of the optimizer step under way, if it logs
         self._no_counts: Tensor | None = None  # cached zeros standing for "no counts waiting"
         self._pending_acc: tuple[Tensor, int] | None = None  # a step's token counts waiting for the next read
@@ -381,12 +389,14 @@ class TrainingMonitor(Callback):
         self._log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._jsonl = JsonlSink(self._log_dir / self.alerts_file) if self.alerts_file else None
         self._loggers = LoggerSink(trainer.loggers)
-        self._watches, self._last_watch = {}, None
+        self._watches, self._last_watch, self._measured = {}, None, {}
         self._loss_sum, self._loss_count = None, 0
         self._history.clear()
         self._batches, self._window_closed = [], True
         self._pending_acc, self._step_logged = None, None
-        self._tokens.disabled = set() if self.token_accuracy else {"train", "val"}
+        self._tokens.begin(self.token_accuracy)
+        self._window = 0
+        self.stopping_reason, self.stopping_reason_message = None, None  # this run has not halted (yet)
         if trainer.is_global_zero:
             write_settings(self._log_dir / SETTINGS_FILE, self.settings())
             self._loggers.add_layout()
@@ -397,6 +407,10 @@ class TrainingMonitor(Callback):
         self._order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
         self._activations = ActivationWatch(pl_module) if self.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
+        # After a resume the alerts come from the checkpoint (restored after `setup`): count on from them.
+        self._loggers = LoggerSink(trainer.loggers, self.alerts)
+        if self.token_accuracy:  # before the first mark, which copies the counts where they are
+            self._tokens.to(pl_module.device)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -474,8 +488,16 @@ class TrainingMonitor(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # The loss as handed to backward: divided by `accumulate_grad_batches`, and multiplied by the loss scale
-        # under fp16 AMP. Both are undone at the check. Summing keeps NaN and Inf: any bad micro-batch shows.
+        # under fp16 AMP. Both are undone here, with this micro-batch's own factors: they can change between checks
+        # (the GradScaler halves at an overflow, a GradientAccumulationScheduler changes the other). On the device,
+        # and only where a factor is not 1. Summing keeps NaN and Inf: any bad micro-batch shows.
         loss = loss.detach().float()
+        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        if accumulate != 1:
+            loss = loss * accumulate
+        scale = getattr(self._scaler, "_scale", None)
+        if isinstance(scale, Tensor):
+            loss = loss / scale
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._loss_count += 1
 
@@ -489,18 +511,20 @@ class TrainingMonitor(Callback):
         squared = watch.norms.squared()
         logs = is_logging_step(trainer)
         self._step_logged = logging_step(trainer) if logs else None
-        if self.check_every_n_steps > 1 and trainer.global_step % self.check_every_n_steps != 0 and not logs:
+        # Counted per optimizer (`global_step` counts the steps of all of them), and never held at a step that may
+        # be the run's last: nothing would check it afterwards.
+        due = watch.count_step(self.check_every_n_steps)
+        if not (due or logs or _may_be_last_step(trainer)):
             watch.hold(squared)
             return
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
         scaler = self._scaler
-        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         pending, pending_step = self._take_pending_acc(watch.norms.device)
         extras = [pending]
         if self._activations is not None:
             extras.append(self._activations.flags())
-        step = watch.read(squared, self._take_loss(), scaler, accumulate, extras)
+        step = watch.read(squared, self._take_loss(), scaler, extras)
         if self._activations is not None:
             self._activations.reset()
         if self._order is not None:
@@ -511,31 +535,43 @@ class TrainingMonitor(Callback):
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         self._history.append((trainer.global_step, trainer.current_epoch, self.latest))
 
-        # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle.
+        # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle. No update
+        # with a non-finite loss or gradient reaches the weights (under fp16 AMP the GradScaler skips overflows), nor
+        # any after a halt (with `min_steps`, Lightning trains on after `should_stop`).
         detections = watch.check(step)
+        loss_bad = step.loss is not None and not math.isfinite(step.loss)
+        skip = (
+            any(d.kind in self.halt_on for d in detections)
+            or loss_bad
+            or (step.grad_nonfinite and scaler is None)
+            or watch.beyond(self.skip_on)
+            or self.stopping_reason is not None
+        )
         first_bad = (
             self._activations.first_nonfinite(max(col) for col in zip(*(r[2:] for r in step.extras), strict=True))
             if self._activations is not None
             else None
         )
         bundle = self._bundle_folder(trainer, detections)
-        alerts = [self._make_alert(trainer, d, step, watch, bundle, first_bad) for d in detections]
+        alerts = [self._make_alert(trainer, d, step, watch, bundle, first_bad, skip) for d in detections]
         halting = [a for a in alerts if a.halted]
-        if halting or (step.grad_nonfinite and scaler is None) or watch.beyond(self.skip_on):
+        overflowed = scaler is not None and step.grad_norm is not None and not math.isfinite(step.grad_norm)
+        if skip:
             skip_optimizer_step(optimizer)
-            self.skipped_steps += 1
+            self.skipped_steps += 0 if overflowed else 1  # an overflowing step is counted below, once
         if scaler is not None:
-            self.skipped_steps += step.overflow_steps
+            self.skipped_steps += step.overflow_steps  # the GradScaler skips these itself
         if self.skipped_steps:  # absent means none: no constant zero written at every logging step
             self.latest["skipped_steps"] = figures["skipped_steps"] = float(self.skipped_steps)
 
-        # Log, then act.
+        # Log, then act. A halting step logs its figures whatever `log_every_n_steps` says: Lightning logs its own
+        # metrics there too, since `should_stop` is set.
         for alert in alerts:
             self._emit(trainer, alert)
-        if logs:
+        if logs or halting:
             self._log_figures(trainer, figures)
         if bundle is not None:
-            self._write_bundle(trainer, bundle, alerts, halted=bool(halting))
+            self._write_bundle(trainer, bundle, alerts, halted=bool(halting), skipped=skip)
         if halting:
             self._halt(trainer, halting[0])
 
@@ -544,19 +580,20 @@ class TrainingMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Count tokens on the device. Once a logging step is complete, hand its counts to the next read; before a
-        # logging step, mark the counts, so that its own figure can be told from the epoch's.
+        # step that may log, mark the counts, so that its own figure can be told from the epoch's.
         self._tokens.update("train", outputs, batch)
         if not self._window_closed:
             return
         if self._step_logged is not None:
-            counts = self._tokens.counts_since_mark(self._step_logged)
+            counts = self._tokens.counts_since_mark(self._window)
             self._pending_acc = None if counts is None else (counts, self._step_logged)
-        self._mark_tokens_before(trainer, logging_step(trainer) + 1)
+        self._window += 1
+        self._mark_tokens_before(trainer, pl_module, logging_step(trainer) + 1)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tokens.reset("train")
-        self._mark_tokens_before(trainer, logging_step(trainer))
+        self._mark_tokens_before(trainer, pl_module, logging_step(trainer))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -565,7 +602,7 @@ class TrainingMonitor(Callback):
             return
         # Compute: the epoch's token counts and any step figure still waiting, in one read.
         pending, pending_step = self._take_pending_acc(pl_module.device)
-        per_rank = gather_ranks(torch.cat([pending, self._tokens.epoch_counts("train")]))
+        per_rank = gather_ranks(torch.cat([pending, self._tokens.epoch_counts("train", pl_module.device)]))
         # Log.
         self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in per_rank], pending_step)
         # At the epoch's last step, where Lightning writes epoch-end metrics too.
@@ -608,7 +645,7 @@ class TrainingMonitor(Callback):
             local[0] = torch.as_tensor(value, device=device).reshape(())
             local[1] = 1.0
         if watch_acc:
-            local[2:] = self._tokens.epoch_counts("val")
+            local[2:] = self._tokens.epoch_counts("val", device)
         per_rank = gather_ranks(local)  # one collective and one host read per validation run
         seen = [r[0] for r in per_rank if r[1]]
         val_loss = math.fsum(seen) / len(seen) if seen else None
@@ -634,7 +671,7 @@ class TrainingMonitor(Callback):
         for alert in alerts:
             self._emit(trainer, alert)
         if bundle is not None:
-            self._write_bundle(trainer, bundle, alerts, halted=any(a.halted for a in alerts), batches=[])
+            self._write_bundle(trainer, bundle, alerts, halted=any(a.halted for a in alerts), skipped=None, batches=[])
         halting = [a for a in alerts if a.halted]
         if halting:
             self._halt(trainer, halting[0])
@@ -659,30 +696,34 @@ class TrainingMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.alerts = [Alert.from_dict(a) for a in state_dict.get("alerts", [])]
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        reason = state_dict.get("stopping_reason")
-        self.stopping_reason = None if reason is None else AlertKind(reason)
-        self.stopping_reason_message = state_dict.get("stopping_reason_message")
+        # Not the stopping reason: a resumed run has not halted. Nor any alert episode under way: a problem still
+        # there after the resume (say, from a post-mortem checkpoint taken before the bad step) fires again.
         if self._val is not None:
             self._val.load_state_dict(state_dict.get("val", {}))
+            self._val.rearm()
         if self._stall is not None:
             self._stall.load_state_dict(state_dict.get("stall", {}))
+            self._stall.rearm()
         self._restored_watches = dict(state_dict.get("watches", {}))
-        self._watches, self._last_watch = {}, None
+        self._watches, self._last_watch, self._measured = {}, None, {}
 
     # ------------------------------------------------------------------------------------------------ helpers
 
     def _watch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> StepCheck:
-        """The checks of ``optimizer``, built on its first step (and after a resume, from the checkpoint)."""
-        if self._last_watch is not None and self._last_watch[0] is optimizer:  # every step of a single optimizer
-            return self._last_watch[1]
+        """The checks of ``optimizer``, built on its first step (and after a resume, from the checkpoint).
+
+        The gradient norms follow the optimizer's parameters: when it is replaced, or gains a parameter group (as
+        ``BaseFinetuning.unfreeze_and_add_param_group`` does), they are measured afresh; the detectors carry on.
+        """
+        groups = len(optimizer.param_groups)
+        last = self._last_watch
+        if last is not None and last[0] is optimizer and last[2] == groups:  # every step of a single optimizer
+            return last[1]
         index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         watch = self._watches.get(index)
         if watch is None:
-            in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            named = [(n, p) for n, p in pl_module.named_parameters() if id(p) in in_optimizer]
-            sharded, replicas = gradient_sharding(trainer.strategy, trainer.num_nodes)
             watch = StepCheck(
-                LayerGradNorms(named, sharded=sharded, replicas=replicas),
+                self._layer_norms(trainer, pl_module, optimizer),
                 self._step_detectors(),
                 index=index,
                 suffix=f"_opt{index}" if len(trainer.optimizers) > 1 else "",
@@ -690,9 +731,29 @@ class TrainingMonitor(Callback):
             )
             if str(index) in self._restored_watches:
                 watch.load_state_dict(self._restored_watches.pop(str(index)))
+                watch.detectors.rearm()
             self._watches[index] = watch
-        self._last_watch = (optimizer, watch)
+        elif self._measured.get(index) != (optimizer, groups):
+            watch.measure(self._layer_norms(trainer, pl_module, optimizer))
+        self._measured[index] = (optimizer, groups)
+        self._last_watch = (optimizer, watch, groups)
         return watch
+
+    def _layer_norms(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> LayerGradNorms:
+        """The gradient norms of ``optimizer``'s parameters, named as in the module.
+
+        A parameter the optimizer holds but the module does not (kept in a plain list) is named after its group.
+        """
+        params = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+        in_optimizer = {id(p) for _, p in params}
+        named = [(n, p) for n, p in pl_module.named_parameters() if id(p) in in_optimizer]
+        known = {id(p) for _, p in named}
+        for g, p in params:
+            if id(p) not in known:
+                known.add(id(p))
+                named.append((f"param_group_{g}.{len(named)}", p))
+        sharded, replicas = gradient_sharding(trainer.strategy, trainer.num_nodes)
+        return LayerGradNorms(named, sharded=sharded, replicas=replicas)
 
     def _step_detectors(self) -> StepDetectors:
         """Fresh step-level detectors, configured from the constructor arguments."""
@@ -744,11 +805,17 @@ class TrainingMonitor(Callback):
         watch: StepCheck | None = None,
         bundle: Path | None = None,
         first_bad_activation: str | None = None,
+        skipped: bool = False,
     ) -> Alert:
-        """Turn a detection into an alert: where and when, what was done about it, and what to try."""
+        """Turn a detection into an alert: where and when, what was done about it, and what to try.
+
+        The step is the one Lightning logs at (``_batches_that_stepped``), where the run's figures are, not
+        ``global_step``, which counts the steps of every optimizer.
+        """
         halted = detection.kind in self.halt_on
         rank = None if step is None else step.rank_for(detection.kind)
-        where = f" at step {trainer.global_step} (epoch {trainer.current_epoch})"
+        at = logging_step(trainer)
+        where = f" at step {at} (epoch {trainer.current_epoch})"
         if watch is not None and watch.suffix:
             where += f" for optimizer {watch.index}"
         if rank is not None:
@@ -756,11 +823,6 @@ class TrainingMonitor(Callback):
         blame = "" if step is None or watch is None else watch.blame(detection.kind, step)
         if first_bad_activation is not None and detection.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
             blame += f" The first module whose output was not finite, in forward order: {first_bad_activation}."
-        skipped = step is not None and (
-            halted
-            or detection.kind in self.skip_on
-            or (detection.kind in (AlertKind.NONFINITE_GRAD, AlertKind.NONFINITE_LOSS) and not step.amp)
-        )
         action = " ".join(
             part
             for part, applies in (
@@ -772,13 +834,18 @@ class TrainingMonitor(Callback):
             )
             if applies
         )
+        if step is not None and step.checked_steps > 1:
+            action += (
+                f" This check covers the last {step.checked_steps} optimizer steps (check_every_n_steps="
+                f"{self.check_every_n_steps}): the ones before this step were applied unchecked."
+            )
         reason = detection.reason[:1].upper() + detection.reason[1:]
         message = f"{reason}{where}.{blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
         if bundle is not None:
             message += f" Post-mortem bundle: {bundle}"
         return Alert(
             kind=detection.kind,
-            step=trainer.global_step,
+            step=at,
             epoch=trainer.current_epoch,
             value=detection.value,
             threshold=detection.threshold,
@@ -803,11 +870,18 @@ class TrainingMonitor(Callback):
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
 
-    def _mark_tokens_before(self, trainer: pl.Trainer, step: int) -> None:
-        """Mark the token counts if the step about to run at logging step ``step`` logs (Lightning's own test)."""
+    def _mark_tokens_before(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """Mark the token counts before an optimizer step that may log, tagged with its window.
+
+        In automatic optimization the step's batches share one logging step, ``step``, so Lightning's own test tells
+        whether it logs (``should_stop`` makes every step log). In manual optimization each batch has its own
+        logging step and the optimizer may step after several, so every step is marked.
+        """
         every = log_every(trainer)
-        if self.token_accuracy and every and (step + 1) % every == 0:
-            self._tokens.mark(step)
+        if not (self.token_accuracy and every and trainer.loggers):
+            return
+        if (step + 1) % every == 0 or trainer.should_stop or not pl_module.automatic_optimization:
+            self._tokens.mark(self._window)
 
     def _take_pending_acc(self, device: torch.device) -> tuple[Tensor, int | None]:
         """The token counts of the last logging step (zeros when none wait) and that step; forget them."""
@@ -847,7 +921,7 @@ class TrainingMonitor(Callback):
         cause = [d for d in detections if self.postmortem == "alert" or d.kind in self.halt_on]
         if not cause:
             return None
-        return self._log_dir / "postmortem" / f"step{trainer.global_step:07d}_{cause[0].kind.value}"
+        return self._log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
 
     def _write_bundle(
         self,
@@ -855,6 +929,7 @@ class TrainingMonitor(Callback):
         folder: Path,
         cause: Sequence[Alert],
         halted: bool,
+        skipped: bool | None,
         batches: Sequence[tuple[int, Any]] | None = None,
     ) -> None:
         """Write the bundle on every rank, or warn once and carry on if any rank cannot write its folder."""
@@ -870,7 +945,7 @@ class TrainingMonitor(Callback):
         try:
             batches = self._batches if batches is None else batches
             history = ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self._history)
-            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted)
+            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted, skipped)
         except OSError as err:
             self._warn_once("postmortem", f"TrainingMonitor could not write the post-mortem bundle ({err}).")
 
@@ -883,7 +958,7 @@ class TrainingMonitor(Callback):
 
     def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
         """Stop training on this rank; every rank reaches this call at the same step with the same alert."""
-        if self.stopping_reason is None:
+        if self.stopping_reason is None:  # the first halt of the run is its reason
             self.stopping_reason = alert.kind
             self.stopping_reason_message = alert.message
         if self.halt_mode == "raise":
@@ -894,3 +969,17 @@ class TrainingMonitor(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _may_be_last_step(trainer: pl.Trainer) -> bool:
+    """Whether this optimizer step may be the run's last: the last batch of an epoch, or ``max_steps`` near.
+
+    ``global_step`` counts the steps of every optimizer, so with several the last batch begins short of it.
+    """
+    max_steps = trainer.max_steps
+    near = trainer.global_step + max(len(trainer.optimizers), 1)
+    return trainer.is_last_batch or (max_steps is not None and 0 <= max_steps <= near)

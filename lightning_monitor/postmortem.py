@@ -27,13 +27,12 @@ __all__ = ["write_bundle"]
 
 _README = """# Post-mortem: {kinds} at step {step}
 
-Written by lightning-monitor when {why}. The optimizer step {step} was not applied: `last_good.ckpt` holds the
-weights and optimizer state from just before it.
+Written by lightning-monitor when {why}. {when}
 
 | File | What it holds |
 | --- | --- |
-| `last_good.ckpt` | Lightning checkpoint before the bad update (global step {step}) |
-| `batch_rank<r>.pt` | the micro-batches of step {step} on each rank: a list of `(batch_idx, batch)`, on the CPU |
+| `last_good.ckpt` | a full Lightning checkpoint, taken as said above |
+| `batch_rank<r>.pt` | {batches} |
 | `history.jsonl` | the monitor's figures for the last {history} checks, one JSON object per line |
 | `alerts.jsonl` | every alert of the run so far |
 
@@ -66,6 +65,17 @@ trainer.fit(model, datamodule=..., ckpt_path="{folder}/last_good.ckpt")
 """
 
 
+#: What the checkpoint holds, by whether the optimizer step under way was skipped (None: no step under way).
+_WHEN = {
+    True: "The optimizer step {step} was not applied: `last_good.ckpt` holds the weights and optimizer state from\n"
+    "just before it.",
+    False: "The optimizer step {step} was applied after this bundle was written (its alert does not skip it):\n"
+    "`last_good.ckpt` holds the weights and optimizer state from just before it.",
+    None: "The alert came from the validation after step {step}: `last_good.ckpt` holds the weights and optimizer\n"
+    "state as they were then.",
+}
+
+
 def write_bundle(
     folder: str | os.PathLike[str],
     trainer: pl.Trainer,
@@ -74,11 +84,13 @@ def write_bundle(
     alerts: Sequence[Alert],
     cause: Sequence[Alert],
     halted: bool,
+    skipped: bool | None,
 ) -> None:
     """Write the bundle into ``folder``. Every rank must call this at the same step.
 
-    Every rank writes its own batches; the checkpoint is written through ``trainer.save_checkpoint`` (which all
-    ranks join); rank zero writes the rest.
+    ``skipped`` says whether the optimizer step under way will be skipped (``None``: no step is under way, the
+    alert came from validation). Every rank writes its own batches; the checkpoint is written through
+    ``trainer.save_checkpoint`` (which all ranks join); rank zero writes the rest.
 
     Raises:
         OSError: If the folder cannot be written.
@@ -99,6 +111,12 @@ def write_bundle(
         kinds=", ".join(dict.fromkeys(a.kind.value for a in cause)),
         step=step,
         why="training halted" if halted else "an alert fired",
+        when=_WHEN[skipped].format(step=step),
+        batches=(
+            f"the micro-batches of step {step} on each rank: a list of `(batch_idx, batch)`, on the CPU"
+            if skipped is not None
+            else "an empty list: the alert came from validation, not from a training step"
+        ),
         history=rows,
         messages="\n".join(f"- **{a.kind.value}**: {a.message}" for a in cause),
         folder=folder.as_posix(),

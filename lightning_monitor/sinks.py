@@ -63,11 +63,15 @@ class LoggerSink:
 
     Args:
         loggers: The trainer's loggers (``trainer.loggers``).
+        alerts: The alerts already written in this run (after a resume), which the counts start from.
     """
 
-    def __init__(self, loggers: Sequence[Logger]) -> None:
+    def __init__(self, loggers: Sequence[Logger], alerts: Sequence[Alert] = ()) -> None:
         self.loggers = list(loggers)
         self.counts: dict[str, int] = {}
+        for alert in alerts:  # a resumed run counts on from its checkpoint's alerts
+            key = f"alerts/{alert.kind.value}"
+            self.counts[key] = self.counts.get(key, 0) + 1
 
     def log_figures(self, figures: Mapping[str, float], step: int) -> None:
         """Write ``figures`` to every logger at ``step``."""
@@ -125,8 +129,14 @@ class JsonlSink:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(alert.to_dict()) + "\n")
+            with self.path.open("a+b") as f:
+                # A run killed mid-write leaves a line without its newline: end it, or this record would join it.
+                # (In append mode every write goes to the end, wherever the read position is.)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+                f.write(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
                 f.flush()
         except OSError as err:
             self.broken = True

@@ -94,8 +94,20 @@ class StepCheck:
         self._overflows: Tensor | None = None
         self._present = 0
         self._held_steps = 0
+        self._steps = 0  # optimizer steps of this optimizer so far
         self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a [0] and a [1] on it
         self._counts: dict[tuple[int, int, int], Tensor] = {}
+
+    def measure(self, norms: LayerGradNorms) -> None:
+        """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
+        self.norms = norms
+        self._layer_keys = [f"grad_norm{self.suffix}/{name}" for name in norms.names]
+
+    def count_step(self, every: int) -> bool:
+        """Count one optimizer step; whether it is due for a check (the first, then every ``every``-th)."""
+        due = self._steps % every == 0
+        self._steps += 1
+        return due
 
     def hold(self, squared: Tensor) -> None:
         """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
@@ -111,10 +123,13 @@ class StepCheck:
         squared: Tensor,
         loss: tuple[Tensor | None, int],
         scaler: torch.amp.GradScaler | None,
-        accumulate: int,
         extras: list[Tensor],
     ) -> StepFigures:
-        """Pack this rank's figures, gather every rank's, read them once, and combine them on the host."""
+        """Pack this rank's figures, gather every rank's, read them once, and combine them on the host.
+
+        ``loss`` is the sum of the micro-batch losses since the last check, each already multiplied back by its
+        accumulation factor and divided by its loss scale, and how many there were.
+        """
         loss_sum, loss_count = loss
         device, held = self.norms.device, self._held_steps  # `squared` is on the norms' device
         # Host-known counts travel with the rest, so every rank decides on the same numbers.
@@ -151,7 +166,7 @@ class StepCheck:
             overflow_steps += int(max(r[_HEADER + 2] for r in per_rank))
         count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
         return StepFigures(
-            loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count * accumulate / scale if count else None,
+            loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count if count else None,
             grad_norm=grad_norm,
             grad_peak=grad_peak,
             layer_sq=layer_sq,
@@ -280,6 +295,11 @@ class StepDetectors:
     def present(self) -> dict[str, Any]:
         """The detectors that are on, by name (the names key their state in checkpoints)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def rearm(self) -> None:
+        """Forget every alert episode under way (after a resume), keeping the statistics."""
+        for detector in self.present().values():
+            detector.rearm()
 
 
 def scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:

@@ -3,7 +3,8 @@
 :class:`TokenAccuracyTracker` is what :class:`~lightning_monitor.TrainingMonitor` uses for ``train_token_acc`` and
 ``val_token_acc``. It finds logits and labels in what ``training_step``/``validation_step`` returned (or in the
 batch), feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage, and, when asked, marks the counts at the
-end of a step so the monitor can log the next step's own figure. Nothing here reads a value on the host: the monitor
+start of an optimizer step so the monitor can log that step's own figure. A batch it cannot count is skipped, with one
+warning per stage and cause; the next batch is counted again. Nothing here reads a value on the host: the monitor
 gathers the counts with its other figures in its one read per check.
 """
 
@@ -21,7 +22,7 @@ from lightning_monitor.token_accuracy import TokenAccuracy
 
 __all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
 
-#: A user function ``(outputs, batch) -> (logits, labels)`` (or ``None`` to skip the batch).
+#: A user function ``(outputs, batch) -> (logits, labels)``, or ``None`` to skip the batch (without a warning).
 LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 Stage = Literal["train", "val"]
 
@@ -66,14 +67,18 @@ class TokenAccuracyTracker:
         labels_key: Where to look for the labels in the step's output, then in the batch.
         find: A function ``(outputs, batch) -> (logits, labels)`` that replaces the look-up.
 
+    Attributes:
+        disabled: The stages not counted at all (the monitor's ``token_accuracy=False``).
+
     Example:
         >>> tracker = TokenAccuracyTracker()
         >>> tracker.mark(tag=7)
         >>> logits = torch.tensor([[[0.1, 0.9], [0.8, 0.2]]])
         >>> tracker.update("train", {"logits": logits, "labels": torch.tensor([[1, 1]])}, None)
+        >>> tracker.update("train", {}, None)  # a batch that `training_step` skipped: nothing to count
         >>> tracker.counts_since_mark(tag=7).tolist()
         [1, 2]
-        >>> tracker.epoch_counts("train").tolist()
+        >>> tracker.epoch_counts("train", torch.device("cpu")).tolist()
         [1.0, 2.0, 0.0]
     """
 
@@ -94,7 +99,13 @@ class TokenAccuracyTracker:
             for stage in ("train", "val")
         }
         self.disabled: set[Stage] = set()
+        self._warned: set[tuple[Stage, str]] = set()
         self._mark: tuple[int, Tensor] | None = None
+
+    def begin(self, enabled: bool) -> None:
+        """Start a run: count both stages if ``enabled`` (else neither), and warn afresh about batches left out."""
+        self.disabled = set() if enabled else {"train", "val"}
+        self._warned.clear()
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
@@ -108,25 +119,34 @@ class TokenAccuracyTracker:
             self._mark = (self._mark[0], torch.zeros_like(self._mark[1]))
 
     def update(self, stage: Stage, outputs: Any, batch: Any) -> None:
-        """Count one batch of ``stage``; on the first failure, warn once with the fix and stop trying."""
+        """Count one batch of ``stage``; skip a batch it cannot count, warning once per stage and cause."""
         if stage in self.disabled:
             return
         where = "training_step" if stage == "train" else "validation_step"
-        try:
-            found = self.find(outputs, batch) if self.find is not None else self._find(outputs, batch)
-        except Exception as err:  # a user function must not crash a run
-            self._disable(stage, f"`token_accuracy_fn` raised {type(err).__name__}: {err}.")
-            return
-        if found is None:
-            self._disable(
-                stage,
-                f"it found no logits and labels in what `{where}` returned (looked for `outputs[{self.logits_key!r}]`"
-                f" or `outputs.{self.logits_key}`, and `outputs[{self.labels_key!r}]` or `batch[{self.labels_key!r}]`)."
-                f" Return them, e.g. `return {{'loss': loss, {self.logits_key!r}: logits.detach(), "
-                f"{self.labels_key!r}: labels}}`, or set `logits_key`/`labels_key`, or pass "
-                "`token_accuracy_fn=lambda outputs, batch: (logits, labels)`.",
-            )
-            return
+        if self.find is not None:
+            try:
+                found = self.find(outputs, batch)
+            except Exception as err:  # a user function must not crash a run
+                self._skip(stage, "raised", f"`token_accuracy_fn` raised {type(err).__name__}: {err}.")
+                return
+            if found is None:  # the function's way of skipping a batch
+                return
+        elif outputs is None or (isinstance(outputs, Mapping) and not outputs):
+            return  # `training_step` returned None: Lightning skipped the batch, and there is nothing to count
+        else:
+            found = self._find(outputs, batch)
+            if found is None:
+                self._skip(
+                    stage,
+                    "missing",
+                    f"it found no logits and labels in what `{where}` returned (looked for"
+                    f" `outputs[{self.logits_key!r}]` or `outputs.{self.logits_key}`, and"
+                    f" `outputs[{self.labels_key!r}]` or `batch[{self.labels_key!r}]`). Return them, e.g."
+                    f" `return {{'loss': loss, {self.logits_key!r}: logits.detach(), {self.labels_key!r}: labels}}`,"
+                    " or set `logits_key`/`labels_key`, or pass"
+                    " `token_accuracy_fn=lambda outputs, batch: (logits, labels)`.",
+                )
+                return
         logits, labels = found
         metric = self.metrics[stage]
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
@@ -134,10 +154,10 @@ class TokenAccuracyTracker:
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             metric.update(logits, labels)  # the metric runs without autograd, so nothing needs detaching
         except ValueError as err:
-            self._disable(stage, f"the logits and labels from `{where}` do not fit: {err}")
+            self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
 
     def mark(self, tag: int) -> None:
-        """Remember the training counts now, under ``tag`` (one copy of two numbers, on the device)."""
+        """Remember the training counts now, under ``tag`` (one copy of two numbers, on the metric's device)."""
         metric = self.metrics["train"]
         self._mark = (tag, torch.stack([metric.correct, metric.total]))
 
@@ -146,23 +166,31 @@ class TokenAccuracyTracker:
         if self._mark is None or self._mark[0] != tag:
             return None
         metric = self.metrics["train"]
-        return torch.stack([metric.correct, metric.total]) - self._mark[1]
+        now = torch.stack([metric.correct, metric.total])
+        then = self._mark[1]
+        # The mark may predate the metric's move to the logits' device (a mark before the first batch).
+        return now - (then if then.device == now.device else then.to(now.device))
 
-    def epoch_counts(self, stage: Stage) -> Tensor:
-        """``[correct, total, invalid]`` (on the device) counted on this rank since the last reset of ``stage``.
+    def epoch_counts(self, stage: Stage, device: torch.device) -> Tensor:
+        """``[correct, total, invalid]`` counted on this rank since the last reset of ``stage``, on ``device``.
 
         ``invalid`` counts labels neither in ``[0, V)`` nor equal to ``ignore_index``, which are left out of ``total``.
+        The counts travel in :func:`~lightning_monitor.halting.host_dtype`; a stage that counted nothing yet may
+        still be on another device.
         """
         metric = self.metrics[stage]
-        return torch.stack([metric.correct, metric.total, metric.invalid]).to(host_dtype(metric.device))
+        return torch.stack([metric.correct, metric.total, metric.invalid]).to(device, host_dtype(device))
 
     def _find(self, outputs: Any, batch: Any) -> tuple[Tensor, Tensor] | None:
         return find_logits_and_labels(outputs, batch, self.logits_key, self.labels_key)
 
-    def _disable(self, stage: Stage, why: str) -> None:
-        self.disabled.add(stage)
+    def _skip(self, stage: Stage, cause: str, why: str) -> None:
+        """Warn, once per stage and cause, that a batch was left out; the next batch is counted again."""
+        if (stage, cause) in self._warned:
+            return
+        self._warned.add((stage, cause))
         rank_zero_warn(
-            f"TrainingMonitor cannot compute {stage}_token_acc: {why} Token accuracy is off for the rest of this run"
-            " (pass `token_accuracy=False` to turn it off on purpose).",
+            f"TrainingMonitor left a batch out of {stage}_token_acc: {why} Batches like it are left out too, without"
+            " another warning (pass `token_accuracy=False` to turn token accuracy off).",
             category=RuntimeWarning,
         )

@@ -1,9 +1,11 @@
-"""A resumed run continues where the checkpoint left off: divergence count, alert history, stop reason."""
+"""A resumed run continues where the checkpoint left off: divergence count, alert history and counts; not halted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from helpers import ScriptedModel, loader, make_trainer
+from helpers import ScriptedModel, csv_column, loader, make_trainer, same_weights
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_monitor import AlertKind, TrainingMonitor
 
@@ -80,8 +82,71 @@ def test_state_dict_round_trip_without_trainer():
     other.load_state_dict(state)
     assert other.state_dict() == state
     assert other.alerts[0].kind is AlertKind.VANISHING_GRAD
-    assert other.stopping_reason is AlertKind.EXPLODING_GRAD
+    # A resumed run has not halted: the reason a checkpointed run halted for is not restored.
+    assert monitor.stopping_reason is None
+    assert other.stopping_reason is None
 
 
 def test_two_monitors_have_distinct_state_keys():
     assert TrainingMonitor(val_loss_key="a").state_key != TrainingMonitor(val_loss_key="b").state_key
+
+
+def make_halting_monitor():
+    """Halts on non-finite figures only; an exploding step is skipped and reported, and training goes on."""
+    return TrainingMonitor(val_loss_key=None, halt_on=["nonfinite_loss", "nonfinite_grad"], skip_on=["exploding_grad"])
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended:UserWarning")
+def test_resumed_run_has_not_halted_and_counts_alerts_on(tmp_path):
+    first = make_halting_monitor()
+    trainer = make_trainer(tmp_path, [first], max_steps=20, logger=CSVLogger(tmp_path, name="first"))
+    trainer.fit(ScriptedModel(loss_factor={1: 1e5, 3: float("nan")}), train_dataloaders=loader())
+    assert [(a.kind, a.step, a.halted) for a in first.alerts] == [
+        (AlertKind.EXPLODING_GRAD, 1, False),
+        (AlertKind.NONFINITE_LOSS, 3, True),
+    ]
+    assert first.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 4
+    path = tmp_path / "halted.ckpt"
+    trainer.save_checkpoint(path)
+
+    # The resumed run explodes again at step 6 (skipped) and halts at step 8, for another reason.
+    resumed = make_halting_monitor()
+    model = ScriptedModel(loss_factor={6: 1e5}, grad_poison={8: 0})
+    trainer = make_trainer(tmp_path, [resumed], max_steps=20, logger=CSVLogger(tmp_path, name="second"))
+    trainer.fit(model, train_dataloaders=loader(), ckpt_path=path)
+    exploding, nonfinite_grad = resumed.alerts[2:]
+    assert [a.message for a in resumed.alerts[:2]] == [a.message for a in first.alerts]  # restored
+    assert (exploding.kind, exploding.step, exploding.halted) == (AlertKind.EXPLODING_GRAD, 6, False)
+    assert (nonfinite_grad.kind, nonfinite_grad.step, nonfinite_grad.halted) == (AlertKind.NONFINITE_GRAD, 8, True)
+    assert resumed.stopping_reason is AlertKind.NONFINITE_GRAD  # this run's reason, not the checkpoint's
+    assert resumed.stopping_reason_message == nonfinite_grad.message
+    assert trainer.global_step == 9
+    # The resumed run was not treated as halted: its healthy steps were applied, the bad ones were not.
+    assert sorted(model.weights_before) == [4, 5, 6, 7, 8]
+    assert not same_weights(model.weights_before[5], model.weights_before[4])
+    assert same_weights(model.weights_before[7], model.weights_before[6])
+    assert not same_weights(model.weights_before[8], model.weights_before[7])
+    assert same_weights(list(model.parameters()), model.weights_before[8])
+    assert resumed.skipped_steps == 4  # steps 1 and 3, then 6 and 8
+
+    # `alerts/<kind>` counts on from the checkpoint's alerts: the second exploding_grad is number 2.
+    assert csv_column(tmp_path / "first" / "version_0" / "metrics.csv", "alerts/exploding_grad") == [(1, 1.0)]
+    second = tmp_path / "second" / "version_0" / "metrics.csv"
+    assert csv_column(second, "alerts/exploding_grad") == [(6, 2.0)]
+    assert csv_column(second, "alerts/nonfinite_grad") == [(8, 1.0)]
+    assert csv_column(second, "alerts/nonfinite_loss") == []
+
+
+def test_a_monitor_fitted_again_starts_unhalted(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10)
+    trainer.fit(ScriptedModel(loss_factor={2: float("nan")}), train_dataloaders=loader())
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 3
+
+    model = ScriptedModel()
+    trainer = make_trainer(tmp_path, [monitor], max_steps=4)
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 4
+    assert (monitor.stopping_reason, monitor.stopping_reason_message) == (None, None)
+    assert not same_weights(list(model.parameters()), model.weights_before[0])  # its steps were applied
+    assert not same_weights(model.weights_before[3], model.weights_before[2])

@@ -110,6 +110,21 @@ def test_float64_gradients():
     assert total.item() == pytest.approx(torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item())
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_float64_gradients_keep_float64_range(scale):
+    # Squares of 1e-60 and 1e60 are 0 and inf in float32: the norms of float64 gradients are kept in float64.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).double()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * scale
+    total, per_layer = LayerGradNorms(model.named_parameters()).norms()
+    expected = [torch.nn.utils.get_total_norm([p.grad for p in layer.parameters()]).item() for layer in model]
+    assert all(scale / 100 < e < scale * 100 for e in expected)
+    assert per_layer.tolist() == pytest.approx(expected, rel=1e-9, abs=0)
+    reference = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert total.item() == pytest.approx(reference, rel=1e-9, abs=0)
+
+
 def test_nonfinite_gradient_marks_only_its_layer():
     model = TinyGPT()
     backward(model)

@@ -10,6 +10,9 @@ import pytest
 import torch
 from helpers import (
     ScriptedModel,
+    TinyLM,
+    TokenData,
+    V,
     all_finite,
     csv_column,
     jsonl,
@@ -21,8 +24,17 @@ from helpers import (
 )
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
+from torch.utils.data import DataLoader
 
 from lightning_monitor import AlertKind, TrainingHalted, TrainingMonitor
+from lightning_monitor.detectors import (
+    AccuracyStallDetector,
+    AmpOverflowDetector,
+    NonFiniteDetector,
+    RisingDetector,
+    SpikeDetector,
+    ThresholdDetector,
+)
 
 
 def fit(tmp_path, model, monitor, **kwargs):
@@ -118,7 +130,9 @@ def test_diverging_validation_loss(tmp_path, val_losses, patience, expected_run)
     (alert,) = alerts
     assert model.val_runs == expected_run  # the sanity check was not counted
     assert alert.halted and trainer.should_stop
-    assert alert.step == 4 * expected_run
+    # Where Lightning logs that validation's val_loss: validation runs after batch 4k - 1, before the logging step
+    # moves on (global_step has, already).
+    assert alert.step == 4 * expected_run - 1
     assert monitor.stopping_reason is AlertKind.DIVERGING_VAL_LOSS
 
 
@@ -238,6 +252,19 @@ def test_missing_validation_key_warns_once(tmp_path):
         ({"halt_on": "exploding_grad"}, "`halt_on` to be a collection"),
         ({"halt_mode": "abort"}, "`halt_mode` to be 'stop' or 'raise', but got 'abort'"),
         ({"vanishing_grad_threshold": 200.0}, "`vanishing_grad_threshold` .* below `exploding_grad_threshold`"),
+        # A z-score of 0 would call every rise a spike.
+        ({"loss_spike_threshold": 0}, "`loss_spike_threshold` to be a finite number > 0, but got 0"),
+        ({"grad_spike_threshold": 0.0}, "`grad_spike_threshold` to be a finite number > 0, but got 0.0"),
+        # Not a collection, not a number: a ValueError naming the argument, not a TypeError from deep inside.
+        ({"halt_on": None}, "`halt_on` to be a collection of alert kinds, but got None"),
+        ({"skip_on": None}, "`skip_on` to be a collection of alert kinds, but got None"),
+        ({"exploding_grad_threshold": "100"}, "`exploding_grad_threshold` to be a finite number >= 0, but got '100'"),
+        # The level averages over window / 4 values: at least two.
+        ({"spike_window": 4}, "`spike_window` to be at least 8, but got 4"),
+        ({"spike_window": 7}, "`spike_window` to be at least 8, but got 7"),
+        # A bool is not a count.
+        ({"check_every_n_steps": True}, "`check_every_n_steps` to be at least 1, but got True"),
+        ({"top_k": True}, "`top_k` to be at least 1, but got True"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
@@ -257,3 +284,248 @@ def test_summary_on_fit_end(tmp_path, caplog):
         fit(tmp_path, ScriptedModel(loss_factor={4: float("nan")}), monitor, logger=CSVLogger(tmp_path), max_steps=10)
     (text,) = [r.getMessage() for r in caplog.records if "lightning-monitor summary" in r.getMessage()]
     assert "HALTED: nonfinite_loss at step 4" in text
+
+
+# ---------------------------------------------------------------------------------------------------- re-arming
+
+
+def _episodes():
+    """Each detector, the figures that put it in an alert episode, and a figure beyond its limit that follows.
+
+    Each entry: (make, feed, episode, again, what the state keeps). ``feed(det, x)`` gives one figure.
+    """
+    nan = float("nan")
+    return [
+        (
+            lambda: NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
+            lambda det, x: det.update(x),
+            [1.0, nan],
+            float("inf"),
+            {},
+        ),
+        (
+            lambda: ThresholdDetector(AlertKind.EXPLODING_GRAD, "gradient norm", 100.0, "above", patience=2),
+            lambda det, x: det.update(x),
+            [500.0, 500.0, 500.0],  # fires at the second; the third carries on the episode
+            500.0,
+            {},
+        ),
+        (
+            lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=2),
+            lambda det, x: det.update(x),
+            [1.0, 1.1, 1.2],  # the second rise fires
+            1.3,
+            {"previous": 1.2, "history": [1.0, 1.1, 1.2]},
+        ),
+        (
+            lambda: AmpOverflowDetector(patience=2, min_scale=1.0),
+            lambda det, x: det.update(x, 1024.0),
+            [True, True, True],
+            True,
+            {"consecutive": 3},
+        ),
+        (
+            lambda: SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", window=8, warmup=4),
+            lambda det, x: det.update(x),
+            [2.0, 2.1, 1.9, 2.05, 1.95, 50.0],  # the spike fires (patience 1)
+            50.0,
+            {},
+        ),
+        (
+            lambda: AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, patience=1),
+            lambda det, x: det.update(*x),
+            [(3.0, 0.5), (2.5, 0.4)],  # the loss fell, the accuracy did not beat 0.5
+            (2.0, 0.4),
+            {"best_acc": 0.5, "loss_at_best": 3.0},
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("make", "feed", "episode", "again", "kept"),
+    _episodes(),
+    ids=["nonfinite", "threshold", "rising", "amp_overflow", "spike", "accuracy_stall"],
+)
+def test_rearm_keeps_statistics_and_the_next_bad_figure_fires_again(make, feed, episode, again, kept):
+    """What a resumed run does to every detector restored from a checkpoint (a post-mortem one is mid-episode)."""
+    det, control = make(), make()
+    fired = [feed(det, x) is not None for x in episode]
+    assert [feed(control, x) is not None for x in episode] == fired
+    assert fired.count(True) == 1
+    before = det.state_dict()
+    assert feed(control, again) is None  # without re-arming: the same episode, no second alert
+
+    det.rearm()
+    after = det.state_dict()
+    for key, value in kept.items():  # the statistics
+        assert before[key] == after[key] == value
+    if isinstance(det, SpikeDetector):  # the level, spread and count of values seen
+        assert {k: after[k] for k in ("seen", "level", "var", "previous")} == {
+            k: before[k] for k in ("seen", "level", "var", "previous")
+        }
+    detection = feed(det, again)
+    assert detection is not None and detection.kind is det.kind
+    if isinstance(det, RisingDetector):  # the history is the one from before the resume
+        assert detection.reason == "val_loss rose 2 times in a row (1.1 -> 1.2 -> 1.3)"
+    assert feed(det, again) is None  # and that starts a new episode, reported once
+
+
+def test_rearm_keeps_a_streak_short_of_patience():
+    """Re-arming forgets a finished episode only: a streak not yet long enough still needs the rest of its patience."""
+    det = ThresholdDetector(AlertKind.VANISHING_GRAD, "gradient norm", 0.1, "below", patience=3)
+    assert [det.update(0.01) is not None for _ in range(2)] == [False, False]
+    det.rearm()
+    assert det.count == 2
+    assert det.update(0.01) is not None  # the third in a row, as without the resume
+
+    with pytest.raises(ValueError, match="`window` to be at least 8, but got 4"):  # the level needs two values
+        SpikeDetector(AlertKind.GRAD_SPIKE, "gradient norm", window=4)
+    spike = SpikeDetector(AlertKind.GRAD_SPIKE, "gradient norm", window=8, warmup=4, patience=2)
+    for value in (1.0, 1.1, 0.9, 1.05, 0.95):
+        assert spike.update(value) is None
+    assert spike.update(40.0) is None and spike.count == 1
+    spike.rearm()
+    assert spike.count == 1
+    assert spike.update(40.0) is not None
+
+
+# ---------------------------------------------------------------------------------------------------- what is applied
+
+
+class MeanLossLM(TinyLM):
+    """The usual mean cross-entropy: NaN (0 / 0) on a batch whose labels are all ignored, with finite gradients.
+
+    SGD with momentum, so that even a step with zero gradients would move the weights if it were applied.
+    """
+
+    def __init__(self, loss_factor: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.loss_factor = loss_factor or {}
+        self.weights_before: dict[int, list[torch.Tensor]] = {}
+        self.grads: dict[int, list[torch.Tensor]] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.weights_before[self.global_step] = [p.detach().clone() for p in self.parameters()]
+        logits = self(batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1), ignore_index=-100)
+        return {"loss": loss * self.loss_factor.get(self.global_step, 1.0), "logits": logits.detach()}
+
+    def on_after_backward(self):
+        self.grads[self.global_step] = [p.grad.clone() for p in self.parameters()]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_nan_loss_with_finite_gradients_is_skipped_even_when_nothing_halts(tmp_path):
+    # Batch 3 (rows 6 and 7) has every label ignored; step 5 explodes. Nothing halts.
+    model = MeanLossLM(loss_factor={5: 1e4})
+    monitor = TrainingMonitor(val_loss_key=None, halt_on=[], loss_spike_threshold=None, grad_spike_threshold=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=8)
+    data = DataLoader(TokenData(64, ignore_all={6, 7}), batch_size=2)
+    trainer.fit(model, train_dataloaders=data, val_dataloaders=DataLoader(TokenData(4), batch_size=2))
+    assert trainer.global_step == 8
+    nan_loss, exploding = monitor.alerts
+    assert (nan_loss.kind, nan_loss.step, nan_loss.halted) == (AlertKind.NONFINITE_LOSS, 3, False)
+    assert (exploding.kind, exploding.step, exploding.halted) == (AlertKind.EXPLODING_GRAD, 5, False)
+    assert all(torch.isfinite(g).all() for g in model.grads[3])  # only the loss was NaN: no nonfinite_grad
+    assert any(g.abs().sum() > 0 for g in model.grads[2])  # and the momentum would have moved the weights
+
+    # The NaN-loss step was not applied, and its alert says so; the explosion was applied, and its alert says not.
+    assert same_weights(model.weights_before[4], model.weights_before[3])
+    assert "The optimizer step was skipped, so the weights are unchanged." in nan_loss.message
+    assert not same_weights(model.weights_before[6], model.weights_before[5])
+    assert "skipped" not in exploding.message
+    assert monitor.skipped_steps == 1
+    assert all_finite(model)
+
+
+def test_after_a_halt_no_step_is_applied_while_min_steps_keeps_lightning_training(tmp_path):
+    model = ScriptedModel(loss_factor={5: 1e5})
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, min_steps=10, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader(24))  # 12 batches: min_steps=10 (and min_epochs=1) are met at 12
+    (alert,) = monitor.alerts  # the steps after it are healthy: no other alert
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.EXPLODING_GRAD, 5, True)
+    assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD
+    assert trainer.global_step == 12  # Lightning trained on, to the end of the epoch
+    assert sorted(model.weights_before) == list(range(12))
+    # Steps 5 to 11 ran, but none was applied: the weights are those from before the halting step.
+    assert same_weights(list(model.parameters()), model.weights_before[5])
+    assert monitor.skipped_steps == 7
+    # Every step after the halt logs (`should_stop` is set): the count goes up by one at each.
+    assert csv_column(f"{trainer.log_dir}/metrics.csv", "skipped_steps") == [(s, s - 4.0) for s in range(5, 12)]
+
+
+class TwoOptimizers(ScriptedModel):
+    """Manual optimization: one optimizer per linear layer, each with its own backward. Logs ``train_loss``."""
+
+    def __init__(self, nan_at_batch: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.nan_at_batch = nan_at_batch
+
+    def training_step(self, batch, batch_idx):
+        self.weights_before[batch_idx] = [p.detach().clone() for p in self.parameters()]
+        first, second = self.optimizers()
+        loss = self.loss(self(batch)) * (float("nan") if batch_idx == self.nan_at_batch else 1.0)
+        self.log("train_loss", loss)
+        first.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.zero_grad()
+        self.manual_backward(self.loss(self(batch)))
+        second.step()
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.SGD(self.layer[0].parameters(), lr=0.1),
+            torch.optim.SGD(self.layer[2].parameters(), lr=0.1),
+        ]
+
+
+def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
+    model = TwoOptimizers(nan_at_batch=3)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 8  # two optimizer steps per batch: global_step runs twice as fast as the logs
+    metrics = f"{trainer.log_dir}/metrics.csv"
+    (nan_step,) = [s for s, v in csv_column(metrics, "train_loss") if math.isnan(v)]
+    assert nan_step == 3
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.NONFINITE_LOSS, nan_step, True)
+    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0.")
+    assert csv_column(metrics, "alerts/nonfinite_loss") == [(3, 1.0)]
+    assert [s for s, _ in csv_column(metrics, "grad_norm_opt0")] == [0, 1, 2, 3]
+    folder = tmp_path / "lightning_logs" / "version_0" / "postmortem" / "step0000003_nonfinite_loss"
+    assert f"Post-mortem bundle: {folder}" in alert.message
+    assert (folder / "last_good.ckpt").exists()
+    # The halt skips the second optimizer's (finite) step of that batch too: no weight moved.
+    assert monitor.skipped_steps == 2
+    assert same_weights(list(model.parameters()), model.weights_before[3])
+    assert all_finite(model)
+
+
+def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tmp_path):
+    # Checks at steps 0, 4, 8 (and the logging steps 4, 9, ...): the explosion at step 5 is caught at step 8.
+    model = ScriptedModel(loss_factor={5: 1e3})
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, postmortem=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=5, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.EXPLODING_GRAD, 8, True)
+    assert alert.value == pytest.approx(max(model.after_backward[5:9]), rel=1e-5)  # the worst of the held steps
+    assert (
+        "The optimizer step was skipped, so the weights are unchanged. Training is halting. This check covers the"
+        " last 4 optimizer steps (check_every_n_steps=4): the ones before this step were applied unchecked."
+    ) in alert.message
+    assert trainer.global_step == 9
+    assert not same_weights(model.weights_before[6], model.weights_before[5])  # step 5 was applied, unchecked
+    assert same_weights(list(model.parameters()), model.weights_before[8])  # the checked step 8 was not
+    # The halting step 8 is no logging step (4, 9, ...), yet its figures are logged, where Lightning logs as it stops.
+    metrics = f"{trainer.log_dir}/metrics.csv"
+    grad_norm = csv_column(metrics, "grad_norm")
+    assert [s for s, _ in grad_norm] == [4, 8]
+    assert grad_norm[1][1] == pytest.approx(model.after_backward[8], rel=1e-5)  # the step's own norm
+    assert csv_column(metrics, "skipped_steps") == [(8, 1.0)]

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import Probe, ScriptedModel, close, csv_column, fit_probed, loader, make_trainer, tb_scalars, total_norm
+from helpers import (
+    Probe,
+    ScriptedModel,
+    close,
+    csv_column,
+    fit_probed,
+    loader,
+    make_trainer,
+    same_weights,
+    tb_scalars,
+    total_norm,
+)
+from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
@@ -195,3 +208,244 @@ def test_check_every_n_steps_keeps_worst_value_between_checks(tmp_path):
     assert alert.kind.value == "exploding_grad"
     assert alert.step == 8  # the first check after step 5
     assert alert.value == pytest.approx(model.reference[5], rel=1e-5)
+
+
+class TwoOptimizersExploding(TwoOptimizers):
+    """Optimizer 1's loss is multiplied by 1e6 at one batch; learning rate 0, so every other step stays the same."""
+
+    def __init__(self, explode_at: int) -> None:
+        super().__init__()
+        self.explode_at = explode_at
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        for opt, scale in ((opt_a, 1.0), (opt_b, 1e6 if batch_idx == self.explode_at else 1.0)):
+            opt.zero_grad()
+            self.manual_backward(self(batch).pow(2).mean() * scale)
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.0), torch.optim.SGD(self.b.parameters(), lr=0.0)
+
+
+def test_check_every_n_steps_counts_each_optimizers_own_steps(tmp_path):
+    """`global_step` counts both optimizers' steps, so optimizer 1 always lands on odd ones: it is checked anyway."""
+    model = TwoOptimizersExploding(explode_at=1)
+    monitor = TrainingMonitor(
+        val_loss_key=None, token_accuracy=False, check_every_n_steps=2, halt_on=[], exploding_grad_threshold=100.0
+    )
+    _, _, probe = fit_probed(tmp_path, model, monitor, max_steps=8)
+    assert [i for i, _ in model.reference] == [0, 1] * 4
+    # Each optimizer's steps 0 and 2 are due; step 3 of each is in the run's last batch (max_steps reached).
+    for row in (0, 4, 1, 5, 6, 7):
+        index, ref = model.reference[row]
+        assert {k for k in probe.latest[row] if "/" not in k} == {"loss", f"grad_norm_opt{index}"}
+        assert close(probe.latest[row][f"grad_norm_opt{index}"], ref)
+        assert close(probe.latest[row][f"grad_norm_opt{index}/{'ab'[index]}"], ref)
+    for row in (2, 3):  # held: the figures of the last check stay
+        assert probe.latest[row] == probe.latest[row - 1]
+    # Optimizer 1's explosion at batch 1 was held, and caught at its next check (batch 2), with its own norm.
+    (alert,) = monitor.alerts
+    assert alert.kind.value == "exploding_grad"
+    assert alert.step == 2
+    assert "for optimizer 1" in alert.message
+    assert model.reference[3][1] > 1e5
+    assert all(ref < 100 for row, (_, ref) in enumerate(model.reference) if row != 3)
+    assert alert.value == pytest.approx(model.reference[3][1], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("factor", "kind", "run"),
+    [
+        (float("nan"), "nonfinite_loss", {"max_steps": 10}),
+        (1e6, "exploding_grad", {"max_steps": -1, "max_epochs": 1}),
+    ],
+    ids=["max_steps", "epoch_end"],
+)
+def test_step_that_may_be_the_last_is_never_held(tmp_path, factor, kind, run):
+    """Checks every 4 steps, the run's last step (9) is not due: it is checked all the same, and its step skipped."""
+    model = ScriptedModel(loss_factor={9: factor})
+    monitor = TrainingMonitor(
+        val_loss_key=None, check_every_n_steps=4, loss_spike_threshold=None, grad_spike_threshold=None
+    )
+    _, _, probe = fit_probed(tmp_path, model, monitor, data=loader(n=20), **run)  # 10 batches in the epoch
+    assert len(probe.latest) == 10
+    # The reference of step 9 is taken after backward: the monitor drops the gradients of the step it skips.
+    assert close(probe.latest[9]["grad_norm"], model.after_backward[9])
+    for step in (0, 4, 8):
+        assert close(probe.latest[step]["grad_norm"], model.reference[step])
+    for step in (1, 2, 3, 5, 6, 7):  # held
+        assert probe.latest[step] == probe.latest[step - 1]
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step, alert.halted) == (kind, 9, True)
+    assert monitor.stopping_reason.value == kind
+    assert close(alert.value, model.after_backward[9])
+    assert monitor.skipped_steps == 1
+    assert same_weights(model.weights_before[9], list(model.parameters()))  # the bad update never reached them
+
+
+class WindowRecorder(LossRecorder):
+    """Also records how many micro-batch losses there were at each optimizer step."""
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.counts = [*getattr(self, "counts", []), len(self.losses)]
+
+
+@pytest.mark.parametrize("case", ["fp16_scale_grows", "accumulation_schedule"])
+def test_held_loss_is_mean_of_its_micro_batch_losses(tmp_path, case):
+    """The loss at a check is the mean of the training_step losses of the micro-batches it covers, held ones too."""
+    if case == "fp16_scale_grows":
+        # The GradScaler doubles its scale at every step, so each held step's loss was scaled differently.
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+        run, callbacks, data = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}, [], loader()
+        checks, counts = [0, 3, 6, 9], list(range(1, 11))
+    else:
+        # 5 batches an epoch: steps 0-4 of one micro-batch, then step 5 of three and step 6 of the last two.
+        run, callbacks, data = {"max_steps": 7}, [GradientAccumulationScheduler({0: 1, 1: 3})], loader(n=10)
+        checks, counts = [0, 3, 4, 6], [1, 2, 3, 4, 5, 8, 10]
+    model = WindowRecorder()
+    monitor = TrainingMonitor(
+        val_loss_key=None, check_every_n_steps=3, halt_on=[], loss_spike_threshold=None, grad_spike_threshold=None
+    )
+    probe = Probe(monitor)
+    trainer = make_trainer(tmp_path, [*callbacks, monitor, probe], **run)
+    trainer.fit(model, train_dataloaders=data)
+    assert model.counts == counts  # micro-batches so far, at each optimizer step
+    start = 0
+    for step, seen in enumerate(probe.latest):
+        if step not in checks:  # held: the figures of the last check stay
+            assert seen == probe.latest[step - 1]
+            continue
+        window = model.losses[start : model.counts[step]]
+        assert close(seen["loss"], sum(window) / len(window))
+        start = model.counts[step]
+    assert start == len(model.losses)
+    if case == "fp16_scale_grows":  # the scale did change inside the windows
+        assert [probe.latest[c]["loss_scale"] for c in checks] == [16.0, 128.0, 1024.0, 8192.0]
+
+
+class StillFloat64(ScriptedModel):
+    """Learning rate 0, so every step's gradients keep the scale of the scripted loss; per-layer references too."""
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.per_layer = [*getattr(self, "per_layer", []), {i: total_norm(self.layer[i]) for i in (0, 2)}]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("factor", [1e-30, 1e30])
+def test_float64_norms_keep_float64_range(tmp_path, factor):
+    """Norms of 1e-30 and 1e30 square to 1e-60 and 1e60: 0 and inf in float32, but exact in float64."""
+    model = StillFloat64(default_factor=factor)
+    monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None, vanishing_grad_threshold=None)
+    _, _, probe = fit_probed(tmp_path, model, monitor, precision="64-true", max_steps=4)
+    assert next(model.parameters()).dtype == torch.float64
+    assert all(factor / 100 < ref < factor * 100 for ref in model.reference)
+    for seen, ref, layers in zip(probe.latest, model.reference, model.per_layer, strict=True):  # no absolute tolerance
+        assert seen["grad_norm"] == pytest.approx(ref, rel=1e-6, abs=0)
+        assert seen["grad_norm/layer.0"] == pytest.approx(layers[0], rel=1e-6, abs=0)
+        assert seen["grad_norm/layer.2"] == pytest.approx(layers[2], rel=1e-6, abs=0)
+    assert monitor.alerts == []
+    assert monitor.skipped_steps == 0
+
+
+class FrozenFirstLayer(ScriptedModel):
+    """Starts with `layer.0` frozen and out of the optimizer; records each layer's norm as a reference."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.per_layer = [*getattr(self, "per_layer", []), {i: total_norm(self.layer[i]) for i in (0, 2)}]
+        params = sum(len(g["params"]) for g in optimizer.param_groups)
+        self.optimizers_seen = [*getattr(self, "optimizers_seen", []), (optimizer, params)]
+
+
+class UnfreezeAtEpoch1(BaseFinetuning):
+    """Lightning's own fine-tuning callback: `unfreeze_and_add_param_group` calls `optimizer.add_param_group`."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.layer[0])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.layer[0], optimizer, lr=0.1)
+
+
+class NewOptimizerAtEpoch1(pl.Callback):
+    """Unfreezes `layer.0` and has the strategy build the optimizer again: a new object over every parameter."""
+
+    def setup(self, trainer, pl_module, stage):
+        pl_module.layer[0].requires_grad_(False)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.layer[0].requires_grad_(True)
+            trainer.strategy.setup_optimizers(trainer)
+
+
+@pytest.mark.parametrize("change", [UnfreezeAtEpoch1, NewOptimizerAtEpoch1], ids=["add_param_group", "new_optimizer"])
+def test_parameters_the_optimizer_gains_are_measured(tmp_path, change):
+    model = FrozenFirstLayer()
+    monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None, vanishing_grad_threshold=None)
+    probe = Probe(monitor)
+    trainer = make_trainer(tmp_path, [change(), monitor, probe], max_steps=-1, max_epochs=2)
+    trainer.fit(model, train_dataloaders=loader(n=6))  # 3 steps an epoch
+    assert len(probe.latest) == 6
+    assert [params for _, params in model.optimizers_seen] == [2] * 3 + [4] * 3
+    replaced = model.optimizers_seen[3][0] is not model.optimizers_seen[2][0]
+    assert replaced == (change is NewOptimizerAtEpoch1)
+    for step, (seen, ref, layers) in enumerate(zip(probe.latest, model.reference, model.per_layer, strict=True)):
+        assert close(seen["grad_norm"], ref)
+        assert close(seen["grad_norm/layer.2"], layers[2])
+        if step < 3:  # frozen: no gradient, and not the optimizer's
+            assert layers[0] == 0.0
+            assert "grad_norm/layer.0" not in seen
+        else:
+            assert layers[0] > 0.0
+            assert close(seen["grad_norm/layer.0"], layers[0])
+            assert close(math.hypot(layers[0], layers[2]), ref)
+
+
+class UnregisteredParameter(ScriptedModel):
+    """Scales the output by a parameter kept in a plain list, so the module does not register it."""
+
+    def __init__(self, only_extra: bool) -> None:
+        super().__init__()
+        self.extra = [nn.Parameter(torch.tensor([1.5]))]
+        self.only_extra = only_extra
+        self.groups: list[list[float]] = []
+
+    def forward(self, x):
+        return self.layer(x) * self.extra[0]
+
+    def configure_optimizers(self):
+        if self.only_extra:
+            return torch.optim.SGD(self.extra, lr=0.1)
+        return torch.optim.SGD([{"params": self.layer.parameters()}, {"params": self.extra}], lr=0.1)
+
+    def on_before_optimizer_step(self, optimizer):
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in g["params"]]).item() for g in optimizer.param_groups]
+        self.groups.append(norms)
+
+
+@pytest.mark.parametrize("only_extra", [False, True], ids=["with_module_parameters", "only_unregistered"])
+def test_parameters_not_in_the_module_are_measured(tmp_path, only_extra):
+    model = UnregisteredParameter(only_extra)
+    _, monitor, probe = fit_probed(tmp_path, model, max_steps=4)
+    assert len(probe.latest) == len(model.groups) == 4
+    for seen, groups in zip(probe.latest, model.groups, strict=True):
+        assert groups[-1] > 0.0
+        assert close(seen["grad_norm"], math.hypot(*groups))
+        assert close(seen[f"grad_norm/param_group_{len(groups) - 1}"], groups[-1])
+        layers = sorted(k for k in seen if k.startswith("grad_norm/"))
+        if only_extra:
+            assert layers == ["grad_norm/param_group_0"]
+        else:
+            assert layers == ["grad_norm/layer.0", "grad_norm/layer.2", "grad_norm/param_group_1"]
+            assert close(math.hypot(seen["grad_norm/layer.0"], seen["grad_norm/layer.2"]), groups[0])
+    assert monitor.alerts == []

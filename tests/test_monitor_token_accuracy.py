@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import typing
 import weakref
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import TinyLM, TokenData, V, csv_column, make_trainer, tb_scalars
@@ -26,8 +29,8 @@ def reference(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return (preds[mask] == labels[mask]).sum().item() / mask.sum().item()
 
 
-def fit(tmp_path, model, monitor, train=None, val=None, **kwargs):
-    trainer = make_trainer(tmp_path, [monitor], **kwargs)
+def fit(tmp_path, model, monitor, train=None, val=None, callbacks=(), **kwargs):
+    trainer = make_trainer(tmp_path, [monitor, *callbacks], **kwargs)
     trainer.fit(
         model,
         train_dataloaders=train or DataLoader(TokenData(48), batch_size=4),
@@ -73,6 +76,180 @@ def test_accumulated_step_counts_every_micro_batch(tmp_path, postmortem):
     logged = [v for s, v in csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")][:3]
     for step, value in enumerate(logged):
         assert value == pytest.approx(reference(model.seen["train"][3 * step : 3 * step + 3]), abs=1e-12)
+
+
+class Scripted(TinyLM):
+    """Returns, at the scripted batch indices, what the tracker cannot count; records per step what it can.
+
+    Script values: ``"skip"`` (``None``: Lightning skips the batch), ``"missing"`` (only the loss), ``"mismatch"``
+    (labels that do not fit the logits), ``"flag"`` (the output carries ``flag=True``, for a ``token_accuracy_fn``).
+    """
+
+    def __init__(self, train: dict[int, str], val: dict[int, str] | None = None) -> None:
+        super().__init__()
+        self.script = {"train": train, "val": val or {}}
+        self.counted: dict[str, dict[int, list]] = {"train": defaultdict(list), "val": defaultdict(list)}
+
+    def scripted(self, batch, batch_idx, stage):
+        out = self.step(batch, stage)
+        pair, self.loss = self.seen[stage].pop(), out["loss"]
+        kind = self.script[stage].get(batch_idx)
+        if kind is None:
+            # Keyed by the step Lightning logs this batch at (every validation batch of a run shares one).
+            self.counted[stage][self.trainer.fit_loop.epoch_loop._batches_that_stepped].append(pair)
+            return out
+        return {
+            "skip": None,
+            "missing": {"loss": out["loss"]},
+            "mismatch": {**out, "labels": batch["labels"][:, :2]},
+            "flag": {**out, "flag": True},
+        }[kind]
+
+    def training_step(self, batch, batch_idx):
+        return self.scripted(batch, batch_idx, "train")
+
+    def validation_step(self, batch, batch_idx):
+        out = self.scripted(batch, batch_idx, "val")
+        self.log("val_loss", self.loss)
+        return out
+
+
+def skip_flagged(outputs, batch):
+    return None if outputs.get("flag") else (outputs["logits"], batch["labels"])
+
+
+def raise_on_flagged(outputs, batch):
+    if outputs.get("flag"):
+        raise KeyError("scores")
+    return outputs["logits"], batch["labels"]
+
+
+def check_train_figures(model, csv, epoch_steps):
+    """Each step's figure over that step's counted batches, at exactly those steps; each epoch's over its own."""
+    counted = model.counted["train"]
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == sorted(counted)
+    for step, value in logged:
+        assert value == pytest.approx(reference(counted[step]), abs=1e-12)
+    epochs = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch")
+    assert [s for s, _ in epochs] == [last for _, last in epoch_steps]
+    for (first, last), (_, value) in zip(epoch_steps, epochs, strict=True):
+        pairs = [p for s in sorted(counted) if first <= s <= last for p in counted[s]]
+        assert value == pytest.approx(reference(pairs), abs=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`:UserWarning")  # Lightning's, on the skip
+@pytest.mark.parametrize(
+    ("kind", "fn", "warning"),
+    [
+        ("skip", None, None),  # Lightning's skip: silent
+        ("flag", skip_flagged, None),  # the function's skip: silent
+        ("missing", None, "it found no logits"),
+        ("mismatch", None, "do not fit"),
+        ("flag", raise_on_flagged, "`token_accuracy_fn` raised KeyError"),
+    ],
+)
+def test_a_batch_left_out_does_not_turn_token_accuracy_off(tmp_path, kind, fn, warning):
+    # Four batches of each 12-batch epoch cannot be counted; every other one is, at its own step and in its epoch.
+    model = Scripted(train=dict.fromkeys((1, 6, 7, 11), kind))
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy_fn=fn)
+    expected = pytest.warns(RuntimeWarning, match=warning) if warning else contextlib.nullcontext()
+    with expected as record:
+        fit(tmp_path, model, monitor, logger=csv, max_steps=24, limit_val_batches=0)
+    assert len(model.counted["train"]) == 16
+    check_train_figures(model, csv, [(0, 11), (12, 23)])
+    if warning:
+        (message,) = [str(w.message) for w in record if "token_acc" in str(w.message)]  # once, not once per batch
+        assert message.startswith("TrainingMonitor left a batch out of train_token_acc:")
+
+
+def test_one_warning_per_stage_and_cause(tmp_path):
+    model = Scripted(train={1: "missing", 2: "mismatch", 5: "missing", 8: "mismatch"}, val={1: "missing"})
+    csv = CSVLogger(tmp_path, name="csv")
+    with pytest.warns(RuntimeWarning, match="token_acc") as record:
+        fit(tmp_path, model, TrainingMonitor(val_loss_key=None), logger=csv, max_steps=12, limit_val_batches=3)
+    check_train_figures(model, csv, [(0, 11)])
+    (val_pairs,) = model.counted["val"].values()  # one validation run, at the epoch's end: batches 0 and 2
+    assert len(val_pairs) == 2
+    ((_, value),) = csv_column(csv.log_dir + "/metrics.csv", "val_token_acc")
+    assert value == pytest.approx(reference(val_pairs), abs=1e-12)
+    heads = sorted(" ".join(str(w.message).split()[6:10]) for w in record if "token_acc" in str(w.message))
+    assert heads == [  # "TrainingMonitor left a batch out of <stage>_token_acc: <cause>"
+        "train_token_acc: it found no",
+        "train_token_acc: the logits and",
+        "val_token_acc: it found no",
+    ]
+
+
+class ManualEvery2(TinyLM):
+    """Manual optimization: the optimizer steps after every second batch, over both batches' gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        out = self.step(batch, "train")
+        self.manual_backward(out["loss"] / 2)
+        if batch_idx % 2 == 1:
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+        return out
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_manual_optimization_step_covers_its_micro_batches(tmp_path, every):
+    model = ManualEvery2()
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None)
+    fit(tmp_path, model, monitor, logger=csv, max_steps=6, log_every_n_steps=every, limit_val_batches=0)
+    # Each batch has its own logging step; the optimizer steps at batches 1, 3, ..., 11: one epoch of 12 batches.
+    seen = model.seen["train"]
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == [s for s in range(1, 12, 2) if (s + 1) % every == 0]
+    for step, value in logged:
+        assert value == pytest.approx(reference(seen[step - 1 : step + 1]), abs=1e-12)
+    ((step, value),) = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch")
+    assert step == 11 and value == pytest.approx(reference(seen), abs=1e-12)
+
+
+class StopRequest(pl.Callback):
+    """Asks the trainer to stop during batch 2; ``min_steps`` keeps it training, and Lightning logs every step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.should_stop = True
+
+
+def test_steps_after_a_stop_request_get_their_figure(tmp_path):
+    model = TinyLM()
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None)
+    fit(
+        tmp_path,
+        model,
+        monitor,
+        callbacks=[StopRequest()],
+        logger=csv,
+        max_steps=24,
+        min_steps=8,
+        min_epochs=0,  # Lightning's default of 1 would train to the epoch's end
+        log_every_n_steps=10,
+        limit_val_batches=0,
+    )
+    seen = model.seen["train"]
+    assert len(seen) == 8  # stopped at min_steps
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    # Not logging steps by `log_every_n_steps=10`; steps 3 to 7 log because the stop request is pending.
+    # (Step 2, during which the request came, is not asserted: its counts were not marked.)
+    after = [(s, v) for s, v in logged if s > 2]
+    assert [s for s, _ in after] == [3, 4, 5, 6, 7]
+    for step, value in after:
+        assert value == pytest.approx(reference([seen[step]]), abs=1e-12)
+    ((step, value),) = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch")
+    assert step == 7 and value == pytest.approx(reference(seen), abs=1e-12)
 
 
 @dataclass
@@ -131,7 +308,7 @@ def test_missing_logits_warn_once_and_training_goes_on(tmp_path):
             return self.step(batch, "train")["loss"]
 
     monitor = TrainingMonitor(val_loss_key=None)
-    with pytest.warns(RuntimeWarning, match="cannot compute train_token_acc: it found no logits") as record:
+    with pytest.warns(RuntimeWarning, match="left a batch out of train_token_acc: it found no logits") as record:
         trainer = fit(tmp_path, LossOnly(), monitor, max_steps=8, limit_val_batches=0)
     assert len([w for w in record if "token_acc" in str(w.message)]) == 1
     assert trainer.global_step == 8
@@ -232,7 +409,7 @@ def test_token_accuracy_stall_alert_is_opt_in_and_works(tmp_path, val_loss, val_
         assert stalls == []
         return
     (alert,) = stalls
-    assert alert.step == 4 * expected_run and not alert.halted
+    assert alert.step == 4 * expected_run - 1 and not alert.halted  # where Lightning logs that validation
     assert alert.threshold == pytest.approx(max(val_acc[:expected_run]))
 
 

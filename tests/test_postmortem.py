@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ScriptedModel, make_trainer, same_weights
+from helpers import ScriptedModel, all_finite, loader, make_trainer, same_weights
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -22,6 +22,11 @@ class TensorModel(ScriptedModel):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return super().training_step(batch[0], batch_idx)
+
+
+def words(path) -> str:
+    """A text file's words, one space apart (the README wraps its sentences)."""
+    return " ".join(path.read_text().split())
 
 
 def poisoned_data() -> DataLoader:
@@ -64,6 +69,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     assert json.loads((folder / "alerts.jsonl").read_text())["kind"] == "nonfinite_loss"
     readme = (folder / "README.md").read_text()
     assert "load_from_checkpoint" in readme and "batch_rank0.pt" in readme and alert.message in readme
+    assert f"The optimizer step {BAD_BATCH} was not applied" in words(folder / "README.md")
 
     # Resuming from the checkpoint continues training from the bad step (whose batch is now clean).
     resumed_model = TensorModel()
@@ -81,9 +87,17 @@ def test_bundle_on_every_alert_when_asked(tmp_path):
     model = TensorModel(loss_factor={3: 1e5})
     trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     assert [a.kind for a in monitor.alerts] == [AlertKind.EXPLODING_GRAD]
+    assert "skipped" not in monitor.alerts[0].message
     folder = tmp_path / "postmortem" / "step0000003_exploding_grad"
     assert (folder / "last_good.ckpt").exists()
-    assert "an alert fired" in (folder / "README.md").read_text()
+    readme = words(folder / "README.md")
+    assert "an alert fired" in readme
+    # The step was applied (the alert does not skip it), after the checkpoint was taken; the README says so.
+    assert "The optimizer step 3 was applied after this bundle was written (its alert does not skip it)" in readme
+    assert "was not applied" not in readme
+    restored = TensorModel.load_from_checkpoint(folder / "last_good.ckpt")
+    assert same_weights(list(restored.parameters()), model.weights_before[3])
+    assert not same_weights(model.weights_before[4], model.weights_before[3])
 
 
 def test_no_bundle_when_turned_off(tmp_path):
@@ -144,3 +158,60 @@ def test_nonfinite_gradient_layers_are_listed_in_forward_order(tmp_path):
     trainer.fit(Reversed(), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     (alert,) = monitor.alerts
     assert "Non-finite gradients in 2 layer(s), in forward order: blocks.2, head." in alert.message
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended:UserWarning")
+@pytest.mark.parametrize(
+    ("factor", "kind"),
+    [(float("nan"), AlertKind.NONFINITE_LOSS), (1e5, AlertKind.EXPLODING_GRAD)],
+)
+def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_path, factor, kind):
+    """The README's "Resume from before the bad step", the cause not fixed: the checkpoint is mid-episode."""
+    data = DataLoader(TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0))), batch_size=2)
+    model = TensorModel(loss_factor={BAD_BATCH: factor})
+    first = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [first], max_steps=20)
+    trainer.fit(model, train_dataloaders=data)
+    (alert,) = first.alerts
+    assert (alert.kind, alert.step, alert.halted) == (kind, BAD_BATCH, True)
+    ckpt = tmp_path / "postmortem" / f"step{BAD_BATCH:07d}_{kind.value}" / "last_good.ckpt"
+
+    resumed_model = TensorModel(loss_factor={BAD_BATCH: factor})  # the bad step comes again
+    resumed = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path / "resume", [resumed], max_steps=20)
+    trainer.fit(resumed_model, train_dataloaders=data, ckpt_path=ckpt)
+    assert resumed.alerts[0].message == alert.message
+    (again,) = resumed.alerts[1:]
+    assert (again.kind, again.halted) == (kind, True)
+    assert resumed.stopping_reason is kind
+    assert sorted(resumed_model.weights_before) == [BAD_BATCH]  # it ran the bad step, and stopped there
+    assert trainer.global_step == BAD_BATCH + 1
+    # The bad update was not applied, this time either: the weights are the checkpoint's.
+    assert same_weights(list(resumed_model.parameters()), model.weights_before[BAD_BATCH])
+    assert resumed.skipped_steps == 2
+    assert all_finite(resumed_model)
+    (folder,) = (tmp_path / "resume" / "postmortem").iterdir()
+    assert folder.name == f"step{again.step:07d}_{kind.value}"
+
+
+def test_bundle_of_a_validation_alert_says_where_it_came_from(tmp_path):
+    model = ScriptedModel(val_losses=[1.0, 2.0])
+    monitor = TrainingMonitor(divergence_patience=1)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, val_check_interval=4)
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.DIVERGING_VAL_LOSS, 7, True)
+    assert trainer.global_step == 8 and model.val_runs == 2
+    # Named after the step Lightning logged that validation's val_loss at (the last batch before it).
+    folder = tmp_path / "postmortem" / "step0000007_diverging_val_loss"
+    assert f"Post-mortem bundle: {folder}" in alert.message
+    readme = words(folder / "README.md")
+    assert "Written by lightning-monitor when training halted. The alert came from the validation after step 7" in (
+        readme
+    )
+    assert "`last_good.ckpt` holds the weights and optimizer state as they were then." in readme
+    assert "| `batch_rank<r>.pt` | an empty list: the alert came from validation, not from a training step |" in readme
+    assert "was not applied" not in readme
+    assert torch.load(folder / "batch_rank0.pt", weights_only=True) == []
+    restored = ScriptedModel.load_from_checkpoint(folder / "last_good.ckpt")
+    assert same_weights(list(restored.parameters()), list(model.parameters()))  # no step after the validation

@@ -376,3 +376,63 @@ def test_python_dash_m(halted: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert fields(result.stdout)["Verdict"] == f"HALTED: nonfinite_loss at step {NAN_AT}"
     assert_png(output)
+
+
+# ---------------------------------------------------------------------------------------------------- resumed runs
+
+
+def tb_points(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """Every `(step, value)` of `tag` in all the run's event files, in file order (not through the report)."""
+    return [
+        (event.step, value.simple_value)
+        for path in sorted(run_dir.glob("events.out.tfevents.*"))
+        for event in LegacyEventFileLoader(str(path)).Load()
+        for value in event.summary.value
+        if value.tag == tag
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended:UserWarning")
+@pytest.mark.parametrize("alerts_file", ["alerts.jsonl", None])
+def test_resumed_run_in_the_same_folder(tmp_path: Path, alerts_file: str | None) -> None:
+    """Session 1 (NaN loss at step 2) is killed while writing its alert; session 2 resumes into the same folder."""
+    torch.manual_seed(0)
+    x = torch.randn(8 * BATCHES_PER_EPOCH, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def session(nan_at: int, max_steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
+        monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem=None, alerts_file=alerts_file)
+        trainer = pl.Trainer(
+            max_steps=max_steps,
+            logger=TensorBoardLogger(tmp_path, name="run", version=0),
+            callbacks=[monitor],
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(RegressionModel(nan_at), data, data, ckpt_path=ckpt_path)
+        return trainer
+
+    trainer = session(nan_at=2, max_steps=4)
+    run_dir = Path(trainer.log_dir)
+    trainer.save_checkpoint(tmp_path / "session1.ckpt")
+    jsonl = run_dir / "alerts.jsonl"
+    if alerts_file:  # killed mid-write: the line lost its end, newline included
+        jsonl.write_bytes(jsonl.read_bytes()[:-40])
+    session(nan_at=6, max_steps=10, ckpt_path=tmp_path / "session1.ckpt")
+
+    run = load_run(run_dir)
+    if alerts_file:
+        # The new record starts on its own line: the cut line is left out, the new one is read.
+        cut, new = jsonl.read_text().split("\n")[:2]
+        assert cut.startswith('{"kind": "nonfinite_loss", "step": 2')
+        assert json.loads(new)["step"] == 6
+        assert [(a.kind, a.step) for a in run.alerts] == [("nonfinite_loss", 6)]
+        assert any("alerts.jsonl: skipped 1 unreadable line(s)" in note for note in run.notes)
+        assert verdict(run) == "WARNINGS: 1 nonfinite_loss alert"
+    else:  # the report rebuilds the alerts from the counter, which counts on from the checkpoint's alert
+        assert not jsonl.exists()
+        assert [(a.kind, a.step) for a in run.alerts] == [("nonfinite_loss", 2), ("nonfinite_loss", 6)]
+        assert verdict(run) == "WARNINGS: 2 nonfinite_loss alerts"
+    assert tb_points(run_dir, "alerts/nonfinite_loss") == [(2, 1.0), (6, 2.0)]

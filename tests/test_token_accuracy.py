@@ -1,4 +1,7 @@
-"""Tests for ``lightning_monitor.token_accuracy``: exact counts against plain references, syncs, validation, DDP."""
+"""Tests for ``lightning_monitor.token_accuracy``: exact counts against plain references, syncs, validation, DDP.
+
+And the devices of the monitor's ``TokenAccuracyTracker`` counts, with the meta device standing in for CUDA.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_monitor.sync_count import HostSyncCounter
 from lightning_monitor.token_accuracy import TokenAccuracy, token_accuracy_counts
+from lightning_monitor.token_tracker import TokenAccuracyTracker
 
 V = 37
 
@@ -349,6 +353,41 @@ def test_sync_counter_can_fail():
         reference.update(logits.reshape(-1, V), labels.reshape(-1))
     assert syncs.count >= 2, dict(syncs.by_kind)  # preds[idx], target[idx] with a boolean idx
     torch.testing.assert_close(reference.compute(), TokenAccuracy()(logits, labels))
+
+
+# ------------------------------------------------------------------------------------------------------ devices
+# No GPU here: the meta device stands in for CUDA. Meta tensors have shapes, dtypes and a device but no values, so
+# these tests pin where the counts are, not what they are (the tests above pin that, on the CPU).
+
+META = torch.device("meta")
+
+
+def _meta_batch(seed: int) -> dict[str, torch.Tensor]:
+    logits, labels = _data((2, 8), seed=seed)
+    return {"logits": logits.to(META), "labels": labels.to(META)}
+
+
+def test_tracker_counts_since_a_mark_taken_before_the_metric_moved():
+    # The monitor marks at the epoch's start, before the first batch moves the metric to the logits' device.
+    tracker = TokenAccuracyTracker()
+    tracker.mark(tag=0)
+    tracker.update("train", _meta_batch(1), None)
+    assert tracker.metrics["train"].device == META  # the first batch moved it
+    counts = tracker.counts_since_mark(tag=0)
+    assert (counts.device, counts.dtype, counts.shape) == (META, torch.long, (2,))
+
+
+def test_tracker_epoch_counts_come_on_the_device_asked_for():
+    tracker = TokenAccuracyTracker()
+    tracker.update("train", _meta_batch(1), None)
+    assert tracker.metrics["val"].device == torch.device("cpu")  # validation never counted: still on the CPU
+    for stage in ("train", "val"):
+        counts = tracker.epoch_counts(stage, META)
+        assert (counts.device, counts.dtype, counts.shape) == (META, torch.float64, (3,))
+    # What the monitor does at the epoch's end: one tensor with the step counts waiting, on the module's device.
+    pending = torch.zeros(2, dtype=torch.float64, device=META)
+    assert torch.cat([pending, tracker.epoch_counts("val", META)]).shape == (5,)
+    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [0.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------------- DDP
