@@ -63,7 +63,8 @@ class TrainingMonitor(Callback):
     the optimizer is about to apply: unscaled under fp16 AMP (in ``on_after_backward`` they are still multiplied by
     the loss scale), summed over all micro-batches under ``accumulate_grad_batches``, synchronised across DDP ranks
     and reduced across shards under FSDP, and **before clipping** (Lightning clips right after this hook, so with
-    ``gradient_clip_val`` the logged norm is the one ``clip_grad_norm_`` returns, not the clipped one). It fires once
+    ``gradient_clip_val`` the logged norm is the one ``clip_grad_norm_`` returns, not the clipped one; in manual
+    optimization it comes after any ``self.clip_gradients`` called before ``optimizer.step()``). It fires once
     per ``optimizer.step()``, so manual optimization and several optimizers are measured per optimizer. The
     training loss is the one handed to ``backward`` (``on_before_backward``), averaged over the optimizer step's
     micro-batches, multiplied back by ``accumulate_grad_batches`` and divided by the fp16 loss scale, so it equals
@@ -353,6 +354,7 @@ class TrainingMonitor(Callback):
         self._console = ConsoleSink()
         self._loggers = LoggerSink([])
         self._jsonl: JsonlSink | None = None
+        self._resumed = False  # whether a checkpoint restored the monitor in this run
         self._log_dir = Path(".")
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
@@ -397,6 +399,7 @@ class TrainingMonitor(Callback):
         self._tokens.begin(self.token_accuracy)
         self._window = 0
         self.stopping_reason, self.stopping_reason_message = None, None  # this run has not halted (yet)
+        self._resumed = False  # set when a checkpoint restores the monitor, after `setup`
         if trainer.is_global_zero:
             write_settings(self._log_dir / SETTINGS_FILE, self.settings())
             self._loggers.add_layout()
@@ -407,8 +410,15 @@ class TrainingMonitor(Callback):
         self._order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
         self._activations = ActivationWatch(pl_module) if self.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
-        # After a resume the alerts come from the checkpoint (restored after `setup`): count on from them.
+        # After a resume the alerts come from the checkpoint (restored after `setup`): count on from them, and append
+        # to the alerts file. A run that starts afresh sets an earlier run's file aside.
         self._loggers = LoggerSink(trainer.loggers, self.alerts)
+        if self._jsonl is not None and not self._resumed and trainer.is_global_zero:
+            aside = self._jsonl.set_aside()
+            if aside is not None:
+                rank_zero_info(
+                    f"TrainingMonitor moved the alerts of an earlier run in {str(self._log_dir)!r} to {aside.name}."
+                )
         if self.token_accuracy:  # before the first mark, which copies the counts where they are
             self._tokens.to(pl_module.device)
 
@@ -515,7 +525,7 @@ class TrainingMonitor(Callback):
         # be the run's last: nothing would check it afterwards.
         due = watch.count_step(self.check_every_n_steps)
         if not (due or logs or _may_be_last_step(trainer)):
-            watch.hold(squared)
+            watch.hold(squared, self._scaler)
             return
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
@@ -694,6 +704,7 @@ class TrainingMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = True
         self.alerts = [Alert.from_dict(a) for a in state_dict.get("alerts", [])]
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         # Not the stopping reason: a resumed run has not halted. Nor any alert episode under way: a problem still

@@ -123,6 +123,24 @@ class JsonlSink:
         self.path = Path(path)
         self.broken = False
 
+    def set_aside(self) -> Path | None:
+        """Move the file of an earlier run out of the way, to the first free ``<name>.<n>``; return where, if moved.
+
+        For a run that starts afresh in a folder an earlier run wrote to (``logger=False``, or a fixed logger
+        ``version``), as Lightning's CSV logger starts its ``metrics.csv`` afresh: the report of the new run must
+        not show the earlier run's alerts.
+        """
+        if self.broken or not self.path.is_file():
+            return None
+        n = 1
+        while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
+            n += 1
+        try:
+            self.path.rename(aside)
+        except OSError:
+            return None  # then the new alerts are appended, as before
+        return aside
+
     def write(self, alert: Alert) -> None:
         """Append ``alert`` to the file."""
         if self.broken:

@@ -109,11 +109,21 @@ class StepCheck:
         self._steps += 1
         return due
 
-    def hold(self, squared: Tensor) -> None:
-        """Keep the worst figures of a step that is not checked, on the device (no host sync)."""
+    def hold(self, squared: Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Keep the worst figures of a step that is not checked, on the device (no host sync).
+
+        They are the worst finite total (replicated, sharded), unscaled with this step's own loss scale where a fused
+        optimizer leaves the gradients scaled, and the count of steps whose gradients were not finite: under fp16 AMP
+        such an overflow is normal, and must not hide a finite explosion held with it.
+        """
         totals = squared.sum(1)
-        bad = (~torch.isfinite(totals.sum())).float().reshape(1)
-        self._peak = totals if self._peak is None else torch.maximum(self._peak, totals)
+        scale = scale_tensor(scaler, totals.device) if self.fused else None
+        if scale is not None:
+            totals = totals / (scale * scale)
+        finite = torch.isfinite(totals).all()
+        kept = torch.where(finite, totals, 0.0)
+        bad = (~finite).to(totals.dtype).reshape(1)
+        self._peak = kept if self._peak is None else torch.maximum(self._peak, kept)
         self._overflows = bad if self._overflows is None else self._overflows + bad
         self._present = max(self._present, self.norms.present)
         self._held_steps += 1
@@ -159,11 +169,18 @@ class StepCheck:
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
         total_sq = math.fsum(layer_sq)
         overflow_steps = 0 if math.isfinite(total_sq) else 1
-        grad_norm = grad_peak = math.sqrt(total_sq) if has_grads else None
+        norm = math.sqrt(total_sq)
+        grad_norm = grad_peak = norm if has_grads else None
         if held and has_grads:
-            held_sq = combine_ranks([r[_HEADER : _HEADER + 2] for r in per_rank])[0] / unscale
-            grad_peak = max(math.sqrt(held_sq), grad_norm, key=lambda v: math.inf if math.isnan(v) else v)
-            overflow_steps += int(max(r[_HEADER + 2] for r in per_rank))
+            held_norm = math.sqrt(combine_ranks([r[_HEADER : _HEADER + 2] for r in per_rank])[0])  # finite, unscaled
+            held_bad = int(max(r[_HEADER + 2] for r in per_rank))
+            overflow_steps += held_bad
+            if scaler is None:  # a non-finite gradient is an alert: it shows in the peak
+                worst = max(held_norm, norm, key=lambda v: math.inf if math.isnan(v) else v)
+                grad_peak = math.nan if held_bad and math.isfinite(worst) else worst
+            else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
+                finite = [v for v in (held_norm, norm) if math.isfinite(v)]
+                grad_peak = max(finite) if finite else norm
         count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
         return StepFigures(
             loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count if count else None,
@@ -247,6 +264,9 @@ class StepCheck:
         names, squares = self.norms.names, step.layer_sq
         if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
             return ""
+        if kind is AlertKind.EXPLODING_GRAD and step.grad_peak != step.grad_norm:
+            # The explosion was a step held since the last check: its layers were not kept, only its total.
+            return " It came from a step between checks, whose per-layer norms are not kept."
         bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
         if bad:
             bad = self.order.sort(bad) if self.order is not None else bad

@@ -509,6 +509,7 @@ def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
 
 def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tmp_path):
     # Checks at steps 0, 4, 8 (and the logging steps 4, 9, ...): the explosion at step 5 is caught at step 8.
+    torch.manual_seed(0)
     model = ScriptedModel(loss_factor={5: 1e3})
     monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=5, logger=CSVLogger(tmp_path))
@@ -520,6 +521,10 @@ def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tm
         "The optimizer step was skipped, so the weights are unchanged. Training is halting. This check covers the"
         " last 4 optimizer steps (check_every_n_steps=4): the ones before this step were applied unchecked."
     ) in alert.message
+    # The worst norm is held step 5's, whose layers are not kept; step 8's are not named in their place.
+    assert max(model.after_backward[5:8]) > model.after_backward[8]
+    assert "It came from a step between checks, whose per-layer norms are not kept." in alert.message
+    assert "Largest layers" not in alert.message
     assert trainer.global_step == 9
     assert not same_weights(model.weights_before[6], model.weights_before[5])  # step 5 was applied, unchecked
     assert same_weights(list(model.parameters()), model.weights_before[8])  # the checked step 8 was not

@@ -449,3 +449,45 @@ def test_parameters_not_in_the_module_are_measured(tmp_path, only_extra):
             assert layers == ["grad_norm/layer.0", "grad_norm/layer.2", "grad_norm/param_group_1"]
             assert close(math.hypot(seen["grad_norm/layer.0"], seen["grad_norm/layer.2"]), groups[0])
     assert monitor.alerts == []
+
+
+def test_fp16_overflow_between_checks_does_not_hide_an_explosion(tmp_path):
+    """Under fp16 an overflow is normal (the GradScaler skips it): held with a finite explosion, it must not hide it."""
+    model = ScriptedModel(loss_factor={1: 1e3, 2: 1e30})  # step 1 explodes, step 2 overflows, both held
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0))]
+    monitor = TrainingMonitor(
+        val_loss_key=None, token_accuracy=False, halt_on=[], postmortem=None, check_every_n_steps=4
+    )
+    fit_probed(tmp_path, model, monitor, plugins=plugins, max_steps=6)
+    assert model.reference[1] > 100 and not math.isfinite(model.reference[2])
+    (alert,) = monitor.alerts  # the overflow itself is no alert (one in a row)
+    assert (alert.kind.value, alert.step) == ("exploding_grad", 4)
+    assert alert.value == pytest.approx(max(r for r in model.reference[1:5] if math.isfinite(r)), rel=1e-3)
+    assert monitor.skipped_steps == 1  # the overflow, skipped by the GradScaler
+
+
+class FusedScaled(ScriptedModel):
+    """Fused Adam unscales inside `step()`: at the hook its gradients still carry the loss scale, recorded here."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.0, fused=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.scales = [*getattr(self, "scales", []), self.trainer.precision_plugin.scaler.get_scale()]
+
+
+def test_fused_optimizer_held_norm_is_unscaled_with_its_own_scale(tmp_path):
+    """The scale doubles at every step: a held step's norm must be unscaled with its own, not the check's."""
+    model = FusedScaled(loss_factor={1: 1e3})
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    monitor = TrainingMonitor(
+        val_loss_key=None, token_accuracy=False, halt_on=[], postmortem=None, check_every_n_steps=4
+    )
+    fit_probed(tmp_path, model, monitor, plugins=plugins, max_steps=6)
+    assert model.scales[:5] == [16.0, 32.0, 64.0, 128.0, 256.0]
+    unscaled = [ref / scale for ref, scale in zip(model.reference, model.scales, strict=True)]
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step) == ("exploding_grad", 4)
+    assert alert.value == pytest.approx(max(unscaled[1:5]), rel=1e-3)
