@@ -129,3 +129,34 @@ def test_token_accuracy_at_llm_vocabulary_makes_no_sync_and_little_memory():
     expected_correct = ((logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0] == logits.amax(-1)) & counted).sum()
     assert (metric.correct.item(), metric.total.item()) == (expected_correct.item(), counted.sum().item())
     assert metric.correct.item() >= 8
+
+
+class LossOnly(ScriptedModel):
+    """Returns no logits: token accuracy counts nothing, and warns once."""
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx)["loss"]}
+
+
+@pytest.mark.parametrize("model_class", [ScriptedModel, LossOnly], ids=["logits", "loss_only"])
+def test_token_counts_live_on_the_gpu(tmp_path, model_class):
+    """With `log_every_n_steps=1` the first mark is taken before the first batch, and without logits nothing ever
+    moves the counts: both must be on the GPU (they were on the CPU, and the step figure or the epoch end crashed)."""
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(
+        tmp_path,
+        [monitor],
+        accelerator="cuda",
+        max_epochs=1,
+        max_steps=-1,
+        limit_train_batches=4,
+        logger=CSVLogger(tmp_path),  # with a logger the steps log, so token counts are marked
+    )
+    if model_class is LossOnly:
+        with pytest.warns(RuntimeWarning, match="left a batch out of train_token_acc"):
+            trainer.fit(model_class(), train_dataloaders=loader())
+        assert "train_token_acc_epoch" not in trainer.callback_metrics
+    else:
+        trainer.fit(model_class(), train_dataloaders=loader())
+        assert 0.0 <= float(trainer.callback_metrics["train_token_acc_epoch"]) <= 1.0
+    assert trainer.global_step == 4
