@@ -9,7 +9,7 @@ one extra read of each module's output (``output.sum()``), far below ``torch.aut
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -93,17 +93,26 @@ class ActivationWatch:
         self._flags = torch.zeros(len(self.names), device=device)
         self._order: list[int] = []  # indices of leaves in the order their outputs were first produced
         self._ran: set[int] = set()
+        self._restart = False  # set by `reset`: the next call starts a new order (each stretch of steps has its own)
         self._handles = [m.register_forward_hook(self._check(i)) for i, (_, m) in enumerate(leaves)]
 
     def _check(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._restart:
+                self._order, self._ran, self._restart = [], set(), False
             if index not in self._ran:
                 self._ran.add(index)
                 self._order.append(index)
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            if isinstance(output, Mapping):  # a dict, or a Hugging Face ModelOutput
+                outputs: Iterable[Any] = output.values()
+            else:
+                outputs = output if isinstance(output, (tuple, list)) else (output,)
             for out in outputs:
                 if isinstance(out, Tensor) and out.is_floating_point() and out.numel():
-                    bad = ~torch.isfinite(out.detach().sum())  # one read of the output; NaN and Inf survive a sum
+                    # One read of the output: NaN and Inf survive a sum. fp16 is summed in float32, where a sum of
+                    # finite values cannot overflow as it would past fp16's 65504.
+                    wide = torch.float32 if out.dtype == torch.float16 else None
+                    bad = ~torch.isfinite(out.detach().sum(dtype=wide))
                     self._flags[index] = torch.maximum(self._flags[index], bad.to(self._flags.dtype))
 
         return hook
@@ -113,8 +122,9 @@ class ActivationWatch:
         return self._flags
 
     def reset(self) -> None:
-        """Clear the flags (on the device)."""
+        """Clear the flags (on the device); the order is learnt afresh from the next forward pass on."""
         self._flags.zero_()
+        self._restart = True
 
     def first_nonfinite(self, flags: Iterable[float]) -> str | None:
         """The first module in forward order among those flagged in ``flags`` (host values of :meth:`flags`)."""

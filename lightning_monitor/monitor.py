@@ -641,6 +641,9 @@ class TrainingMonitor(Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # What validation's forward passes flagged is no training step's.
+        if self._activations is not None:
+            self._activations.reset()
         # Gate: only real validation during fit; runs after the module logged its metrics in every epoch-end hook.
         watch_loss = self._val is not None
         watch_acc = self.token_accuracy  # the settings, not what one rank saw: every rank joins the collective

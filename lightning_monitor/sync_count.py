@@ -75,6 +75,8 @@ class HostSyncCounter:
             self.by_kind[kind] += n
 
     def __enter__(self) -> HostSyncCounter:
+        if self._modes:
+            raise RuntimeError("This HostSyncCounter is already counting: it cannot be entered again until it exits.")
         self._modes = [_FunctionCounter(self), _DispatchCounter(self)]
         for mode in self._modes:
             mode.__enter__()

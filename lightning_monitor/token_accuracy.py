@@ -140,6 +140,7 @@ class TokenAccuracy(Metric):
     higher_is_better = True
     full_state_update = False
 
+    settings: Tensor
     correct: Tensor
     total: Tensor
     invalid: Tensor
@@ -158,6 +159,10 @@ class TokenAccuracy(Metric):
         self.top_k = top_k
         self.shift = shift
         self.validate_args = validate_args
+        # Constant: a state only so that a MetricCollection, which merges metrics whose states are equal into one
+        # compute group, never merges two of different settings whose counts happen to agree.
+        settings = torch.tensor([top_k, int(shift), ignore_index], dtype=torch.long)
+        self.add_state("settings", default=settings, dist_reduce_fx="max")
         self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("total", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("invalid", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")

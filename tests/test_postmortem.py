@@ -215,3 +215,73 @@ def test_bundle_of_a_validation_alert_says_where_it_came_from(tmp_path):
     assert torch.load(folder / "batch_rank0.pt", weights_only=True) == []
     restored = ScriptedModel.load_from_checkpoint(folder / "last_good.ckpt")
     assert same_weights(list(restored.parameters()), list(model.parameters()))  # no step after the validation
+
+
+class Poison(nn.Module):
+    """A leaf that passes its input on, or NaN once armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x * float("nan") if self.armed else x
+
+
+class DictLeaf(nn.Module):
+    """A leaf whose output is a dict, as a Hugging Face ModelOutput is."""
+
+    def forward(self, x):
+        return {"hidden": x * float("nan")}
+
+
+def test_activation_watch_reads_dict_outputs_and_fp16_without_overflow():
+    from lightning_monitor.activations import ActivationWatch
+
+    model = nn.ModuleDict({"a": nn.Identity(), "bad": DictLeaf(), "b": nn.Identity()})
+    watch = ActivationWatch(model)
+    x = model["b"](model["bad"](model["a"](torch.ones(2)))["hidden"])
+    assert not torch.isfinite(x).any()
+    assert watch.first_nonfinite(watch.flags().tolist()) == "bad"
+    watch.close()
+    # fp16 outputs whose sum passes fp16's 65504 are finite all the same: nothing is flagged.
+    big = nn.ModuleDict({"a": nn.Identity()})
+    watch = ActivationWatch(big)
+    big["a"](torch.full((100,), 60000.0, dtype=torch.float16))
+    assert watch.first_nonfinite(watch.flags().tolist()) is None
+    watch.close()
+
+
+class Branches(TensorModel):
+    """A branch that first runs at step 2, and an eval-only overflow in validation, before the NaN at step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(32, 32)
+        self.eval_only = nn.Identity()
+        self.rare = nn.Sequential(nn.Linear(32, 32), Poison())
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, x):
+        x = self.first(x)
+        if not self.training:
+            x = self.eval_only(x * float("inf"))
+        if self.global_step == 2:
+            self.rare[1].armed = True
+            x = self.rare(x)
+        return self.head(x)
+
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+
+def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None, watch_activations=True, postmortem=None, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6, val_check_interval=2, limit_val_batches=1)
+    data = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2)
+    trainer.fit(Branches(), train_dataloaders=data, val_dataloaders=data)
+    (alert,) = monitor.alerts
+    assert alert.kind is AlertKind.NONFINITE_LOSS and alert.step == 2
+    # Validation ran just before (eval_only was not finite there), and `rare` first ran at this step, after `head`
+    # had run for two steps: the first bad output of this step is rare.1's.
+    assert "The first module whose output was not finite, in forward order: rare.1." in alert.message

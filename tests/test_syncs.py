@@ -88,3 +88,11 @@ def test_validation_check_costs_one_sync_per_validation(tmp_path, hook):
     trainer = make_trainer(tmp_path, [monitor], max_steps=12, val_check_interval=4, num_sanity_val_steps=1)
     trainer.fit(ScriptedModel(val_losses=[1.0, 2.0, 3.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
     assert counter.count == 3  # sanity check skipped before any read
+
+
+def test_a_counter_cannot_be_entered_twice():
+    counter = HostSyncCounter()
+    with counter, pytest.raises(RuntimeError, match="already counting"), counter:
+        pass
+    with counter:  # it exited cleanly: it can count again
+        pass

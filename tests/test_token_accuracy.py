@@ -440,3 +440,20 @@ def test_ddp_compute_equals_single_process_value(tmp_path):
     for result in results:
         torch.testing.assert_close(result["value"], expected, rtol=0, atol=0)
     assert not torch.isclose(torch.stack(per_rank).mean(), expected)  # a mean of rank means would be wrong
+
+
+def test_metric_collection_keeps_metrics_of_different_settings_apart():
+    """A MetricCollection merges metrics whose states agree after the first update: settings must keep them apart."""
+    from torchmetrics import MetricCollection
+
+    torch.manual_seed(0)
+    first = torch.randn(2, 4, 10)
+    second, labels = torch.randn(2, 4, 10), torch.randint(0, 10, (2, 4))
+    collection = MetricCollection({"top1": TokenAccuracy(), "top5": TokenAccuracy(top_k=5), "again": TokenAccuracy()})
+    collection.update(first, first.argmax(-1))  # every label the top-1 prediction: the counts of all three agree
+    collection.update(second, labels)
+    logits, targets = torch.cat([first, second]), torch.cat([first.argmax(-1), labels])
+    for name, k in (("top1", 1), ("top5", 5), ("again", 1)):
+        correct, total = token_accuracy_counts(logits, targets, top_k=k)
+        assert float(collection.compute()[name]) == pytest.approx(float(correct / total))
+    assert sorted(map(sorted, collection.compute_groups.values())) == [["again", "top1"], ["top5"]]
