@@ -28,7 +28,7 @@ try:  # torch >= 2.4
 except ImportError:  # pragma: no cover - older torch without public DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
-from lightning_monitor.halting import host_dtype, to_device
+from lightning_monitor.halting import fsum, host_dtype, to_device
 
 __all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
 
@@ -223,8 +223,8 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     if world == 1:  # the same sums, without the per-layer loops over ranks
         row = per_rank[0]
         return [a + b for a, b in zip(row[:num_layers], row[num_layers:], strict=True)]
-    replicated = [math.fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
-    sharded = [math.fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
+    replicated = [fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
+    sharded = [fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
     return [a + b for a, b in zip(replicated, sharded, strict=True)]
 
 

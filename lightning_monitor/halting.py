@@ -8,6 +8,9 @@ waiting for another that decided differently.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -16,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_monitor.alerts import Alert
 
 __all__ = [
+    "fsum",
     "TrainingHalted",
     "copies_without_blocking",
     "gather_ranks",
@@ -59,6 +63,22 @@ def gather_ranks(local: Tensor) -> list[list[float]]:
     world = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(world, local.detach().contiguous())
     return torch.stack(world).tolist()  # the host sync
+
+
+def fsum(values: Iterable[float]) -> float:
+    """``math.fsum``, or the plain sum where that raises: NaN for ``+inf`` with ``-inf``, ``inf`` past the range.
+
+    Figures gathered from several ranks can hold infinities of both signs, on which ``math.fsum`` raises mid-run.
+
+    Example:
+        >>> fsum([0.1] * 10), fsum([math.inf, -math.inf]), fsum([1e308, 1e308])
+        (1.0, nan, inf)
+    """
+    values = list(values)
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):
+        return sum(values)
 
 
 def host_dtype(device: torch.device) -> torch.dtype:

@@ -37,7 +37,7 @@ from lightning_monitor.detectors import (
     ThresholdDetector,
 )
 from lightning_monitor.grad_norms import LayerGradNorms, layer_name
-from lightning_monitor.halting import TrainingHalted, gather_ranks, host_dtype, skip_optimizer_step
+from lightning_monitor.halting import TrainingHalted, fsum, gather_ranks, host_dtype, skip_optimizer_step
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.report import load_run, summarize_run
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -661,7 +661,7 @@ class TrainingMonitor(Callback):
             local[2:] = self._tokens.epoch_counts("val", device)
         per_rank = gather_ranks(local)  # one collective and one host read per validation run
         seen = [r[0] for r in per_rank if r[1]]
-        val_loss = math.fsum(seen) / len(seen) if seen else None
+        val_loss = fsum(seen) / len(seen) if seen else None
         val_acc = self._log_accuracy(trainer, "val_token_acc", [r[2:4] for r in per_rank], logging_step(trainer))
         self._warn_invalid_labels("val", [r[4] for r in per_rank])
         if watch_loss and val_loss is None:
@@ -912,14 +912,14 @@ class TrainingMonitor(Callback):
         """Log ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
         if step is None:
             return None
-        correct, total = math.fsum(r[0] for r in per_rank), math.fsum(r[1] for r in per_rank)
+        correct, total = fsum(r[0] for r in per_rank), fsum(r[1] for r in per_rank)
         if total <= 0:
             return None
         self._log_figures(trainer, {key: correct / total}, step)
         return correct / total
 
     def _warn_invalid_labels(self, stage: str, per_rank: Sequence[float]) -> None:
-        invalid = int(math.fsum(per_rank))
+        invalid = int(fsum(per_rank))
         if invalid:
             self._warn_once(
                 f"invalid_{stage}",

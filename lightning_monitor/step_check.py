@@ -21,7 +21,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import gather_ranks, host_dtype, to_device
+from lightning_monitor.halting import fsum, gather_ranks, host_dtype, to_device
 
 __all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -48,13 +48,15 @@ class StepFigures:
         return self.grad_peak is not None and not math.isfinite(self.grad_peak)
 
     def rank_for(self, kind: AlertKind) -> int | None:
-        """The lowest rank whose own figure shows ``kind``, or ``None`` in a single-process run."""
+        """The lowest rank whose own figure shows ``kind``; ``None`` in one process, or when no rank stands out."""
         if len(self.loss_ranks) < 2:
             return None
-        if kind is AlertKind.NONFINITE_LOSS:
-            return next((r for r, v in enumerate(self.loss_ranks) if not math.isfinite(v)), None)
-        if kind is AlertKind.NONFINITE_GRAD:
-            return next((r for r, v in enumerate(self.grad_ranks) if not math.isfinite(v)), None)
+        # Only where the ranks disagree: DDP all-reduces the gradients, so a NaN from one rank reaches every rank's
+        # gradients (and, between checks, every rank's losses); then no rank can be named.
+        if kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+            values = self.loss_ranks if kind is AlertKind.NONFINITE_LOSS else self.grad_ranks
+            bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
+            return bad[0] if len(bad) < len(values) else None
         if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE) and len(set(self.grad_ranks)) > 1:
             # Only when the ranks disagree: DDP gradients are all-reduced, so every rank sees the same figure.
             return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
@@ -167,7 +169,7 @@ class StepCheck:
         if self.fused:
             layer_sq = [v / unscale for v in layer_sq]
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
-        total_sq = math.fsum(layer_sq)
+        total_sq = fsum(layer_sq)
         overflow_steps = 0 if math.isfinite(total_sq) else 1
         norm = math.sqrt(total_sq)
         grad_norm = grad_peak = norm if has_grads else None
@@ -181,9 +183,9 @@ class StepCheck:
             else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
                 finite = [v for v in (held_norm, norm) if math.isfinite(v)]
                 grad_peak = max(finite) if finite else norm
-        count = math.fsum(r[_LOSS_COUNT] for r in per_rank)
+        count = fsum(r[_LOSS_COUNT] for r in per_rank)
         return StepFigures(
-            loss=math.fsum(r[_LOSS_SUM] for r in per_rank) / count if count else None,
+            loss=fsum(r[_LOSS_SUM] for r in per_rank) / count if count else None,
             grad_norm=grad_norm,
             grad_peak=grad_peak,
             layer_sq=layer_sq,
@@ -192,7 +194,7 @@ class StepCheck:
             loss_scale=scale if scaler is not None else None,
             amp=scaler is not None,
             loss_ranks=[r[_LOSS_SUM] for r in per_rank],
-            grad_ranks=[math.fsum(r[layers_start:layers_end]) for r in per_rank],
+            grad_ranks=[fsum(r[layers_start:layers_end]) for r in per_rank],
             extras=[r[layers_end:] for r in per_rank],
         )
 
@@ -272,7 +274,7 @@ class StepCheck:
             bad = self.order.sort(bad) if self.order is not None else bad
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {shown}."
-        total = math.fsum(squares)
+        total = fsum(squares)
         if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
             return ""
         top = sorted(zip(names, squares, strict=True), key=lambda x: -x[1])[:3]

@@ -178,3 +178,30 @@ def test_ddp_norm_equals_single_process_norm_on_the_global_batch(tmp_path, accum
     assert math.isclose(
         rank0["latest"]["loss"], json.loads((single / "rank0.json").read_text())["latest"]["loss"], rel_tol=1e-5
     )
+
+
+class SameFaultEverywhere(TensorBatchModel):
+    """Step 2: a loss of +inf on rank 0 and -inf on rank 1. Step 4: a NaN gradient from rank 1 alone, its loss finite
+    (sqrt has an infinite slope at 0), which DDP's all-reduce then spreads to every rank's gradients."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        if self.global_step == 2:
+            out["loss"] = out["loss"] * (math.inf if self.global_rank == 0 else -math.inf)
+        if self.global_step == 4 and self.global_rank == 1:
+            out["loss"] = out["loss"] + torch.sqrt(self.layer[0].weight * 0).sum()
+        return out
+
+
+def test_faults_every_rank_shares_are_alerts_without_a_rank_and_no_crash(tmp_path):
+    torch.manual_seed(0)
+    fit(tmp_path, SameFaultEverywhere(), devices=2, monitor=TrainingMonitor(val_loss_key=None, halt_on=[]))
+    rank0, rank1 = reports(tmp_path)
+    for report in (rank0, rank1):
+        assert report["global_step"] == 8 and report["finite"]  # both bad steps skipped, on both ranks
+        # +inf and -inf sum to NaN (math.fsum raised on them, mid-run); no rank stands out in either fault.
+        assert [(a["kind"], a["step"], a["rank"]) for a in report["alerts"]] == [
+            ("nonfinite_loss", 2, None),
+            ("nonfinite_grad", 4, None),
+        ]
+        assert all("first seen on rank" not in a["message"] for a in report["alerts"])
