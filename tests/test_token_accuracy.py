@@ -221,7 +221,8 @@ def test_in_place_updates_leave_the_defaults_alone():
     metric.update(logits, labels)
     metric.reset()
     assert (int(metric.correct), int(metric.total), int(metric.invalid)) == (0, 0, 0)
-    assert all(int(default) == 0 for default in metric._defaults.values())
+    assert all(int(metric._defaults[name]) == 0 for name in ("correct", "total", "invalid"))
+    assert metric._defaults["settings"].tolist() == metric.settings.tolist() == [1, 0, -100]  # constant
     torch.testing.assert_close(metric(logits, labels), accuracy, rtol=0, atol=0)
     torch.testing.assert_close(metric(logits, labels), accuracy, rtol=0, atol=0)
     assert (int(metric.correct), int(metric.total)) == (2 * correct, 2 * total)
@@ -232,8 +233,8 @@ def test_metric_attributes_and_state_dtypes():
     assert metric.higher_is_better is True
     assert metric.full_state_update is False
     assert metric.is_differentiable is False
-    assert metric._reductions.keys() == {"correct", "total", "invalid"}
-    assert all(getattr(metric, s).dtype == torch.long for s in ("correct", "total", "invalid"))
+    assert metric._reductions.keys() == {"settings", "correct", "total", "invalid"}
+    assert all(getattr(metric, s).dtype == torch.long for s in ("settings", "correct", "total", "invalid"))
 
 
 # --------------------------------------------------------------------------------------------------- validation
