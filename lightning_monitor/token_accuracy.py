@@ -80,7 +80,9 @@ class TokenAccuracy(Metric):
     r"""Fraction of non-ignored token positions whose label gets the highest logit (or one of the ``top_k`` highest).
 
     The states are the summed int64 counts ``correct``, ``total`` and ``invalid``, so the value is exact over an
-    epoch (not a mean of batch means) and is synced across DDP ranks by summing (not a mean of rank means). Each
+    epoch (not a mean of batch means) and is synced across DDP ranks by summing (not a mean of rank means); a
+    constant ``settings`` state (``[top_k, shift, ignore_index]``) keeps a ``MetricCollection`` from merging two
+    metrics of different settings into one compute group. Each
     update reads the logits once (see :func:`token_accuracy_counts` for the exact definition: ties count as correct,
     rows holding a NaN as incorrect). With ``validate_args=False`` neither ``update`` nor ``forward`` synchronises
     with the host; ``compute`` reads ``invalid`` once (one sync) until it has warned.
