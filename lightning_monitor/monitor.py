@@ -581,7 +581,7 @@ class TrainingMonitor(Callback):
         if logs or halting:
             self._log_figures(trainer, figures)
         if bundle is not None:
-            self._write_bundle(trainer, bundle, alerts, halted=bool(halting), skipped=skip)
+            self._write_bundle(trainer, bundle, alerts, halted=bool(halting), skipped=skip, covered=step.checked_steps)
         if halting:
             self._halt(trainer, halting[0])
 
@@ -945,6 +945,7 @@ class TrainingMonitor(Callback):
         halted: bool,
         skipped: bool | None,
         batches: Sequence[tuple[int, Any]] | None = None,
+        covered: int = 1,
     ) -> None:
         """Write the bundle on every rank, or warn once and carry on if any rank cannot write its folder."""
         try:
@@ -959,7 +960,7 @@ class TrainingMonitor(Callback):
         try:
             batches = self._batches if batches is None else batches
             history = ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self._history)
-            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted, skipped)
+            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted, skipped, covered)
         except OSError as err:
             self._warn_once("postmortem", f"TrainingMonitor could not write the post-mortem bundle ({err}).")
 

@@ -85,11 +85,13 @@ def write_bundle(
     cause: Sequence[Alert],
     halted: bool,
     skipped: bool | None,
+    covered: int = 1,
 ) -> None:
     """Write the bundle into ``folder``. Every rank must call this at the same step.
 
     ``skipped`` says whether the optimizer step under way will be skipped (``None``: no step is under way, the
-    alert came from validation). Every rank writes its own batches; the checkpoint is written through
+    alert came from validation); ``covered`` how many optimizer steps the check covered (``check_every_n_steps``).
+    Every rank writes its own batches; the checkpoint is written through
     ``trainer.save_checkpoint`` (which all ranks join); rank zero writes the rest.
 
     Raises:
@@ -111,7 +113,13 @@ def write_bundle(
         kinds=", ".join(dict.fromkeys(a.kind.value for a in cause)),
         step=step,
         why="training halted" if halted else "an alert fired",
-        when=_WHEN[skipped].format(step=step),
+        when=_WHEN[skipped].format(step=step)
+        + (
+            f"\n\nThe check covered the last {covered} optimizer steps (`check_every_n_steps`): the bad one may be an"
+            " earlier step,\nalready applied, whose batches are not kept here."
+            if covered > 1
+            else ""
+        ),
         batches=(
             f"the micro-batches of step {step} on each rank: a list of `(batch_idx, batch)`, on the CPU"
             if skipped is not None

@@ -285,3 +285,19 @@ def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_pat
     # Validation ran just before (eval_only was not finite there), and `rare` first ran at this step, after `head`
     # had run for two steps: the first bad output of this step is rare.1's.
     assert "The first module whose output was not finite, in forward order: rare.1." in alert.message
+
+
+def test_bundle_of_a_check_covering_held_steps_says_the_bad_step_may_be_earlier(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20)
+    trainer.fit(
+        TensorModel(loss_factor={5: float("nan")}),
+        train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2),
+    )
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step) == (AlertKind.NONFINITE_LOSS, 8)  # the NaN of held step 5, caught at step 8
+    readme = words(tmp_path / "postmortem" / "step0000008_nonfinite_loss" / "README.md")
+    assert (
+        "The check covered the last 4 optimizer steps (`check_every_n_steps`): the bad one may be an earlier step,"
+        " already applied, whose batches are not kept here."
+    ) in readme
