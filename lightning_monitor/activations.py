@@ -93,13 +93,10 @@ class ActivationWatch:
         self._flags = torch.zeros(len(self.names), device=device)
         self._order: list[int] = []  # indices of leaves in the order their outputs were first produced
         self._ran: set[int] = set()
-        self._restart = False  # set by `reset`: the next call starts a new order (each stretch of steps has its own)
         self._handles = [m.register_forward_hook(self._check(i)) for i, (_, m) in enumerate(leaves)]
 
     def _check(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._restart:
-                self._order, self._ran, self._restart = [], set(), False
             if index not in self._ran:
                 self._ran.add(index)
                 self._order.append(index)
@@ -122,9 +119,9 @@ class ActivationWatch:
         return self._flags
 
     def reset(self) -> None:
-        """Clear the flags (on the device); the order is learnt afresh from the next forward pass on."""
+        """Clear the flags (on the device) and the order, which the next forward pass learns afresh."""
         self._flags.zero_()
-        self._restart = True
+        self._order, self._ran = [], set()
 
     def first_nonfinite(self, flags: Iterable[float]) -> str | None:
         """The first module in forward order among those flagged in ``flags`` (host values of :meth:`flags`)."""

@@ -410,9 +410,8 @@ class TrainingMonitor(Callback):
         self._order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
         self._activations = ActivationWatch(pl_module) if self.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
-        # After a resume the alerts come from the checkpoint (restored after `setup`): count on from them, and append
-        # to the alerts file. A run that starts afresh sets an earlier run's file aside.
-        self._loggers = LoggerSink(trainer.loggers, self.alerts)
+        # After a resume the alerts come from the checkpoint (restored after `setup`): append to the alerts file. A
+        # run that starts afresh sets an earlier run's file aside.
         if self._jsonl is not None and not self._resumed and trainer.is_global_zero:
             aside = self._jsonl.set_aside()
             if aside is not None:
@@ -535,7 +534,11 @@ class TrainingMonitor(Callback):
         if self._activations is not None:
             extras.append(self._activations.flags())
         step = watch.read(squared, self._take_loss(), scaler, extras)
-        if self._activations is not None:
+        first_bad = None
+        if self._activations is not None:  # the first module flagged since the last check, then a fresh start
+            first_bad = self._activations.first_nonfinite(
+                max(col) for col in zip(*(r[2:] for r in step.extras), strict=True)
+            )
             self._activations.reset()
         if self._order is not None:
             watch.order = self._order
@@ -556,11 +559,6 @@ class TrainingMonitor(Callback):
             or (step.grad_nonfinite and scaler is None)
             or watch.beyond(self.skip_on)
             or self.stopping_reason is not None
-        )
-        first_bad = (
-            self._activations.first_nonfinite(max(col) for col in zip(*(r[2:] for r in step.extras), strict=True))
-            if self._activations is not None
-            else None
         )
         bundle = self._bundle_folder(trainer, detections)
         alerts = [self._make_alert(trainer, d, step, watch, bundle, first_bad, skip) for d in detections]
@@ -874,7 +872,9 @@ class TrainingMonitor(Callback):
         if not trainer.is_global_zero:
             return
         self._console.write(alert)
-        self._loggers.write(alert, logging_step(trainer))
+        # `self.alerts` holds this run's alerts, a resumed run's restored ones included: count on from them.
+        count = sum(a.kind is alert.kind for a in self.alerts)
+        self._loggers.write(alert, logging_step(trainer), count)
         if self._jsonl is not None:
             self._jsonl.write(alert)
 

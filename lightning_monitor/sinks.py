@@ -58,20 +58,15 @@ class LoggerSink:
     """Forward figures and alerts to every Lightning logger of a trainer.
 
     Figures go through ``Logger.log_metrics`` at the step given, the way ``LearningRateMonitor`` writes. Each alert
-    adds a scalar ``alerts/<kind>`` (how many alerts of that kind so far) for every logger, and its message as
-    text for TensorBoard (tag ``alerts``).
+    adds a scalar ``alerts/<kind>`` (how many alerts of that kind so far, as the caller counts them) for every
+    logger, and its message as text for TensorBoard (tag ``alerts``).
 
     Args:
         loggers: The trainer's loggers (``trainer.loggers``).
-        alerts: The alerts already written in this run (after a resume), which the counts start from.
     """
 
-    def __init__(self, loggers: Sequence[Logger], alerts: Sequence[Alert] = ()) -> None:
+    def __init__(self, loggers: Sequence[Logger]) -> None:
         self.loggers = list(loggers)
-        self.counts: dict[str, int] = {}
-        for alert in alerts:  # a resumed run counts on from its checkpoint's alerts
-            key = f"alerts/{alert.kind.value}"
-            self.counts[key] = self.counts.get(key, 0) + 1
 
     def log_figures(self, figures: Mapping[str, float], step: int) -> None:
         """Write ``figures`` to every logger at ``step``."""
@@ -90,11 +85,9 @@ class LoggerSink:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
-    def write(self, alert: Alert, step: int) -> None:
-        """Write ``alert`` to every logger at ``step``."""
-        key = f"alerts/{alert.kind.value}"
-        self.counts[key] = self.counts.get(key, 0) + 1
-        self.log_figures({key: float(self.counts[key])}, step)
+    def write(self, alert: Alert, step: int, count: int) -> None:
+        """Write ``alert`` to every logger at ``step``, with ``count``: the alerts of its kind so far, it included."""
+        self.log_figures({f"alerts/{alert.kind.value}": float(count)}, step)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
                 text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"

@@ -167,9 +167,8 @@ class TokenAccuracyTracker:
             return None
         metric = self.metrics["train"]
         now = torch.stack([metric.correct, metric.total])
-        then = self._mark[1]
         # The mark may predate the metric's move to the logits' device (a mark before the first batch).
-        return now - (then if then.device == now.device else then.to(now.device))
+        return now - self._mark[1].to(now.device)
 
     def epoch_counts(self, stage: Stage, device: torch.device) -> Tensor:
         """``[correct, total, invalid]`` counted on this rank since the last reset of ``stage``, on ``device``.
