@@ -45,15 +45,15 @@ step's time does not depend on the process's allocation history.
   does, while the other processes wait; that is the steady, in-process share the target is judged on. Its steps are
   usually faster than the round-robin ones, where each step follows a step of five other processes (at 1M, 23 to 32 ms
   against 31 to 36 in two runs), so the same hooks take a larger share of them. For the monitor the table also
-  gives its parts in the round-robin steps: the gradient-norm kernel (``LayerGradNorms.squared``), the
-  token-accuracy update (``TokenAccuracy.update``), the logger writes (``LoggerSink.log_figures``) and the rest
-  (Python, small tensors, the one host read, the detectors). The ``floor`` row is what reading the same data once
-  costs inside a training step, where the gradients and logits are no longer in the CPU's caches and the code is
-  cold, with its gradient read and its ``amax`` timed as the same two parts; the monitor's time above it is its own
-  work. A line under the table gives the monitor's parts over the floor's: the gradient-norm kernel against the
-  1.3x target as a step meets it (table 4 has it hot). Table 2 has far less noise than table 1, but misses costs
-  paid outside the hooks (Lightning converting and writing what ``log_dict`` logged, at its flush), which table 1
-  includes.
+  gives its parts in the round-robin steps: the gradient-norm kernel (``LayerGradNorms.per_tensor``), the
+  token-accuracy update (``TokenAccuracy._add``: ``update`` without torchmetrics' wrapper), the logger writes
+  (``LoggerSink.log_figures``) and the rest (Python, small tensors, the one host read, the detectors). The ``floor`` row
+  is what reading the same data once costs inside a training step, where the gradients and logits are no longer in the
+  CPU's caches and the code is cold, with its gradient read and its ``amax`` timed as the same two parts; the monitor's
+  time above it is its own work. A line under the table gives the monitor's parts over the floor's: the gradient-norm
+  kernel against the 1.3x target as a step meets it (table 4 has it hot). Table 2 has far less noise than table 1, but
+  misses costs paid outside the hooks (Lightning converting and writing what ``log_dict`` logged, at its flush), which
+  table 1 includes.
 - **Table 3, host syncs and memory**, in a second set of fresh processes, one per configuration. Syncs per optimizer
   step are counted with :class:`~lightning_monitor.sync_count.HostSyncCounter` over the whole step loop for a few
   steps (the counter slows them; they are not timed), as a difference to bare, and inside the configuration's own
@@ -65,9 +65,11 @@ step's time does not depend on the process's allocation history.
   peak follows live memory, and the peak of those two steps over the RSS before them (plus
   ``torch.cuda.max_memory_allocated`` on CUDA).
 - **Table 4, the gradient-norm kernel alone**, round-robin on one backward's gradients of each model (hot in
-  cache): ``LayerGradNorms.squared()`` with its plan cached, against the floor of reading every gradient once. The
+  cache): ``LayerGradNorms.per_tensor()`` with its plan cached, the monitor's device work, against the floor of
+  reading every gradient once (``squared()``, the same norms grouped per layer on the device, and ``per_tensor()``
+  read and grouped on the host with ``group()``, as the monitor's check does, are printed for reference). The
   target (within 1.3x) is judged against ``torch._foreach_norm(grads)``: one read of every gradient where it lies,
-  with the L2 arithmetic and nothing else, the kernel ``squared()`` is built on. ``flat.sum()`` over the same bytes
+  with the L2 arithmetic and nothing else, the kernel ``per_tensor()`` is built on. ``flat.sum()`` over the same bytes
   in one contiguous buffer, the memory-bandwidth floor, is printed for reference: reaching it would need the
   gradients in one buffer, and on the CPU the L2 reduction runs at about half the speed of a plain sum
   (perf_anchors.md, A6).
@@ -138,7 +140,7 @@ TRACKING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 PART_LABELS = ("grad-norm kernel", "token-acc update", "logger writes")
 MEMORY_STEPS = 2  # steps over which the peak RSS is taken
 SYNC_TARGET = 1  # host syncs per optimizer step the monitor may make
-KERNEL_TARGET = 1.3  # LayerGradNorms.squared() time over the read-once floor
+KERNEL_TARGET = 1.3  # LayerGradNorms.per_tensor() time over the read-once floor
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,7 @@ class ReadOnce(Callback):
         self.read_logits(outputs["logits"])
 
     def read_gradients(self) -> list[Tensor]:
-        """Every gradient read once, the kernel ``LayerGradNorms.squared()`` is built on."""
+        """Every gradient read once, the kernel ``LayerGradNorms.per_tensor()`` is built on."""
         return torch._foreach_norm([g for p in self.params if (g := p.grad) is not None], 2.0)
 
     def read_logits(self, logits: Tensor) -> Tensor:
@@ -290,8 +292,8 @@ class NaiveLoop(Callback):
 PARTS: dict[str, tuple[tuple[type, str, str], ...]] = {
     "floor": ((ReadOnce, "read_gradients", "grad-norm kernel"), (ReadOnce, "read_logits", "token-acc update")),
     "monitor": (
-        (LayerGradNorms, "squared", "grad-norm kernel"),
-        (TokenAccuracy, "update", "token-acc update"),
+        (LayerGradNorms, "per_tensor", "grad-norm kernel"),
+        (TokenAccuracy, "_add", "token-acc update"),  # `update` without torchmetrics' wrapper, as the monitor calls it
         (LoggerSink, "log_figures", "logger writes"),
     ),
 }
@@ -847,7 +849,7 @@ def kernel_cases(model: nn.Module) -> dict[str, Callable[[], object]]:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     norms = LayerGradNorms(model.named_parameters())
-    norms.squared()  # builds and caches the plan
+    norms.per_tensor()  # builds and caches the plan
 
     def naive() -> float:
         return sum(g.norm().item() ** 2 for g in grads) ** 0.5
@@ -856,7 +858,9 @@ def kernel_cases(model: nn.Module) -> dict[str, Callable[[], object]]:
         "floor: flat.sum(), one contiguous buffer": flat.sum,
         "floor: torch._foreach_norm(grads)": lambda: torch._foreach_norm(grads, 2.0),
         "torch._foreach_norm(grads, dtype=float32)": lambda: torch._foreach_norm(grads, 2.0, dtype=torch.float32),
-        "LayerGradNorms.squared() (the monitor)": norms.squared,
+        "LayerGradNorms.per_tensor() (the monitor)": norms.per_tensor,
+        "LayerGradNorms.squared(), grouped on the device": norms.squared,
+        "per_tensor(), read and grouped on the host": lambda: norms.group(norms.per_tensor().tolist()),
         "torch.nn.utils.get_total_norm(grads)": lambda: torch.nn.utils.get_total_norm(grads, 2.0),
         "lightning grad_norm(model, 2)": lambda: grad_norm(model, 2),
         "naive: sum of p.grad.norm().item() ** 2": naive,
@@ -916,7 +920,7 @@ def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:
             r1, r3 = iqr(ratios)
             to_sum = statistics.median(t / f for t, f in zip(ts, flat, strict=True))
             target = "-"
-            if case.startswith("LayerGradNorms"):
+            if case.startswith("LayerGradNorms.per_tensor"):
                 target = f"<= {KERNEL_TARGET}x: " + ("pass" if statistics.median(ratios) <= KERNEL_TARGET else "FAIL")
             print(
                 f"| {name} | {case} | {med:.3f} | {q1:.3f}-{q3:.3f} | {k['bytes'] / med / 1e6:.1f} |"

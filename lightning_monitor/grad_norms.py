@@ -2,21 +2,24 @@
 
 :class:`LayerGradNorms` resolves once which layer each parameter belongs to, then on every call reads each
 gradient once with ``torch._foreach_norm`` (one kernel per device and dtype, no per-parameter ``.item()``) and
-sums the squares per layer with a single ``index_add``. The result is a device tensor; nothing here synchronises
-with the host.
+stacks the norms into one device tensor, :meth:`~LayerGradNorms.per_tensor`; nothing there synchronises with the
+host. The monitor reads that tensor with its other figures and sums the squares per layer on the host
+(:meth:`~LayerGradNorms.group`); :meth:`~LayerGradNorms.squared` does the same on the device.
 
 Sharded gradients: a replicated gradient (single device, DDP) is the same on every rank, while a sharded one (FSDP,
-or a ``DTensor`` gradient with ``Shard`` placements) holds a different slice on each rank. ``squared()`` therefore
-returns two rows, replicated and sharded contributions, and :func:`combine_ranks` turns the rows gathered from every
+or a ``DTensor`` gradient with ``Shard`` placements) holds a different slice on each rank. The per-layer squares
+therefore come in two rows, replicated and sharded contributions, and :func:`combine_ranks` turns the rows of every
 rank into the global figure: the mean of the replicated rows plus the sum of the sharded rows, then the square root.
 A ``DTensor`` gradient whose placements differ from its parameter's, such as the ``Partial`` sum that a
 ``Replicate`` parameter gets under sequence parallelism, is first redistributed to its parameter's placements. That
-is a collective over the parameter's mesh, so every rank must call ``squared()`` at the same point (the monitor does).
+is a collective over the parameter's mesh, so every rank must call ``per_tensor()`` at the same point (the monitor
+does).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -63,7 +66,7 @@ def layer_name(param_name: str) -> str:
 
 
 class LayerGradNorms:
-    """Squared L2 norms of the gradients of a set of parameters, summed per layer, on the device.
+    """L2 norms of the gradients of a set of parameters, on the device, and their squares summed per layer.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs to measure, e.g. ``model.named_parameters()``. Layers are
@@ -76,7 +79,7 @@ class LayerGradNorms:
 
     Attributes:
         names: The layer names, one per row entry of :meth:`squared`.
-        present: How many parameters had a gradient at the last call of :meth:`squared`.
+        present: How many parameters had a gradient at the last call of :meth:`per_tensor` (or :meth:`squared`).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -87,6 +90,10 @@ class LayerGradNorms:
         >>> total, per_layer = norms.norms()
         >>> grads = [p.grad for p in model.parameters()]
         >>> torch.allclose(total, torch.nn.utils.get_total_norm(grads).double())
+        True
+        >>> # the hot path: one device tensor of per-parameter norms, grouped per layer on the host after a read
+        >>> rows = norms.group(norms.per_tensor().tolist())
+        >>> torch.allclose(torch.tensor(rows, dtype=torch.float64), norms.squared().flatten())
         True
     """
 
@@ -108,60 +115,97 @@ class LayerGradNorms:
         position = {name: i for i, name in enumerate(self.names)}
         self.device = self.params[0].device
 
-        # Where each parameter's square goes in the flattened [2, num_layers] output: row 0 for replicated
-        # gradients, row 1 for sharded ones; and a weight that undoes a DTensor's replication over mesh dims.
+        # Where each parameter's square goes in the flattened [2, num_layers] rows: row 0 for replicated gradients,
+        # row 1 for sharded ones; and a weight that undoes a DTensor's replication over mesh dims.
         num_layers = len(self.names)
         slots, weights = [], []
         for p, layer in zip(self.params, layers, strict=True):
             copies = _dtensor_replicas(p) or (replicas if sharded else None)
             slots.append((num_layers if copies is not None else 0) + position[layer])
             weights.append(1.0 / copies if copies else 1.0)
-        self._slots = slots
         self._weights = weights if any(w != 1.0 for w in weights) else None
+        # Runs of neighbouring parameters with the same slot and weight, for `group`: (slot, weight, start, end).
+        self._runs: list[tuple[int, float, int, int]] = []
+        for i, key in enumerate(zip(slots, weights, strict=True)):
+            if self._runs and self._runs[-1][:2] == key:
+                self._runs[-1] = (*key, self._runs[-1][2], i + 1)
+            else:
+                self._runs.append((*key, i, i + 1))
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
         self._plans: dict[tuple[int, ...], _Plan] = {}
-        # The flattened output starts from these zeros (never written: `torch.index_add` returns a new tensor).
-        self._zeros = torch.zeros(2 * num_layers, dtype=host_dtype(self.device), device=self.device)
+        dtype = host_dtype(self.device)
+        # For `squared()`: where each parameter's square goes, its weight, and the zeros the rows start from (never
+        # written: `torch.index_add` returns a new tensor).
+        self._slot = to_device(slots, self.device)
+        self._weight = None if self._weights is None else to_device(self._weights, self.device, dtype)
+        self._zeros = torch.zeros(2 * num_layers, dtype=dtype, device=self.device)
         self.present = 0
 
-    def squared(self) -> Tensor:
-        """Return a ``[2, num_layers]`` tensor of squared norms on this rank: replicated row, sharded row.
+    def per_tensor(self) -> Tensor:
+        """Return the L2 norm of each parameter's gradient on this rank, as one 1-D tensor in parameter order.
 
-        Each gradient's norm is accumulated in float32 (float64 gradients: in float64), squared in that dtype (the
-        square of a norm that float32 holds is finite whenever the kernel's own sum of squares was) and summed per
-        layer in float64 (float32 on MPS),
-        so a sum of large squares does not overflow. Four ops in all, on the gradients' device.
+        This is what the monitor reads on every check: one fused ``torch._foreach_norm`` per device and dtype and
+        one ``stack``, nothing else. Norms are accumulated and returned in float32 (float64 for float64 gradients,
+        which keep their range). A parameter without a gradient reads 0; a non-finite gradient makes its norm
+        non-finite. Every rank returns the same layout, whatever gradients it has. ``DTensor`` gradients placed
+        unlike their parameters are redistributed first, a collective over their mesh.
 
-        Parameters without a gradient count as zero. A non-finite gradient makes its layer's entry non-finite.
-        ``DTensor`` gradients placed unlike their parameters are redistributed first, a collective over their mesh.
+        Turn the values into per-layer squares on the host with :meth:`group`, or on the device with
+        :meth:`squared`.
         """
         present = [g for p in self.params if (g := p.grad) is not None]
         self.present = len(present)
         if not present:
-            return self._zeros.clone().view(2, -1)
+            return self._zeros.new_zeros(len(self.params))
         missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
             present = [_local_grad(g, p) for p in self.params if (g := p.grad) is not None]
         if plan.groups == [None]:  # one device and dtype: one kernel over all of them
             norms = _norms_float32(present, plan.dtypes[0])
-        else:
-            per_group = [
-                _norms_float32([present[i] for i in idx], dtype)  # type: ignore[union-attr]
-                for idx, dtype in zip(plan.groups, plan.dtypes, strict=True)
-            ]
-            norms = torch.cat([n.to(self.device) for n in per_group])
-        # Computed in float32, stored widened. `mul` rather than `square`: the kernels a step runs anyway are the ones
-        # already in the CPU's caches, and on the host a cold kernel costs more than the arithmetic.
-        squares = torch.mul(norms, norms, out=plan.squares)
-        if plan.weight is not None:
-            squares = squares * plan.weight
-        return torch.index_add(self._zeros, 0, plan.slot, squares).view(2, -1)
+        else:  # one kernel per (device, dtype), in plan order; norms on another device move in one copy per group
+            norms = []
+            for idx, dtype in zip(plan.groups, plan.dtypes, strict=True):
+                group = _norms_float32([present[i] for i in idx], dtype)  # type: ignore[union-attr]
+                if group[0].device != self.device:
+                    group = list(torch.stack(group).to(self.device).unbind())
+                norms.extend(group)
+        if plan.order is not None:  # back to parameter order, with a shared zero for each missing gradient
+            norms = [plan.zero if j < 0 else norms[j] for j in plan.order]
+        return torch.stack(norms)
+
+    def group(self, norms: Sequence[float]) -> list[float]:
+        """Sum the squares of :meth:`per_tensor`'s values per layer, on the host, in float64.
+
+        Returns the flattened ``[2, num_layers]`` rows of :meth:`squared` (replicated row, then sharded row), for
+        :func:`combine_ranks`. Squaring on the host after the read keeps the device work to the norms themselves,
+        and float64 holds the square of any float32 norm.
+        """
+        if len(norms) != len(self.params):
+            raise ValueError(f"Expected {len(self.params)} norms, one per parameter, but got {len(norms)}")
+        out = [0.0] * (2 * len(self.names))
+        for slot, weight, start, end in self._runs:  # the squares summed in C, a run of parameters at a time
+            part = norms[start:end]
+            out[slot] += sum(map(operator.mul, part, part)) * weight
+        return out
+
+    def squared(self, norms: Tensor | None = None) -> Tensor:
+        """Return a ``[2, num_layers]`` tensor of squared norms on this rank, on the device: replicated, sharded row.
+
+        The squares of :meth:`per_tensor` (or of ``norms``, its result), taken and summed per layer in float64
+        (float32 on MPS), so that a sum of large squares does not overflow. Nothing here reads a value on the host.
+        """
+        values = self.per_tensor() if norms is None else norms
+        squares = values.to(self._zeros.dtype).square()
+        if self._weight is not None:
+            squares = squares * self._weight
+        return torch.index_add(self._zeros, 0, self._slot, squares).view(2, -1)
 
     def norms(self) -> tuple[Tensor, Tensor]:
         """Return ``(total, per_layer)`` norms for a single process: both rows summed, then the square root.
 
-        In a multi-process run gather :meth:`squared` from every rank and use :func:`combine_ranks` instead.
+        In a multi-process run gather :meth:`per_tensor` from every rank, :meth:`group` each rank's values and use
+        :func:`combine_ranks` instead.
         """
         per_layer = self.squared().sum(0)
         return per_layer.sum().sqrt(), per_layer.sqrt()
@@ -182,29 +226,29 @@ class LayerGradNorms:
             param = self.params[i]
             local = param.to_local() if self._has_dtensor and isinstance(param, DTensor) else param
             groups.setdefault((local.device, local.dtype), []).append(j)
-        order = [present[j] for idx in groups.values() for j in idx]
-        single = len(groups) == 1 and next(iter(groups))[0] == self.device  # else the norms move to self.device
+        single = len(groups) == 1 and next(iter(groups))[0] == self.device
+        # Where each parameter's norm is in the kernels' output (in group order), or -1 for a missing gradient.
+        position = dict.fromkeys(range(len(self.params)), -1)
+        for k, i in enumerate(present[j] for idx in groups.values() for j in idx):
+            position[i] = k
+        order = list(position.values())
         plan = _Plan(
             groups=[None] if single else list(groups.values()),
             dtypes=[dtype for _, dtype in groups],
-            # `to_device`, not `torch.tensor(..., device=...)`: on CUDA that would wait for the queued backward at
-            # the first step and at each new pattern of present gradients.
-            slot=to_device([self._slots[i] for i in order], self.device),
-            squares=torch.empty(len(order), dtype=self._zeros.dtype, device=self.device),
-            weight=None if self._weights is None else to_device([self._weights[i] for i in order], self.device),
+            order=None if order == list(range(len(self.params))) else order,
+            zero=torch.zeros((), dtype=torch.float32, device=self.device),
         )
         self._plans[missing] = plan
         return plan
 
 
 class _Plan(NamedTuple):
-    """How to measure one pattern of present gradients: the groups to fuse, and where each square goes."""
+    """How to measure one pattern of present gradients: the groups to fuse, and how to put their norms in order."""
 
     groups: list[list[int] | None]  # positions in the list of present gradients; None means all of them
     dtypes: list[torch.dtype]  # the dtype of each group
-    slot: Tensor  # where each square goes in the flattened output
-    squares: Tensor  # the squares' buffer, reused at every call
-    weight: Tensor | None
+    order: list[int] | None  # for each parameter, its norm's position in the kernels' output (-1: missing)
+    zero: Tensor  # the norm of a missing gradient
 
 
 def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -228,15 +272,15 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     return [a + b for a, b in zip(replicated, sharded, strict=True)]
 
 
-def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> Tensor:
+def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
     """Per-tensor L2 norms in one fused kernel, accumulated and returned in float32, or float64 for float64 gradients.
 
     float64 gradients keep their range: a norm of 1e-30 or 1e30 would underflow or overflow float32 (the square of
     either, in any case).
     """
     if dtype == torch.float64:  # `dtype=float32` would be a narrowing cast, which `_foreach_norm` refuses
-        return torch.stack(torch._foreach_norm(grads, 2.0))
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+        return list(torch._foreach_norm(grads, 2.0))
+    return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
 
 
 def _local_grad(grad: Tensor, param: Tensor) -> Tensor:

@@ -517,14 +517,14 @@ class TrainingMonitor(Callback):
         # Gate: decide on check steps and logging steps; in between keep the worst figures on the device.
         self._window_closed = True
         watch = self._watch(trainer, pl_module, optimizer)
-        squared = watch.norms.squared()
+        norms = watch.norms.per_tensor()
         logs = is_logging_step(trainer)
         self._step_logged = logging_step(trainer) if logs else None
         # Counted per optimizer (`global_step` counts the steps of all of them), and never held at a step that may
         # be the run's last: nothing would check it afterwards.
         due = watch.count_step(self.check_every_n_steps)
         if not (due or logs or _may_be_last_step(trainer)):
-            watch.hold(squared, self._scaler)
+            watch.hold(norms, self._scaler)
             return
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
@@ -533,7 +533,7 @@ class TrainingMonitor(Callback):
         extras = [pending]
         if self._activations is not None:
             extras.append(self._activations.flags())
-        step = watch.read(squared, self._take_loss(), scaler, extras)
+        step = watch.read(norms, self._take_loss(), scaler, extras)
         first_bad = None
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start
             first_bad = self._activations.first_nonfinite(
@@ -546,7 +546,7 @@ class TrainingMonitor(Callback):
         self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
-        self._history.append((trainer.global_step, trainer.current_epoch, self.latest))
+        self._history.append((logging_step(trainer), trainer.current_epoch, self.latest))  # the alerts' step
 
         # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle. No update
         # with a non-finite loss or gradient reaches the weights (under fp16 AMP the GradScaler skips overflows), nor

@@ -2,9 +2,10 @@
 
 :class:`StepCheck` is what :class:`~lightning_monitor.TrainingMonitor` runs in ``on_before_optimizer_step``. Between
 checks (``check_every_n_steps > 1``) it keeps the worst figures on the device; at a check it packs the loss, the
-per-layer squared gradient norms, the loss scale and any extra figures into one tensor, gathers it from every rank
+per-parameter gradient norms, the loss scale and any extra figures into one tensor, gathers it from every rank
 with :func:`~lightning_monitor.halting.gather_ranks` (the one host read), and turns the rows into
-:class:`StepFigures` on the host. Every rank then runs the same detectors on the same numbers.
+:class:`StepFigures` on the host, where the norms are squared and summed per layer. Every rank then runs the same
+detectors on the same numbers.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class StepFigures:
 
 
 # Layout of the header of the packed per-rank tensor. After it: the held peak (replicated, sharded) and the held
-# overflow count when steps were held, then the [2, layers] squares flattened, then the extras.
+# overflow count when steps were held, then the per-parameter norms, then the extras.
 _LOSS_COUNT, _PRESENT, _HELD, _LOSS_SUM, _SCALE = range(5)
 _HEADER = 5
 
@@ -111,14 +112,15 @@ class StepCheck:
         self._steps += 1
         return due
 
-    def hold(self, squared: Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+    def hold(self, norms: Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
         """Keep the worst figures of a step that is not checked, on the device (no host sync).
 
         They are the worst finite total (replicated, sharded), unscaled with this step's own loss scale where a fused
         optimizer leaves the gradients scaled, and the count of steps whose gradients were not finite: under fp16 AMP
-        such an overflow is normal, and must not hide a finite explosion held with it.
+        such an overflow is normal, and must not hide a finite explosion held with it. ``norms`` is
+        :meth:`LayerGradNorms.per_tensor`.
         """
-        totals = squared.sum(1)
+        totals = self.norms.squared(norms).sum(1)
         scale = scale_tensor(scaler, totals.device) if self.fused else None
         if scale is not None:
             totals = totals / (scale * scale)
@@ -132,18 +134,19 @@ class StepCheck:
 
     def read(
         self,
-        squared: Tensor,
+        norms: Tensor,
         loss: tuple[Tensor | None, int],
         scaler: torch.amp.GradScaler | None,
         extras: list[Tensor],
     ) -> StepFigures:
         """Pack this rank's figures, gather every rank's, read them once, and combine them on the host.
 
-        ``loss`` is the sum of the micro-batch losses since the last check, each already multiplied back by its
-        accumulation factor and divided by its loss scale, and how many there were.
+        ``norms`` is :meth:`LayerGradNorms.per_tensor`. ``loss`` is the sum of the micro-batch losses since the
+        last check, each already multiplied back by its accumulation factor and divided by its loss scale, and how
+        many there were.
         """
         loss_sum, loss_count = loss
-        device, held = self.norms.device, self._held_steps  # `squared` is on the norms' device
+        device, held = self.norms.device, self._held_steps  # `norms` is on this device
         # Host-known counts travel with the rest, so every rank decides on the same numbers.
         counts = (loss_count, max(self._present, self.norms.present), held)
         scale_now = scale_tensor(scaler, device)
@@ -155,17 +158,18 @@ class StepCheck:
         ]
         if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
             parts += [self._peak, self._overflows]  # type: ignore[list-item]
-        parts += [squared.view(-1), *extras]
-        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
+        parts += [norms, *extras]
+        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check (float32 norms widen)
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
         first = per_rank[0]
         layers_start = _HEADER + (3 if held else 0)
-        layers_end = layers_start + 2 * len(self.norms.names)
+        layers_end = layers_start + len(self.norms.params)
         scale = first[_SCALE] if scaler is not None else 1.0
         # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
         unscale = scale**2 if self.fused else 1.0
-        layer_sq = combine_ranks([r[layers_start:layers_end] for r in per_rank])
+        rows = [self.norms.group(r[layers_start:layers_end]) for r in per_rank]  # [2, layers] squares per rank
+        layer_sq = combine_ranks(rows)
         if self.fused:
             layer_sq = [v / unscale for v in layer_sq]
         has_grads = any(r[_PRESENT] > 0 for r in per_rank)
@@ -194,7 +198,7 @@ class StepCheck:
             loss_scale=scale if scaler is not None else None,
             amp=scaler is not None,
             loss_ranks=[r[_LOSS_SUM] for r in per_rank],
-            grad_ranks=[fsum(r[layers_start:layers_end]) for r in per_rank],
+            grad_ranks=[fsum(row) for row in rows],
             extras=[r[layers_end:] for r in per_rank],
         )
 

@@ -174,6 +174,14 @@ class TokenAccuracy(Metric):
     @override
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add the counts of one batch to the states."""
+        self._add(preds, target)
+
+    def _add(self, preds: Tensor, target: Tensor) -> None:
+        """``update`` without torchmetrics' wrapper, which costs about as much as the counting on a short step.
+
+        For callers that read the states and never call ``compute()`` (``TokenAccuracyTracker``): the update count
+        is not kept. No grad mode is set: the counting reads the logits detached.
+        """
         correct, total, invalid = _update(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
         # In place: `+=` would also assign the attribute, and a module's `__setattr__` is slow at every step.
         self.correct.add_(correct)
@@ -259,15 +267,20 @@ def _update(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(correct, total, invalid)`` for one batch; ``invalid`` counts labels out of ``[0, V)``."""
     _check_inputs(preds, target, top_k, shift)
+    if preds.requires_grad:  # counts have no gradient: record no autograd history
+        preds = preds.detach()
     logits = preds.dtype.is_floating_point
     if shift:  # views: slicing copies nothing, and both reductions below run on the strided view
         preds, target = preds[..., :-1, :] if logits else preds[..., :-1], target[..., 1:]
-    counted = target != ignore_index
     if not logits:
+        counted = target != ignore_index
         zero = torch.zeros((), dtype=torch.long, device=target.device)
         return ((preds == target) & counted).sum(), counted.sum(), zero
 
     vocab = preds.shape[-1]
+    # Every label op runs on `[..., 1]`, the shape of the gathered logit, so nothing is reshaped in between.
+    target = target.unsqueeze(-1)
+    counted = target != ignore_index
     # Ignored and out-of-range labels read a clamped, in-bounds logit, which is then masked out: the gather index
     # is always in bounds, and no boolean compaction (a host sync) is needed. A label is in range when clamping
     # leaves it as it is.
@@ -277,7 +290,7 @@ def _update(
         _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
     # An ignore_index outside [0, V), such as -100, is never in range, so the in-range labels are the counted ones.
     valid = in_range & counted if 0 <= ignore_index < vocab else in_range
-    label_logit = preds.gather(-1, index.long().unsqueeze(-1))
+    label_logit = preds.gather(-1, index if index.dtype == torch.long else index.long())
     if top_k == 1:
         # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
         hit = label_logit >= preds.amax(dim=-1, keepdim=True)
@@ -287,7 +300,7 @@ def _update(
         hit = (label_logit >= top[..., -1:]) & ~top.isnan().any(dim=-1, keepdim=True)
     # Few distinct kernels (compare, and, sum), which is what a step pays for on the host, more than the op count.
     total = valid.sum()
-    return (hit.squeeze(-1) & valid).sum(), total, counted.sum() - total
+    return (hit & valid).sum(), total, counted.sum() - total
 
 
 def _raise_if_out_of_range(target: Tensor, bad: Tensor, ignore_index: int, vocab: int) -> None:

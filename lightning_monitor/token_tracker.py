@@ -152,7 +152,7 @@ class TokenAccuracyTracker:
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
-            metric.update(logits, labels)  # the metric runs without autograd, so nothing needs detaching
+            metric._add(logits, labels)  # the states are read directly, so torchmetrics' update wrapper is skipped
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
 

@@ -149,6 +149,37 @@ def test_sharded_rows_and_replica_weighting():
     assert LayerGradNorms(model.named_parameters(), sharded=True, replicas=2).squared().tolist() == [[0.0], [4.0]]
 
 
+def test_per_tensor_is_each_gradient_norm_in_parameter_order():
+    # What the monitor reads at a check: one norm per parameter, in order, 0 for a missing gradient, whatever the
+    # dtypes (one kernel per dtype, put back in parameter order); `group` squares and sums them like `squared`.
+    model = nn.Sequential(nn.Linear(3, 4).double(), nn.Linear(4, 4), nn.Linear(4, 2).half(), nn.Linear(2, 1))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    model[1].bias.grad = None
+    norms = LayerGradNorms(model.named_parameters())
+    expected = [0.0 if p.grad is None else p.grad.double().norm().item() for p in model.parameters()]
+    values = norms.per_tensor()
+    assert values.shape == (len(expected),) and norms.present == len(expected) - 1
+    assert values.tolist() == pytest.approx(expected, rel=1e-6)
+    rows = norms.group(values.tolist())
+    assert rows == pytest.approx(norms.squared().flatten().tolist(), rel=1e-12)
+    per_layer = [sum(e * e for e in expected[2 * i : 2 * i + 2]) for i in range(4)]
+    assert rows == pytest.approx([*per_layer, 0.0, 0.0, 0.0, 0.0], rel=1e-6)
+
+
+def test_group_sums_layers_whose_parameters_are_apart_and_weights_replicas():
+    a, b, c = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    a.grad, b.grad, c.grad = torch.tensor([3.0, 4.0]), torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    norms = LayerGradNorms([("x.0.w", a), ("y.w", b), ("x.0.b", c)])  # layer x.0 before and after y
+    assert norms.names == ("x.0", "y")
+    assert norms.group(norms.per_tensor().tolist()) == [29.0, 1.0, 0.0, 0.0]
+    sharded = LayerGradNorms([("x.0.w", a), ("y.w", b), ("x.0.b", c)], sharded=True, replicas=2)
+    assert sharded.group(sharded.per_tensor().tolist()) == [0.0, 0.0, 14.5, 0.5]
+    with pytest.raises(ValueError, match="Expected 3 norms, one per parameter, but got 2"):
+        norms.group([1.0, 2.0])
+
+
 def test_combine_ranks():
     # two ranks: replicated rows agree and are averaged; sharded rows are slices and are summed
     assert combine_ranks([[4.0, 1.0, 0.0, 2.0], [4.0, 1.0, 0.0, 3.0]]) == [4.0, 6.0]
@@ -161,6 +192,7 @@ def test_computing_norms_makes_no_host_sync():
     norms = LayerGradNorms(model.named_parameters())
     norms.squared()  # builds and caches the plan for this pattern of gradients
     with HostSyncCounter() as counter:
+        norms.per_tensor()
         norms.squared()
         norms.squared()
     assert counter.count == 0
