@@ -38,16 +38,16 @@ def log_every(trainer: pl.Trainer) -> int:
     return int(getattr(trainer, "log_every_n_steps", 0) or 0)
 
 
-def is_logging_step(trainer: pl.Trainer) -> bool:
+def is_logging_step(trainer: pl.Trainer, step: int | None = None) -> bool:
     """Whether Lightning writes to the loggers at the end of this training batch (``log_every_n_steps``).
 
     Lightning's own test (``_LoggerConnector.should_update_logs``) for the training loop, without its walk over
-    the loops.
+    the loops. ``step`` is :func:`logging_step`, when the caller has it already.
     """
     every = log_every(trainer)
-    if not trainer.loggers or not every:
+    if not every or not trainer.loggers:
         return False
-    return (logging_step(trainer) + 1) % every == 0 or trainer.should_stop
+    return ((logging_step(trainer) if step is None else step) + 1) % every == 0 or trainer.should_stop
 
 
 def logging_step(trainer: pl.Trainer) -> int:

@@ -518,8 +518,9 @@ class TrainingMonitor(Callback):
         self._window_closed = True
         watch = self._watch(trainer, pl_module, optimizer)
         norms = watch.norms.per_tensor()
-        logs = is_logging_step(trainer)
-        self._step_logged = logging_step(trainer) if logs else None
+        at = logging_step(trainer)
+        logs = is_logging_step(trainer, at)
+        self._step_logged = at if logs else None
         # Counted per optimizer (`global_step` counts the steps of all of them), and never held at a step that may
         # be the run's last: nothing would check it afterwards.
         due = watch.count_step(self.check_every_n_steps)
@@ -546,7 +547,7 @@ class TrainingMonitor(Callback):
         self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
-        self._history.append((logging_step(trainer), trainer.current_epoch, self.latest))  # the alerts' step
+        self._history.append((at, trainer.current_epoch, self.latest))  # the step of the alerts and the loggers
 
         # Decide: which alerts, whether to skip the step, whether to halt, whether to write a bundle. No update
         # with a non-finite loss or gradient reaches the weights (under fp16 AMP the GradScaler skips overflows), nor
@@ -891,8 +892,10 @@ class TrainingMonitor(Callback):
         whether it logs (``should_stop`` makes every step log). In manual optimization each batch has its own
         logging step and the optimizer may step after several, so every step is marked.
         """
+        if not self.token_accuracy:
+            return
         every = log_every(trainer)
-        if not (self.token_accuracy and every and trainer.loggers):
+        if not (every and trainer.loggers):
             return
         if (step + 1) % every == 0 or trainer.should_stop or not pl_module.automatic_optimization:
             self._tokens.mark(self._window)

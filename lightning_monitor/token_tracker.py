@@ -51,7 +51,7 @@ def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key
 
 
 def _lookup(container: Any, key: str) -> Any:
-    if isinstance(container, Mapping):
+    if type(container) is dict or isinstance(container, Mapping):  # a plain dict, the common case, skips the ABC
         return container.get(key)
     return getattr(container, key, None) if not isinstance(container, (Tensor, list, tuple)) else None
 
