@@ -41,7 +41,7 @@ from lightning_monitor.halting import TrainingHalted, fsum, gather_ranks, host_d
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.report import load_run, summarize_run
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
-from lightning_monitor.step_check import StepCheck, StepDetectors, StepFigures
+from lightning_monitor.step_check import PACK_DTYPE, StepCheck, StepDetectors, StepFigures
 from lightning_monitor.token_tracker import TokenAccuracyTracker
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
@@ -901,13 +901,17 @@ class TrainingMonitor(Callback):
             self._tokens.mark(self._window)
 
     def _take_pending_acc(self, device: torch.device) -> tuple[Tensor, int | None]:
-        """The token counts of the last logging step (zeros when none wait) and that step; forget them."""
+        """The token counts of the last logging step (zeros when none wait) and that step; forget them.
+
+        They travel in the check's float32 (``step_check.PACK_DTYPE``): exact up to 2**24 tokens per rank in one
+        logging step, and beyond that rounded at the precision loggers store the figure in.
+        """
         if self._pending_acc is None:
             if self._no_counts is None or self._no_counts.device != device:
-                self._no_counts = torch.zeros(2, dtype=host_dtype(device), device=device)
+                self._no_counts = torch.zeros(2, dtype=PACK_DTYPE, device=device)
             return self._no_counts, None
         (counts, step), self._pending_acc = self._pending_acc, None
-        return counts.to(device), step
+        return counts.to(device, PACK_DTYPE), step
 
     def _log_accuracy(
         self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None

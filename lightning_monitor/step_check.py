@@ -22,9 +22,9 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import fsum, gather_ranks, host_dtype, to_device
+from lightning_monitor.halting import fsum, gather_ranks, to_device
 
-__all__ = ["StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
+__all__ = ["PACK_DTYPE", "StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ class StepFigures:
 # overflow count when steps were held, then the per-parameter norms, then the extras.
 _LOSS_COUNT, _PRESENT, _HELD, _LOSS_SUM, _SCALE = range(5)
 _HEADER = 5
+#: The dtype of the packed tensor at a plain check: that of the loss, the loss scale and the norms (float32 on any
+#: device), so that one `cat` copies without converting (a mixed-dtype `cat` costs several times more on a CPU).
+#: The small counts of the header are exact in it. Parts that need more, the held peak (a float64 sum of squares)
+#: and float64 norms, widen the whole tensor, the same way on every rank.
+PACK_DTYPE = torch.float32
 
 
 class StepCheck:
@@ -209,13 +214,14 @@ class StepCheck:
         pattern is copied without blocking on CUDA (the copy queues behind the device work instead of waiting for it).
         """
         if self._fills is None or self._fills[0] != device:
-            self._fills = (device, torch.zeros(1, device=device), torch.ones(1, device=device))
+            zero, one = (torch.full((1,), v, dtype=PACK_DTYPE, device=device) for v in (0.0, 1.0))
+            self._fills = (device, zero, one)
             self._counts = {}
         cached = self._counts.get(counts)
         if cached is None:
             if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
                 self._counts.clear()
-            cached = to_device(counts, device, host_dtype(device))
+            cached = to_device(counts, device, PACK_DTYPE)
             self._counts[counts] = cached
         _, zero, one = self._fills
         return zero, one, cached
