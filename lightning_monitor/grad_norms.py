@@ -132,6 +132,9 @@ class LayerGradNorms:
             else:
                 self._runs.append((*key, i, i + 1))
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
+        # The dtype `per_tensor` returns, fixed by the parameters rather than by which of them have a gradient, so
+        # that every rank packs the same dtype (an `all_gather` of mismatched dtypes fails).
+        self._norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         self._plans: dict[tuple[int, ...], _Plan] = {}
         dtype = host_dtype(self.device)
         # For `squared()`: where each parameter's square goes, its weight, and the zeros the rows start from (never
@@ -145,10 +148,11 @@ class LayerGradNorms:
         """Return the L2 norm of each parameter's gradient on this rank, as one 1-D tensor in parameter order.
 
         This is what the monitor reads on every check: one fused ``torch._foreach_norm`` per device and dtype and
-        one ``stack``, nothing else. Norms are accumulated and returned in float32 (float64 for float64 gradients,
-        which keep their range). A parameter without a gradient reads 0; a non-finite gradient makes its norm
-        non-finite. Every rank returns the same layout, whatever gradients it has. ``DTensor`` gradients placed
-        unlike their parameters are redistributed first, a collective over their mesh.
+        one ``stack``, nothing else. Norms are accumulated in float32 (float64 for float64 gradients, which keep
+        their range) and returned in float32, or in float64 when any parameter is float64. A parameter without a
+        gradient reads 0; a non-finite gradient makes its norm non-finite. Every rank returns the same layout and
+        dtype, whatever gradients it has. ``DTensor`` gradients placed unlike their parameters are redistributed
+        first, a collective over their mesh.
 
         Turn the values into per-layer squares on the host with :meth:`group`, or on the device with
         :meth:`squared`.
@@ -156,7 +160,7 @@ class LayerGradNorms:
         present = [g for p in self.params if (g := p.grad) is not None]
         self.present = len(present)
         if not present:
-            return self._zeros.new_zeros(len(self.params))
+            return torch.zeros(len(self.params), dtype=self._norm_dtype, device=self.device)
         missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
@@ -236,7 +240,7 @@ class LayerGradNorms:
             groups=[None] if single else list(groups.values()),
             dtypes=[dtype for _, dtype in groups],
             order=None if order == list(range(len(self.params))) else order,
-            zero=torch.zeros((), dtype=torch.float32, device=self.device),
+            zero=torch.zeros((), dtype=self._norm_dtype, device=self.device),
         )
         self._plans[missing] = plan
         return plan

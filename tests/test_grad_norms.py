@@ -166,6 +166,13 @@ def test_per_tensor_is_each_gradient_norm_in_parameter_order():
     assert rows == pytest.approx(norms.squared().flatten().tolist(), rel=1e-12)
     per_layer = [sum(e * e for e in expected[2 * i : 2 * i + 2]) for i in range(4)]
     assert rows == pytest.approx([*per_layer, 0.0, 0.0, 0.0, 0.0], rel=1e-6)
+    # The dtype follows the parameters, not the gradients present: ranks must pack alike for their all_gather.
+    assert values.dtype == torch.float64
+    model[0].weight.grad = model[0].bias.grad = None
+    assert norms.per_tensor().dtype == torch.float64
+    model.zero_grad(set_to_none=True)
+    assert norms.per_tensor().dtype == torch.float64 and norms.per_tensor().tolist() == [0.0] * len(expected)
+    assert LayerGradNorms(model[1:].named_parameters()).per_tensor().dtype == torch.float32
 
 
 def test_group_sums_layers_whose_parameters_are_apart_and_weights_replicas():
