@@ -256,7 +256,7 @@ class _Plan(NamedTuple):
 
 
 def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
-    """Turn the flattened ``squared()`` rows of every rank into global per-layer squared norms, on the host.
+    """Turn every rank's flattened rows (``group()`` or ``squared()``) into global per-layer squared norms, on the host.
 
     Replicated contributions are identical on every rank, so they are averaged; sharded contributions are slices
     of one gradient, so they are summed.
