@@ -26,6 +26,7 @@ __all__ = [
     "host_dtype",
     "skip_optimizer_step",
     "to_device",
+    "world_size",
 ]
 
 
@@ -58,11 +59,22 @@ def gather_ranks(local: Tensor) -> list[list[float]]:
         >>> gather_ranks(torch.tensor([1.0, 2.0]))
         [[1.0, 2.0]]
     """
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    world_ranks = world_size()
+    if world_ranks == 1:
         return [local.tolist()]  # the host sync
-    world = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    world = [torch.empty_like(local) for _ in range(world_ranks)]
     dist.all_gather(world, local.detach().contiguous())
     return torch.stack(world).tolist()  # the host sync
+
+
+def world_size() -> int:
+    """The number of ranks :func:`gather_ranks` gathers from: 1 without an initialised process group.
+
+    Example:
+        >>> world_size()
+        1
+    """
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def fsum(values: Iterable[float]) -> float:

@@ -22,7 +22,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import fsum, gather_ranks, to_device
+from lightning_monitor.halting import fsum, gather_ranks, to_device, world_size
 
 __all__ = ["PACK_DTYPE", "StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -65,7 +65,8 @@ class StepFigures:
 
 
 # Layout of the header of the packed per-rank tensor. After it: the held peak (replicated, sharded) and the held
-# overflow count when steps were held, then the per-parameter norms, then the extras.
+# overflow count when steps were held, then the per-parameter norms (several ranks: the [2, layers] squares
+# flattened), then the extras.
 _LOSS_COUNT, _PRESENT, _HELD, _LOSS_SUM, _SCALE = range(5)
 _HEADER = 5
 #: The dtype of the packed tensor at a plain check: that of the loss, the loss scale and the norms (float32 on any
@@ -163,17 +164,23 @@ class StepCheck:
         ]
         if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
             parts += [self._peak, self._overflows]  # type: ignore[list-item]
-        parts += [norms, *extras]
-        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check (float32 norms widen)
+        # One process: the norms as they are, squared and summed per layer on the host after the read. Several: summed
+        # per layer on the device first, so that the host handles two figures per layer and rank rather than one per
+        # parameter and rank (with 576 tensors on 256 ranks, 4 ms per check against 34).
+        grouped = world_size() > 1
+        parts += [self.norms.squared(norms).view(-1) if grouped else norms, *extras]
+        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
         first = per_rank[0]
         layers_start = _HEADER + (3 if held else 0)
-        layers_end = layers_start + len(self.norms.params)
+        layers_end = layers_start + (2 * len(self.norms.names) if grouped else len(self.norms.params))
         scale = first[_SCALE] if scaler is not None else 1.0
         # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
         unscale = scale**2 if self.fused else 1.0
-        rows = [self.norms.group(r[layers_start:layers_end]) for r in per_rank]  # [2, layers] squares per rank
+        rows = [
+            r[layers_start:layers_end] if grouped else self.norms.group(r[layers_start:layers_end]) for r in per_rank
+        ]
         layer_sq = combine_ranks(rows)
         if self.fused:
             layer_sq = [v / unscale for v in layer_sq]

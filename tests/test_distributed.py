@@ -205,3 +205,24 @@ def test_faults_every_rank_shares_are_alerts_without_a_rank_and_no_crash(tmp_pat
             ("nonfinite_grad", 4, None),
         ]
         assert all("first seen on rank" not in a["message"] for a in report["alerts"])
+
+
+class NoGradientsOnRankOne(TensorBatchModel):
+    """Step 2: rank 1 drops its gradients after backward, as a rank holding no part of the parameters has none."""
+
+    def on_after_backward(self) -> None:
+        if self.global_rank == 1 and self.global_step == 2:
+            for p in self.parameters():
+                p.grad = None
+
+
+def test_a_rank_without_gradients_checks_with_the_others(tmp_path):
+    # Every rank must pack the same layout and dtype for the check's all_gather, whichever gradients it has: a rank
+    # packing float64 zeros against float32 norms aborted the run.
+    torch.manual_seed(0)
+    fit(tmp_path, NoGradientsOnRankOne(), devices=2)
+    rank0, rank1 = reports(tmp_path)
+    assert rank0["global_step"] == rank1["global_step"] == 8
+    assert rank0["latest"] == rank1["latest"] and math.isfinite(rank0["latest"]["grad_norm"])
+    norms = csv_column(tmp_path / "csv" / "version_0" / "metrics.csv", "grad_norm")
+    assert [step for step, _ in norms] == list(range(8)) and all(math.isfinite(v) for _, v in norms)
