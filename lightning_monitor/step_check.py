@@ -2,10 +2,10 @@
 
 :class:`StepCheck` is what :class:`~lightning_monitor.TrainingMonitor` runs in ``on_before_optimizer_step``. Between
 checks (``check_every_n_steps > 1``) it keeps the worst figures on the device; at a check it packs the loss, the
-per-parameter gradient norms, the loss scale and any extra figures into one tensor, gathers it from every rank
-with :func:`~lightning_monitor.halting.gather_ranks` (the one host read), and turns the rows into
-:class:`StepFigures` on the host, where the norms are squared and summed per layer. Every rank then runs the same
-detectors on the same numbers.
+gradient norms, the loss scale and any extra figures into one tensor, gathers it from every rank with
+:func:`~lightning_monitor.halting.gather_ranks` (the one host read), and turns the rows into :class:`StepFigures` on
+the host. The norms are squared and summed per layer on the host in one process, on the device with several ranks.
+Every rank then runs the same detectors on the same numbers.
 """
 
 from __future__ import annotations
