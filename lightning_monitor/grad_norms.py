@@ -123,7 +123,6 @@ class LayerGradNorms:
             copies = _dtensor_replicas(p) or (replicas if sharded else None)
             slots.append((num_layers if copies is not None else 0) + position[layer])
             weights.append(1.0 / copies if copies else 1.0)
-        self._weights = weights if any(w != 1.0 for w in weights) else None
         # Runs of neighbouring parameters with the same slot and weight, for `group`: (slot, weight, start, end).
         self._runs: list[tuple[int, float, int, int]] = []
         for i, key in enumerate(zip(slots, weights, strict=True)):
@@ -140,8 +139,9 @@ class LayerGradNorms:
         # For `squared()`: where each parameter's square goes, its weight, and the zeros the rows start from (never
         # written: `torch.index_add` returns a new tensor).
         self._slot = to_device(slots, self.device)
-        self._weight = None if self._weights is None else to_device(self._weights, self.device, dtype)
+        self._weight = to_device(weights, self.device, dtype) if any(w != 1.0 for w in weights) else None
         self._zeros = torch.zeros(2 * num_layers, dtype=dtype, device=self.device)
+        self._zero = torch.zeros((), dtype=self._norm_dtype, device=self.device)  # the norm of a missing gradient
         self.present = 0
 
     def per_tensor(self) -> Tensor:
@@ -175,7 +175,7 @@ class LayerGradNorms:
                     group = list(torch.stack(group).to(self.device).unbind())
                 norms.extend(group)
         if plan.order is not None:  # back to parameter order, with a shared zero for each missing gradient
-            norms = [plan.zero if j < 0 else norms[j] for j in plan.order]
+            norms = [self._zero if j < 0 else norms[j] for j in plan.order]
         return torch.stack(norms)
 
     def group(self, norms: Sequence[float]) -> list[float]:
@@ -208,8 +208,8 @@ class LayerGradNorms:
     def norms(self) -> tuple[Tensor, Tensor]:
         """Return ``(total, per_layer)`` norms for a single process: both rows summed, then the square root.
 
-        In a multi-process run gather :meth:`per_tensor` from every rank, :meth:`group` each rank's values and use
-        :func:`combine_ranks` instead.
+        In a multi-process run gather :meth:`squared` from every rank (or :meth:`per_tensor`, then :meth:`group`
+        each rank's values on the host, which costs more host time as ranks grow) and use :func:`combine_ranks`.
         """
         per_layer = self.squared().sum(0)
         return per_layer.sum().sqrt(), per_layer.sqrt()
@@ -240,7 +240,6 @@ class LayerGradNorms:
             groups=[None] if single else list(groups.values()),
             dtypes=[dtype for _, dtype in groups],
             order=None if order == list(range(len(self.params))) else order,
-            zero=torch.zeros((), dtype=self._norm_dtype, device=self.device),
         )
         self._plans[missing] = plan
         return plan
@@ -252,7 +251,6 @@ class _Plan(NamedTuple):
     groups: list[list[int] | None]  # positions in the list of present gradients; None means all of them
     dtypes: list[torch.dtype]  # the dtype of each group
     order: list[int] | None  # for each parameter, its norm's position in the kernels' output (-1: missing)
-    zero: Tensor  # the norm of a missing gradient
 
 
 def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
