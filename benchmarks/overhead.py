@@ -39,16 +39,16 @@ step's time does not depend on the process's allocation history.
   process-to-process differences that limit table 1, and it counts what the hooks change outside themselves (an
   optimizer step that finds the gradients just read in the CPU's caches). Each configuration sees every other step,
   which is enough for its figures and detectors to run as usual.
-- **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter``, and the median
-  share of the step spent inside them is taken two ways. *Round-robin*: in the timed steps of table 1. *Back to
-  back*: after the rounds, each configuration runs ``steady`` steps alone, one right after the other, as a real run
-  does, while the other processes wait; that is the steady, in-process share the target is judged on. Its steps are
-  usually faster than the round-robin ones, where each step follows a step of five other processes (at 1M, 23 to 32 ms
-  against 31 to 36 in two runs), so the same hooks take a larger share of them. For the monitor the table also
-  gives its parts in the round-robin steps: the gradient-norm kernel (``LayerGradNorms.per_tensor``), the
-  token-accuracy update (``TokenAccuracy._add``: ``update`` without torchmetrics' wrapper), the logger writes
-  (``LoggerSink.log_figures``) and the rest (Python, small tensors, the one host read, the detectors). The ``floor`` row
-  is what reading the same data once costs inside a training step, where the gradients and logits are no longer in the
+- **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter``, and the median share of
+  the step spent inside them is taken two ways. *Round-robin*: in the timed steps of table 1. *Back to back*: after the
+  rounds, each configuration runs ``steady`` steps alone, one right after the other, as a real run does, while the other
+  processes wait; that is the steady, in-process share the target is judged on. Its steps are usually faster than the
+  round-robin ones, where each step follows a step of five other processes (at 1M, 23 to 32 ms against 31 to 36 in two
+  runs), so the same hooks take a larger share of them. For the monitor the table also gives its parts in the
+  round-robin steps: the gradient-norm kernel (``LayerGradNorms.norm_list``, the norms the check stacks with its other
+  figures), the token-accuracy update (``TokenAccuracy._add``: ``update`` without torchmetrics' wrapper), the logger
+  writes (``LoggerSink.log_figures``) and the rest (Python, the one stack and read, the detectors). The ``floor`` row is
+  what reading the same data once costs inside a training step, where the gradients and logits are no longer in the
   CPU's caches and the code is cold, with its gradient read and its ``amax`` timed as the same two parts; the monitor's
   time above it is its own work. A line under the table gives the monitor's parts over the floor's: the gradient-norm
   kernel against the 1.3x target as a step meets it (table 4 has it hot). Table 2 has far less noise than table 1, but
@@ -258,7 +258,7 @@ class ReadOnce(Callback):
         self.read_logits(outputs["logits"])
 
     def read_gradients(self) -> list[Tensor]:
-        """Every gradient read once, the kernel ``LayerGradNorms.per_tensor()`` is built on."""
+        """Every gradient read once, the kernel ``LayerGradNorms.norm_list()`` is built on."""
         return torch._foreach_norm([g for p in self.params if (g := p.grad) is not None], 2.0)
 
     def read_logits(self, logits: Tensor) -> Tensor:
@@ -292,7 +292,7 @@ class NaiveLoop(Callback):
 PARTS: dict[str, tuple[tuple[type, str, str], ...]] = {
     "floor": ((ReadOnce, "read_gradients", "grad-norm kernel"), (ReadOnce, "read_logits", "token-acc update")),
     "monitor": (
-        (LayerGradNorms, "per_tensor", "grad-norm kernel"),
+        (LayerGradNorms, "norm_list", "grad-norm kernel"),  # the norms; the check stacks them with its figures
         (TokenAccuracy, "_add", "token-acc update"),  # `update` without torchmetrics' wrapper, as the monitor calls it
         (LoggerSink, "log_figures", "logger writes"),
     ),

@@ -34,20 +34,17 @@ STEP_HOOKS = (
 
 
 def log_every(trainer: pl.Trainer) -> int:
-    """``Trainer(log_every_n_steps=...)``, which Lightning sets on the trainer at run time."""
-    return int(getattr(trainer, "log_every_n_steps", 0) or 0)
+    """``Trainer(log_every_n_steps=...)``, which Lightning sets on the trainer at run time; 0 without a logger."""
+    return int(getattr(trainer, "log_every_n_steps", 0) or 0) if trainer.loggers else 0
 
 
-def is_logging_step(trainer: pl.Trainer, step: int | None = None) -> bool:
+def is_logging_step(trainer: pl.Trainer, step: int, every: int) -> bool:
     """Whether Lightning writes to the loggers at the end of this training batch (``log_every_n_steps``).
 
     Lightning's own test (``_LoggerConnector.should_update_logs``) for the training loop, without its walk over
-    the loops. ``step`` is :func:`logging_step`, when the caller has it already.
+    the loops. ``step`` is :func:`logging_step` and ``every`` :func:`log_every`, which is fixed for a run.
     """
-    every = log_every(trainer)
-    if not every or not trainer.loggers:
-        return False
-    return ((logging_step(trainer) if step is None else step) + 1) % every == 0 or trainer.should_stop
+    return bool(every) and ((step + 1) % every == 0 or trainer.should_stop)
 
 
 def logging_step(trainer: pl.Trainer) -> int:

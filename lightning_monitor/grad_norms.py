@@ -3,8 +3,9 @@
 :class:`LayerGradNorms` resolves once which layer each parameter belongs to, then on every call reads each
 gradient once with ``torch._foreach_norm`` (one kernel per device and dtype, no per-parameter ``.item()``) and
 stacks the norms into one device tensor, :meth:`~LayerGradNorms.per_tensor`; nothing there synchronises with the
-host. The monitor reads that tensor with its other figures and sums the squares per layer on the host
-(:meth:`~LayerGradNorms.group`); :meth:`~LayerGradNorms.squared` does the same on the device.
+host. In one process the monitor stacks the norms (:meth:`~LayerGradNorms.norm_list`) with its other figures, reads
+them once, and sums the squares per layer on the host (:meth:`~LayerGradNorms.layer_squares`);
+:meth:`~LayerGradNorms.squared` sums them on the device, as the monitor does with several ranks.
 
 Sharded gradients: a replicated gradient (single device, DDP) is the same on every rank, while a sharded one (FSDP,
 or a ``DTensor`` gradient with ``Shard`` placements) holds a different slice on each rank. The per-layer squares
@@ -123,13 +124,10 @@ class LayerGradNorms:
             copies = _dtensor_replicas(p) or (replicas if sharded else None)
             slots.append((num_layers if copies is not None else 0) + position[layer])
             weights.append(1.0 / copies if copies else 1.0)
-        # Runs of neighbouring parameters with the same slot and weight, for `group`: (slot, weight, start, end).
-        self._runs: list[tuple[int, float, int, int]] = []
-        for i, key in enumerate(zip(slots, weights, strict=True)):
-            if self._runs and self._runs[-1][:2] == key:
-                self._runs[-1] = (*key, self._runs[-1][2], i + 1)
-            else:
-                self._runs.append((*key, i, i + 1))
+        # Runs of neighbouring parameters with the same slot and weight: (slot, weight, start, end). `group` sums
+        # into the two rows, `layer_squares` into one slot per layer.
+        self._runs = _runs(slots, weights)
+        self._layer_runs = _runs([slot % num_layers for slot in slots], weights)
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
         # The dtype `per_tensor` returns, fixed by the parameters rather than by which of them have a gradient, so
         # that every rank packs the same dtype (an `all_gather` of mismatched dtypes fails).
@@ -147,20 +145,28 @@ class LayerGradNorms:
     def per_tensor(self) -> Tensor:
         """Return the L2 norm of each parameter's gradient on this rank, as one 1-D tensor in parameter order.
 
-        This is what the monitor reads on every check: one fused ``torch._foreach_norm`` per device and dtype and
-        one ``stack``, nothing else. Norms are accumulated in float32 (float64 for float64 gradients, which keep
-        their range) and returned in float32, or in float64 when any parameter is float64. A parameter without a
-        gradient reads 0; a non-finite gradient makes its norm non-finite. Every rank returns the same layout and
-        dtype, whatever gradients it has. ``DTensor`` gradients placed unlike their parameters are redistributed
-        first, a collective over their mesh.
+        One fused ``torch._foreach_norm`` per device and dtype and one ``stack``, nothing else. Norms are accumulated
+        in float32 (float64 for float64 gradients, which keep their range) and returned in float32, or in float64
+        when any parameter is float64. A parameter without a gradient reads 0; a non-finite gradient makes its norm
+        non-finite. Every rank returns the same layout and dtype, whatever gradients it has. ``DTensor`` gradients
+        placed unlike their parameters are redistributed first, a collective over their mesh.
 
-        Turn the values into per-layer squares on the host with :meth:`group`, or on the device with
-        :meth:`squared`.
+        Turn the values into per-layer squares on the host with :meth:`group` or :meth:`layer_squares`, or on the
+        device with :meth:`squared`.
+        """
+        return torch.stack(self.norm_list())
+
+    def norm_list(self) -> list[Tensor]:
+        """:meth:`per_tensor`'s values before the ``stack``: one 0-d tensor per parameter, in parameter order.
+
+        What the monitor reads at every check: it stacks them with its other figures, one ``stack`` for all. Their
+        dtypes can differ; stacked, they promote to :meth:`per_tensor`'s dtype (any float64 parameter, with or
+        without a gradient, contributes a float64 norm or zero).
         """
         present = [g for p in self.params if (g := p.grad) is not None]
         self.present = len(present)
         if not present:
-            return torch.zeros(len(self.params), dtype=self._norm_dtype, device=self.device)
+            return [self._zero] * len(self.params)
         missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
@@ -176,7 +182,7 @@ class LayerGradNorms:
                 norms.extend(group)
         if plan.order is not None:  # back to parameter order, with a shared zero for each missing gradient
             norms = [self._zero if j < 0 else norms[j] for j in plan.order]
-        return torch.stack(norms)
+        return norms
 
     def group(self, norms: Sequence[float]) -> list[float]:
         """Sum the squares of :meth:`per_tensor`'s values per layer, on the host, in float64.
@@ -185,13 +191,14 @@ class LayerGradNorms:
         :func:`combine_ranks`. Squaring on the host after the read keeps the device work to the norms themselves,
         and float64 holds the square of any float32 norm.
         """
-        if len(norms) != len(self.params):
-            raise ValueError(f"Expected {len(self.params)} norms, one per parameter, but got {len(norms)}")
-        out = [0.0] * (2 * len(self.names))
-        for slot, weight, start, end in self._runs:  # the squares summed in C, a run of parameters at a time
-            part = norms[start:end]
-            out[slot] += sum(map(operator.mul, part, part)) * weight
-        return out
+        return self._sum_squares(norms, self._runs, 2 * len(self.names))
+
+    def layer_squares(self, norms: Sequence[float]) -> list[float]:
+        """The squared norm of each layer from :meth:`per_tensor`'s values: :meth:`group` with its two rows added.
+
+        What :func:`combine_ranks` makes of one rank's rows, in one pass: the figure of a single process.
+        """
+        return self._sum_squares(norms, self._layer_runs, len(self.names))
 
     def squared(self, norms: Tensor | None = None) -> Tensor:
         """Return a ``[2, num_layers]`` tensor of squared norms on this rank, on the device: replicated, sharded row.
@@ -213,6 +220,15 @@ class LayerGradNorms:
         """
         per_layer = self.squared().sum(0)
         return per_layer.sum().sqrt(), per_layer.sqrt()
+
+    def _sum_squares(self, norms: Sequence[float], runs: list[tuple[int, float, int, int]], size: int) -> list[float]:
+        if len(norms) != len(self.params):
+            raise ValueError(f"Expected {len(self.params)} norms, one per parameter, but got {len(norms)}")
+        out = [0.0] * size
+        for slot, weight, start, end in runs:  # the squares summed in C, a run of parameters at a time
+            part = norms[start:end]
+            out[slot] += sum(map(operator.mul, part, part)) * weight
+        return out
 
     def _missing(self) -> tuple[int, ...]:
         """The positions of the parameters without a gradient."""
@@ -272,6 +288,17 @@ def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
     replicated = [fsum(r[i] for r in per_rank) / world for i in range(num_layers)]
     sharded = [fsum(r[num_layers + i] for r in per_rank) for i in range(num_layers)]
     return [a + b for a, b in zip(replicated, sharded, strict=True)]
+
+
+def _runs(slots: Sequence[int], weights: Sequence[float]) -> list[tuple[int, float, int, int]]:
+    """Runs of neighbouring parameters with the same slot and weight: ``(slot, weight, start, end)``."""
+    runs: list[tuple[int, float, int, int]] = []
+    for i, key in enumerate(zip(slots, weights, strict=True)):
+        if runs and runs[-1][:2] == key:
+            runs[-1] = (*key, runs[-1][2], i + 1)
+        else:
+            runs.append((*key, i, i + 1))
+    return runs
 
 
 def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> list[Tensor]:

@@ -48,18 +48,19 @@ class TrainingHalted(RuntimeError):
         self.alert = alert
 
 
-def gather_ranks(local: Tensor) -> list[list[float]]:
+def gather_ranks(local: Tensor, ranks: int | None = None) -> list[list[float]]:
     """Gather a 1-D tensor from every rank and return it on the host as one list per rank, in rank order.
 
     This is the monitor's one collective and its one host synchronisation per check: a single ``all_gather`` of
     a few floats (nothing at all in a single-process run), then one device-to-host copy. The tensor travels in its
-    own dtype: pack figures in :func:`host_dtype` so that counts and sums stay exact.
+    own dtype: pack figures in :func:`host_dtype` so that counts and sums stay exact. ``ranks`` is
+    :func:`world_size`, when the caller knows it.
 
     Example:
         >>> gather_ranks(torch.tensor([1.0, 2.0]))
         [[1.0, 2.0]]
     """
-    world_ranks = world_size()
+    world_ranks = world_size() if ranks is None else ranks
     if world_ranks == 1:
         return [local.tolist()]  # the host sync
     world = [torch.empty_like(local) for _ in range(world_ranks)]

@@ -37,7 +37,7 @@ from lightning_monitor.detectors import (
     ThresholdDetector,
 )
 from lightning_monitor.grad_norms import LayerGradNorms, layer_name
-from lightning_monitor.halting import TrainingHalted, fsum, gather_ranks, host_dtype, skip_optimizer_step
+from lightning_monitor.halting import TrainingHalted, fsum, gather_ranks, host_dtype, skip_optimizer_step, world_size
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.report import load_run, summarize_run
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -361,6 +361,8 @@ class TrainingMonitor(Callback):
         # (global step, epoch, figures) of the last checks, for the post-mortem bundle's history.
         self._history: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=_HISTORY)
         self._scaler: torch.amp.GradScaler | None = None  # the fp16 AMP GradScaler of the run, found at train start
+        self._ranks = 1  # the number of ranks the check gathers from, found at train start
+        self._every = 0  # how often Lightning logs (0: it does not), found at train start
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._window_closed = True
         self._order: ForwardOrder | None = None
@@ -373,7 +375,7 @@ class TrainingMonitor(Callback):
         )
         self._window = 0  # optimizer steps (windows of micro-batches) closed so far: the tag of token-count marks
         self._step_logged: int | None = None  # the logging step of the optimizer step under way, if it logs
-        self._no_counts: Tensor | None = None  # cached zeros standing for "no counts waiting"
+        self._no_counts: tuple[Tensor, ...] | None = None  # cached zeros standing for "no counts waiting"
         self._pending_acc: tuple[Tensor, int] | None = None  # a step's token counts waiting for the next read
 
     @property
@@ -410,6 +412,8 @@ class TrainingMonitor(Callback):
         self._order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
         self._activations = ActivationWatch(pl_module) if self.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
+        self._ranks = world_size()  # so is the process group
+        self._every = log_every(trainer)  # and so are the loggers and their interval
         # After a resume the alerts come from the checkpoint (restored after `setup`): append to the alerts file. A
         # run that starts afresh sets an earlier run's file aside.
         if self._jsonl is not None and not self._resumed and trainer.is_global_zero:
@@ -500,7 +504,9 @@ class TrainingMonitor(Callback):
         # under fp16 AMP. Both are undone here, with this micro-batch's own factors: they can change between checks
         # (the GradScaler halves at an overflow, a GradientAccumulationScheduler changes the other). On the device,
         # and only where a factor is not 1. Summing keeps NaN and Inf: any bad micro-batch shows.
-        loss = loss.detach().float()
+        loss = loss.detach()
+        if loss.dtype is not torch.float32:  # summed in float32, whatever precision computed it
+            loss = loss.float()
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         if accumulate != 1:
             loss = loss * accumulate
@@ -517,9 +523,9 @@ class TrainingMonitor(Callback):
         # Gate: decide on check steps and logging steps; in between keep the worst figures on the device.
         self._window_closed = True
         watch = self._watch(trainer, pl_module, optimizer)
-        norms = watch.norms.per_tensor()
+        norms = watch.norms.norm_list()
         at = logging_step(trainer)
-        logs = is_logging_step(trainer, at)
+        logs = is_logging_step(trainer, at, self._every)
         self._step_logged = at if logs else None
         # Counted per optimizer (`global_step` counts the steps of all of them), and never held at a step that may
         # be the run's last: nothing would check it afterwards.
@@ -530,11 +536,10 @@ class TrainingMonitor(Callback):
 
         # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
         scaler = self._scaler
-        pending, pending_step = self._take_pending_acc(watch.norms.device)
-        extras = [pending]
+        extras, pending_step = self._take_pending_acc(watch.norms.device)
         if self._activations is not None:
-            extras.append(self._activations.flags())
-        step = watch.read(norms, self._take_loss(), scaler, extras)
+            extras = (*extras, *self._activations.flags().unbind())
+        step = watch.read(norms, self._take_loss(), scaler, extras, self._ranks)
         first_bad = None
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start
             first_bad = self._activations.first_nonfinite(
@@ -544,7 +549,8 @@ class TrainingMonitor(Callback):
         if self._order is not None:
             watch.order = self._order
             self._order.close()
-        self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
+        if pending_step is not None:
+            self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in step.extras], pending_step)
         figures = watch.figures(step, self.layer_norms)
         self.latest = {"loss": math.nan if step.loss is None else step.loss, **figures}
         self._history.append((at, trainer.current_epoch, self.latest))  # the step of the alerts and the loggers
@@ -611,7 +617,7 @@ class TrainingMonitor(Callback):
             return
         # Compute: the epoch's token counts and any step figure still waiting, in one read.
         pending, pending_step = self._take_pending_acc(pl_module.device)
-        per_rank = gather_ranks(torch.cat([pending, self._tokens.epoch_counts("train", pl_module.device)]))
+        per_rank = gather_ranks(torch.cat([torch.stack(pending), self._tokens.epoch_counts("train", pl_module.device)]))
         # Log.
         self._log_accuracy(trainer, "train_token_acc", [r[:2] for r in per_rank], pending_step)
         # At the epoch's last step, where Lightning writes epoch-end metrics too.
@@ -892,26 +898,24 @@ class TrainingMonitor(Callback):
         whether it logs (``should_stop`` makes every step log). In manual optimization each batch has its own
         logging step and the optimizer may step after several, so every step is marked.
         """
-        if not self.token_accuracy:
+        if not (self.token_accuracy and self._every):
             return
-        every = log_every(trainer)
-        if not (every and trainer.loggers):
-            return
-        if (step + 1) % every == 0 or trainer.should_stop or not pl_module.automatic_optimization:
+        if (step + 1) % self._every == 0 or trainer.should_stop or not pl_module.automatic_optimization:
             self._tokens.mark(self._window)
 
-    def _take_pending_acc(self, device: torch.device) -> tuple[Tensor, int | None]:
-        """The token counts of the last logging step (zeros when none wait) and that step; forget them.
+    def _take_pending_acc(self, device: torch.device) -> tuple[tuple[Tensor, ...], int | None]:
+        """The token counts of the last logging step and that step; forget them.
 
-        They travel in the check's float32 (``step_check.PACK_DTYPE``): exact up to 2**24 tokens per rank in one
-        logging step, and beyond that rounded at the precision loggers store the figure in.
+        The counts are ``(correct, total)`` as 0-d tensors, zeros when none wait. They travel in the check's float32
+        (``step_check.PACK_DTYPE``): exact up to 2**24 tokens per rank in one logging step, and beyond that rounded
+        at the precision loggers store the figure in.
         """
         if self._pending_acc is None:
-            if self._no_counts is None or self._no_counts.device != device:
-                self._no_counts = torch.zeros(2, dtype=PACK_DTYPE, device=device)
+            if self._no_counts is None or self._no_counts[0].device != device:
+                self._no_counts = torch.zeros(2, dtype=PACK_DTYPE, device=device).unbind()
             return self._no_counts, None
         (counts, step), self._pending_acc = self._pending_acc, None
-        return counts.to(device, PACK_DTYPE), step
+        return counts.to(device, PACK_DTYPE).unbind(), step
 
     def _log_accuracy(
         self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None

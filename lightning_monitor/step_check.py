@@ -11,7 +11,7 @@ Every rank then runs the same detectors on the same numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,7 +70,7 @@ class StepFigures:
 _LOSS_COUNT, _PRESENT, _HELD, _LOSS_SUM, _SCALE = range(5)
 _HEADER = 5
 #: The dtype of the packed tensor at a plain check: that of the loss, the loss scale and the norms (float32 on any
-#: device), so that one `cat` copies without converting (a mixed-dtype `cat` costs several times more on a CPU).
+#: device), so that one `stack` copies without converting (a mixed-dtype copy costs several times more on a CPU).
 #: The small counts of the header are exact in it. Parts that need more, the held peak (a float64 sum of squares)
 #: and float64 norms, widen the whole tensor, the same way on every rank.
 PACK_DTYPE = torch.float32
@@ -105,7 +105,7 @@ class StepCheck:
         self._held_steps = 0
         self._steps = 0  # optimizer steps of this optimizer so far
         self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a [0] and a [1] on it
-        self._counts: dict[tuple[int, int, int], Tensor] = {}
+        self._counts: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}
 
     def measure(self, norms: LayerGradNorms) -> None:
         """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
@@ -118,21 +118,21 @@ class StepCheck:
         self._steps += 1
         return due
 
-    def hold(self, norms: Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+    def hold(self, norms: list[Tensor], scaler: torch.amp.GradScaler | None = None) -> None:
         """Keep the worst figures of a step that is not checked, on the device (no host sync).
 
         They are the worst finite total (replicated, sharded), unscaled with this step's own loss scale where a fused
         optimizer leaves the gradients scaled, and the count of steps whose gradients were not finite: under fp16 AMP
         such an overflow is normal, and must not hide a finite explosion held with it. ``norms`` is
-        :meth:`LayerGradNorms.per_tensor`.
+        :meth:`LayerGradNorms.norm_list`.
         """
-        totals = self.norms.squared(norms).sum(1)
+        totals = self.norms.squared(torch.stack(norms)).sum(1)
         scale = scale_tensor(scaler, totals.device) if self.fused else None
         if scale is not None:
             totals = totals / (scale * scale)
         finite = torch.isfinite(totals).all()
         kept = torch.where(finite, totals, 0.0)
-        bad = (~finite).to(totals.dtype).reshape(1)
+        bad = (~finite).to(totals.dtype)
         self._peak = kept if self._peak is None else torch.maximum(self._peak, kept)
         self._overflows = bad if self._overflows is None else self._overflows + bad
         self._present = max(self._present, self.norms.present)
@@ -140,51 +140,65 @@ class StepCheck:
 
     def read(
         self,
-        norms: Tensor,
+        norms: list[Tensor],
         loss: tuple[Tensor | None, int],
         scaler: torch.amp.GradScaler | None,
-        extras: list[Tensor],
+        extras: Sequence[Tensor] = (),
+        ranks: int | None = None,
     ) -> StepFigures:
         """Pack this rank's figures, gather every rank's, read them once, and combine them on the host.
 
-        ``norms`` is :meth:`LayerGradNorms.per_tensor`. ``loss`` is the sum of the micro-batch losses since the
-        last check, each already multiplied back by its accumulation factor and divided by its loss scale, and how
-        many there were.
+        Args:
+            norms: :meth:`LayerGradNorms.norm_list`, one 0-d norm per parameter.
+            loss: The sum of the micro-batch losses since the last check (0-d), each already multiplied back by its
+                accumulation factor and divided by its loss scale, and how many there were.
+            scaler: The fp16 GradScaler, or ``None``.
+            extras: 0-d figures to gather with the rest; each rank's come back in :attr:`StepFigures.extras`.
+            ranks: :func:`~lightning_monitor.halting.world_size`, when the caller knows it.
         """
         loss_sum, loss_count = loss
         device, held = self.norms.device, self._held_steps  # `norms` is on this device
-        # Host-known counts travel with the rest, so every rank decides on the same numbers.
-        counts = (loss_count, max(self._present, self.norms.present), held)
+        ranks = world_size() if ranks is None else ranks
+        # Host-known counts travel with the rest, so every rank decides on the same numbers. Every part is 0-d, so
+        # one `stack` packs them all; it promotes to float64 where a part is float64, the same way on every rank.
+        zero, one, counts_now = self._constants(device, (loss_count, max(self._present, self.norms.present), held))
         scale_now = scale_tensor(scaler, device)
-        zero, one, counts_now = self._constants(device, counts)
         parts = [
-            counts_now,
-            zero if loss_sum is None else loss_sum.view(1),  # no loss: 0
+            *counts_now,
+            zero if loss_sum is None else loss_sum,  # no loss: 0
             one if scale_now is None else scale_now,  # no scaler: a scale of 1
         ]
         if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
-            parts += [self._peak, self._overflows]  # type: ignore[list-item]
+            parts += [*self._peak.unbind(), self._overflows]  # type: ignore[union-attr,list-item]
         # One process: the norms as they are, squared and summed per layer on the host after the read. Several: summed
         # per layer on the device first, so that the host handles two figures per layer and rank rather than one per
         # parameter and rank (with 576 tensors on 256 ranks, 4 ms per check against 34).
-        grouped = world_size() > 1
-        parts += [self.norms.squared(norms).view(-1) if grouped else norms, *extras]
-        per_rank = gather_ranks(torch.cat(parts))  # the one host sync of this check
+        if ranks > 1:
+            parts += self.norms.squared(torch.stack(norms)).view(-1).unbind()
+        else:
+            parts += norms
+        parts += extras
+        per_rank = gather_ranks(torch.stack(parts), ranks)  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
         first = per_rank[0]
         layers_start = _HEADER + (3 if held else 0)
-        layers_end = layers_start + (2 * len(self.norms.names) if grouped else len(self.norms.params))
+        layers_end = layers_start + (2 * len(self.norms.names) if ranks > 1 else len(self.norms.params))
         scale = first[_SCALE] if scaler is not None else 1.0
-        # Fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook.
-        unscale = scale**2 if self.fused else 1.0
-        rows = [
-            r[layers_start:layers_end] if grouped else self.norms.group(r[layers_start:layers_end]) for r in per_rank
-        ]
-        layer_sq = combine_ranks(rows)
-        if self.fused:
+        if ranks > 1:
+            rows = [r[layers_start:layers_end] for r in per_rank]
+            layer_sq = combine_ranks(rows)
+            rank_sq: list[float] | None = [fsum(row) for row in rows]
+            has_grads = any(r[_PRESENT] > 0 for r in per_rank)
+            count = fsum(r[_LOSS_COUNT] for r in per_rank)
+            loss_total = fsum(r[_LOSS_SUM] for r in per_rank)
+        else:  # the same figures, without the loops over ranks
+            layer_sq = self.norms.layer_squares(first[layers_start:layers_end])
+            rank_sq = None  # the total below
+            has_grads, count, loss_total = first[_PRESENT] > 0, first[_LOSS_COUNT], first[_LOSS_SUM]
+        if self.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
+            unscale = scale**2
             layer_sq = [v / unscale for v in layer_sq]
-        has_grads = any(r[_PRESENT] > 0 for r in per_rank)
         total_sq = fsum(layer_sq)
         overflow_steps = 0 if math.isfinite(total_sq) else 1
         norm = math.sqrt(total_sq)
@@ -199,9 +213,8 @@ class StepCheck:
             else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
                 finite = [v for v in (held_norm, norm) if math.isfinite(v)]
                 grad_peak = max(finite) if finite else norm
-        count = fsum(r[_LOSS_COUNT] for r in per_rank)
         return StepFigures(
-            loss=fsum(r[_LOSS_SUM] for r in per_rank) / count if count else None,
+            loss=loss_total / count if count else None,
             grad_norm=grad_norm,
             grad_peak=grad_peak,
             layer_sq=layer_sq,
@@ -210,25 +223,27 @@ class StepCheck:
             loss_scale=scale if scaler is not None else None,
             amp=scaler is not None,
             loss_ranks=[r[_LOSS_SUM] for r in per_rank],
-            grad_ranks=[fsum(row) for row in rows],
+            grad_ranks=[total_sq] if rank_sq is None else rank_sq,
             extras=[r[layers_end:] for r in per_rank],
         )
 
-    def _constants(self, device: torch.device, counts: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
-        """A ``[0]`` and a ``[1]`` that stand in for figures a step does not have, and ``counts`` as a tensor.
+    def _constants(
+        self, device: torch.device, counts: tuple[int, int, int]
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """A 0-d ``0`` and ``1`` that stand in for figures a step does not have, and ``counts`` as 0-d tensors.
 
-        All three are cached on ``device``. The counts rarely change, so most steps create and copy nothing; a new
+        All are cached on ``device``. The counts rarely change, so most steps create and copy nothing; a new
         pattern is copied without blocking on CUDA (the copy queues behind the device work instead of waiting for it).
         """
         if self._fills is None or self._fills[0] != device:
-            zero, one = (torch.full((1,), v, dtype=PACK_DTYPE, device=device) for v in (0.0, 1.0))
+            zero, one = (torch.full((), v, dtype=PACK_DTYPE, device=device) for v in (0.0, 1.0))
             self._fills = (device, zero, one)
             self._counts = {}
         cached = self._counts.get(counts)
         if cached is None:
             if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
                 self._counts.clear()
-            cached = to_device(counts, device, PACK_DTYPE)
+            cached = to_device(counts, device, PACK_DTYPE).unbind()
             self._counts[counts] = cached
         _, zero, one = self._fills
         return zero, one, cached
@@ -342,9 +357,9 @@ class StepDetectors:
 
 
 def scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:
-    """The current loss scale as a 1-element device tensor, without a host sync (``get_scale()`` would sync).
+    """The current loss scale as a 0-d device tensor, without a host sync (``get_scale()`` would sync).
 
     ``None`` without a GradScaler, or before its first ``scale()``.
     """
     scale = getattr(scaler, "_scale", None)
-    return scale.reshape(1).to(device=device, dtype=torch.float32) if isinstance(scale, Tensor) else None
+    return scale.reshape(()).to(device=device, dtype=torch.float32) if isinstance(scale, Tensor) else None

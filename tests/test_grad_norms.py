@@ -183,8 +183,16 @@ def test_group_sums_layers_whose_parameters_are_apart_and_weights_replicas():
     assert norms.group(norms.per_tensor().tolist()) == [29.0, 1.0, 0.0, 0.0]
     sharded = LayerGradNorms([("x.0.w", a), ("y.w", b), ("x.0.b", c)], sharded=True, replicas=2)
     assert sharded.group(sharded.per_tensor().tolist()) == [0.0, 0.0, 14.5, 0.5]
-    with pytest.raises(ValueError, match="Expected 3 norms, one per parameter, but got 2"):
-        norms.group([1.0, 2.0])
+    # `layer_squares`, the single-process figure, is `group` with its rows added, as `combine_ranks` adds them
+    for n in (norms, sharded):
+        values = n.per_tensor().tolist()
+        assert n.layer_squares(values) == combine_ranks([n.group(values)])
+    assert norms.layer_squares(norms.per_tensor().tolist()) == [29.0, 1.0]
+    # `norm_list` is what `per_tensor` stacks
+    assert torch.stack(norms.norm_list()).tolist() == norms.per_tensor().tolist() == [5.0, 1.0, 2.0]
+    for wrong in (norms.group, norms.layer_squares):
+        with pytest.raises(ValueError, match="Expected 3 norms, one per parameter, but got 2"):
+            wrong([1.0, 2.0])
 
 
 def test_combine_ranks():
