@@ -505,6 +505,8 @@ class TrainingMonitor(Callback):
         # (the GradScaler halves at an overflow, a GradientAccumulationScheduler changes the other). On the device,
         # and only where a factor is not 1. Summing keeps NaN and Inf: any bad micro-batch shows.
         loss = loss.detach()
+        if loss.dim():  # `backward()` takes any one-element loss; the check packs 0-d figures
+            loss = loss.reshape(())
         if loss.dtype is not torch.float32:  # summed in float32, whatever precision computed it
             loss = loss.float()
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1

@@ -104,7 +104,7 @@ class StepCheck:
         self._present = 0
         self._held_steps = 0
         self._steps = 0  # optimizer steps of this optimizer so far
-        self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a [0] and a [1] on it
+        self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a 0 and a 1 on it
         self._counts: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}
 
     def measure(self, norms: LayerGradNorms) -> None:

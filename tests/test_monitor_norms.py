@@ -90,6 +90,22 @@ def test_amp_loss_is_unscaled_and_exact(tmp_path):
         assert close(seen["loss"], loss)
 
 
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_one_element_loss_of_any_shape_is_read(tmp_path, shape):
+    # `backward()` takes any one-element loss, so Lightning passes a [1] loss on as it is; the check packs it as 0-d.
+    class Shaped(LossRecorder):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            return {**out, "loss": out["loss"].reshape(shape)}
+
+    model = Shaped()
+    _, _, probe = fit_probed(tmp_path, model, accumulate_grad_batches=2, max_steps=3)
+    assert len(probe.latest) == 3
+    for i, seen in enumerate(probe.latest):
+        assert close(seen["loss"], sum(model.losses[2 * i : 2 * i + 2]) / 2)
+        assert close(seen["grad_norm"], model.reference[i])
+
+
 @pytest.mark.parametrize("accumulate", [2, 3])
 def test_accumulation_norm_is_of_summed_gradients(tmp_path, accumulate):
     model = LossRecorder()
