@@ -504,6 +504,14 @@ class TrainingMonitor(Callback):
         # under fp16 AMP. Both are undone here, with this micro-batch's own factors: they can change between checks
         # (the GradScaler halves at an overflow, a GradientAccumulationScheduler changes the other). On the device,
         # and only where a factor is not 1. Summing keeps NaN and Inf: any bad micro-batch shows.
+        if loss.numel() != 1:  # `manual_backward(tensor, gradient)`: no loss to read, only the gradients
+            self._warn_once(
+                "loss_shape",
+                f"TrainingMonitor reads one-element losses only, and got one of shape {tuple(loss.shape)} (a"
+                " `manual_backward(tensor, gradient)`?). Its steps are checked without a loss: the gradients are"
+                " watched, `nonfinite_loss` and `loss_spike` are not.",
+            )
+            return
         loss = loss.detach()
         if loss.dim():  # `backward()` takes any one-element loss; the check packs 0-d figures
             loss = loss.reshape(())

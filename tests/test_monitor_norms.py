@@ -191,6 +191,29 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert [v for _, v in logged] == pytest.approx([r for i, r in model.reference if i == 1], rel=1e-5)
 
 
+def test_loss_of_several_elements_is_left_out_with_one_warning(tmp_path):
+    # `manual_backward(tensor, gradient)` hands the hook a tensor that is no loss: the gradients are still checked.
+    class VectorBackward(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            opt_a, opt_b = self.optimizers()
+            for opt in (opt_a, opt_b):
+                opt.zero_grad()
+                out = self(batch)
+                self.manual_backward(out, torch.ones_like(out) / out.numel())
+                opt.step()
+
+    model = VectorBackward()
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    probe = Probe(monitor)
+    trainer = make_trainer(tmp_path, [monitor, probe], max_steps=4)
+    with pytest.warns(RuntimeWarning, match=r"one-element losses only, and got one of shape \(2, 2\)") as caught:
+        trainer.fit(model, train_dataloaders=loader())
+    assert sum("one-element losses only" in str(w.message) for w in caught) == 1
+    assert [i for i, _ in model.reference] == [0, 1] * 2
+    for seen, (index, ref) in zip(probe.latest, model.reference, strict=True):
+        assert math.isnan(seen["loss"]) and close(seen[f"grad_norm_opt{index}"], ref)
+
+
 def test_figures_reach_every_logger_on_logging_steps(tmp_path):
     model = ScriptedModel()
     tb, csv = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
