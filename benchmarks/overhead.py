@@ -74,12 +74,13 @@ step's time does not depend on the process's allocation history.
   gradients in one buffer, and on the CPU the L2 reduction runs at about half the speed of a plain sum
   (perf_anchors.md, A6).
 
-Run: ``python benchmarks/overhead.py`` (about six minutes on two CPU cores), ``--quick`` for a smoke run of about three,
-``--sizes 1M --rounds 300 --steady 500`` to choose, ``--threads 1`` on a busy machine (a parallel region waits for its
-slowest thread, so a neighbour's load stalls every op). Other jobs on the machine inflate every time: the header and the
-footer print the load average. On CUDA the same comparisons run on the GPU (``--device cuda``, the default there) with a
-device sync at each step boundary; table 2 is then the host's time in the hooks, which for the monitor includes waiting
-for the queued kernels at its one read, so table 1 is the measure there.
+Run: ``python benchmarks/overhead.py`` (6 to 12 minutes on two CPU cores, as fast as the machine is that day),
+``--quick`` for a smoke run of about three, ``--sizes 1M --rounds 300 --steady 500`` to choose, ``--threads 1`` on a
+busy machine (a parallel region waits for its slowest thread, so a neighbour's load stalls every op). Other jobs on the
+machine inflate every time: the header and the footer print the load average. On CUDA the same comparisons run on the
+GPU (``--device cuda``, the default there) with a device sync at each step boundary; table 2 is then the host's time in
+the hooks, which for the monitor includes waiting for the queued kernels at its one read, so table 1 is the measure
+there.
 """
 
 from __future__ import annotations
