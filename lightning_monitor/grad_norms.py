@@ -81,6 +81,7 @@ class LayerGradNorms:
     Attributes:
         names: The layer names, one per row entry of :meth:`squared`.
         present: How many parameters had a gradient at the last call of :meth:`per_tensor` (or :meth:`squared`).
+        dtype: The dtype of :meth:`per_tensor`'s values: float64 when any parameter is float64, else float32.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -131,7 +132,7 @@ class LayerGradNorms:
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
         # The dtype `per_tensor` returns, fixed by the parameters rather than by which of them have a gradient, so
         # that every rank packs the same dtype (an `all_gather` of mismatched dtypes fails).
-        self._norm_dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.dtype: torch.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         self._plans: dict[tuple[int, ...], _Plan] = {}
         dtype = host_dtype(self.device)
         # For `squared()`: where each parameter's square goes, its weight, and the zeros the rows start from (never
@@ -139,7 +140,7 @@ class LayerGradNorms:
         self._slot = to_device(slots, self.device)
         self._weight = to_device(weights, self.device, dtype) if any(w != 1.0 for w in weights) else None
         self._zeros = torch.zeros(2 * num_layers, dtype=dtype, device=self.device)
-        self._zero = torch.zeros((), dtype=self._norm_dtype, device=self.device)  # the norm of a missing gradient
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)  # the norm of a missing gradient
         self.present = 0
 
     def per_tensor(self) -> Tensor:

@@ -548,7 +548,7 @@ class TrainingMonitor(Callback):
         scaler = self._scaler
         extras, pending_step = self._take_pending_acc(watch.norms.device)
         if self._activations is not None:
-            extras = (*extras, *self._activations.flags().unbind())
+            extras = (*extras, self._activations.flags())
         step = watch.read(norms, self._take_loss(), scaler, extras, self._ranks)
         first_bad = None
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start

@@ -153,32 +153,38 @@ class StepCheck:
             loss: The sum of the micro-batch losses since the last check (0-d), each already multiplied back by its
                 accumulation factor and divided by its loss scale, and how many there were.
             scaler: The fp16 GradScaler, or ``None``.
-            extras: 0-d figures to gather with the rest; each rank's come back in :attr:`StepFigures.extras`.
+            extras: Figures to gather with the rest, 0-d or 1-d; each rank's come back, flattened, in
+                :attr:`StepFigures.extras`.
             ranks: :func:`~lightning_monitor.halting.world_size`, when the caller knows it.
         """
         loss_sum, loss_count = loss
         device, held = self.norms.device, self._held_steps  # `norms` is on this device
         ranks = world_size() if ranks is None else ranks
-        # Host-known counts travel with the rest, so every rank decides on the same numbers. Every part is 0-d, so
-        # one `stack` packs them all; it promotes to float64 where a part is float64, the same way on every rank.
+        # Host-known counts travel with the rest, so every rank decides on the same numbers.
         zero, one, counts_now = self._constants(device, (loss_count, max(self._present, self.norms.present), held))
         scale_now = scale_tensor(scaler, device)
-        parts = [
+        head = [
             *counts_now,
             zero if loss_sum is None else loss_sum,  # no loss: 0
             one if scale_now is None else scale_now,  # no scaler: a scale of 1
         ]
-        if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
-            parts += [*self._peak.unbind(), self._overflows]  # type: ignore[union-attr,list-item]
-        # One process: the norms as they are, squared and summed per layer on the host after the read. Several: summed
-        # per layer on the device first, so that the host handles two figures per layer and rank rather than one per
-        # parameter and rank (with 576 tensors on 256 ranks, 4 ms per check against 34).
-        if ranks > 1:
-            parts += self.norms.squared(torch.stack(norms)).view(-1).unbind()
+        if not held and ranks == 1 and self.norms.dtype is PACK_DTYPE and all(e.ndim == 0 for e in extras):
+            # A plain check: every part is a 0-d float32, so one `stack` packs them all.
+            pack = torch.stack([*head, *norms, *extras])
         else:
-            parts += norms
-        parts += extras
-        per_rank = gather_ranks(torch.stack(parts), ranks)  # the one host sync of this check
+            # Held figures, summed squares, float64 norms or 1-d extras: the 0-d parts are stacked and the rest
+            # joined to them in one `cat`, which widens to float64 where a part is float64, the same way on every
+            # rank. (A `stack` would unsqueeze and widen every 0-d part one by one: several times slower.)
+            pieces = [torch.stack(head)]
+            if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
+                pieces += [self._peak, self._overflows.view(1)]  # type: ignore[list-item,union-attr]
+            # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
+            # summed per layer on the device first, so that the host handles two figures per layer and rank rather
+            # than one per parameter and rank (with 576 tensors on 256 ranks, 4 ms per check against 34).
+            pieces.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else torch.stack(norms))
+            pieces += [e.view(-1) for e in extras]
+            pack = torch.cat(pieces)
+        per_rank = gather_ranks(pack, ranks)  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
         first = per_rank[0]
