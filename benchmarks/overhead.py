@@ -46,8 +46,9 @@ step's time does not depend on the process's allocation history.
   round-robin ones, where each step follows a step of five other processes (at 1M, 23 to 32 ms against 31 to 36 in two
   runs), so the same hooks take a larger share of them. For the monitor the table also gives its parts in the
   round-robin steps: the gradient-norm kernel (``LayerGradNorms.norm_list``, the norms the check stacks with its other
-  figures), the token-accuracy update (``TokenAccuracy._add``: ``update`` without torchmetrics' wrapper), the logger
-  writes (``LoggerSink.log_figures``) and the rest (Python, the one stack and read, the detectors). The ``floor`` row is
+  figures), the token-accuracy update (``TokenAccuracy._hits`` and ``_add_hits``: ``update`` without torchmetrics'
+  wrapper, as each batch's masks and one sum of several batches' masks), the logger writes
+  (``LoggerSink.log_figures``) and the rest (Python, the one stack and read, the detectors). The ``floor`` row is
   what reading the same data once costs inside a training step, where the gradients and logits are no longer in the
   CPU's caches and the code is cold, with its gradient read and its ``amax`` timed as the same two parts; the monitor's
   time above it is its own work. A line under the table gives the monitor's parts over the floor's: the gradient-norm
@@ -294,7 +295,10 @@ PARTS: dict[str, tuple[tuple[type, str, str], ...]] = {
     "floor": ((ReadOnce, "read_gradients", "grad-norm kernel"), (ReadOnce, "read_logits", "token-acc update")),
     "monitor": (
         (LayerGradNorms, "norm_list", "grad-norm kernel"),  # the norms; the check stacks them with its figures
-        (TokenAccuracy, "_add", "token-acc update"),  # `update` without torchmetrics' wrapper, as the monitor calls it
+        # `update` without torchmetrics' wrapper, in its two halves: the masks of each batch, and their sum, which
+        # the monitor takes for several batches at once (when it marks or reads the counts, or holds 64 batches).
+        (TokenAccuracy, "_hits", "token-acc update"),
+        (TokenAccuracy, "_add_hits", "token-acc update"),
         (LoggerSink, "log_figures", "logger writes"),
     ),
 }

@@ -182,7 +182,21 @@ class TokenAccuracy(Metric):
         For callers that read the states and never call ``compute()`` (``TokenAccuracyTracker``): the update count
         is not kept. No grad mode is set: the counting reads the logits detached.
         """
-        correct, total, invalid = _update(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
+        self._add_hits([self._hits(preds, target)])
+
+    def _hits(self, preds: Tensor, target: Tensor) -> Hits:
+        """Read one batch into its masks (see :meth:`_add`); the states are unchanged until :meth:`_add_hits`."""
+        return _hits(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
+
+    def _add_hits(self, held: list[Hits]) -> None:
+        """Add the counts of the masks of one or more batches to the states, in one pass over them all."""
+        if len(held) == 1:
+            hit, in_range, counted = held[0]
+        else:
+            hit, in_range, counted = (
+                torch.cat([mask.reshape(-1) for mask in masks]) for masks in zip(*held, strict=True)
+            )
+        correct, total, invalid = _count(hit, in_range, counted, ignore_index=self.ignore_index)
         # In place: `+=` would also assign the attribute, and a module's `__setattr__` is slow at every step.
         self.correct.add_(correct)
         self.total.add_(total)
@@ -266,6 +280,19 @@ def _update(
     preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: bool, validate_args: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return ``(correct, total, invalid)`` for one batch; ``invalid`` counts labels out of ``[0, V)``."""
+    return _count(*_hits(preds, target, ignore_index, top_k, shift, validate_args), ignore_index=ignore_index)
+
+
+#: One batch's boolean masks ``(hit, in_range, counted)``, which :func:`_count` sums.
+Hits = tuple[Tensor, Tensor, Tensor]
+
+
+def _hits(preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: bool, validate_args: bool) -> Hits:
+    """Read one batch's logits into masks of its positions: ``hit``, label ``in_range`` of ``[0, V)``, ``counted``.
+
+    Everything that needs the logits happens here; what is left, :func:`_count`, needs only the three masks, so it
+    can sum the masks of several batches at once.
+    """
     _check_inputs(preds, target, top_k, shift)
     if preds.requires_grad:  # counts have no gradient: record no autograd history
         preds = preds.detach()
@@ -274,8 +301,7 @@ def _update(
         preds, target = preds[..., :-1, :] if logits else preds[..., :-1], target[..., 1:]
     if not logits:
         counted = target != ignore_index
-        zero = torch.zeros((), dtype=torch.long, device=target.device)
-        return ((preds == target) & counted).sum(), counted.sum(), zero
+        return preds == target, counted, counted  # no V: every counted label is in range
 
     vocab = preds.shape[-1]
     # Every label op runs on `[..., 1]`, the shape of the gathered logit, so nothing is reshaped in between.
@@ -288,8 +314,6 @@ def _update(
     in_range = index == target
     if validate_args:
         _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
-    # An ignore_index outside [0, V), such as -100, is never in range, so the in-range labels are the counted ones.
-    valid = in_range & counted if 0 <= ignore_index < vocab else in_range
     label_logit = preds.gather(-1, index if index.dtype == torch.long else index.long())
     if top_k == 1:
         # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
@@ -298,6 +322,13 @@ def _update(
         # topk orders NaN above every number, so a row holding a NaN has one among its top values.
         top = preds.topk(top_k, dim=-1, sorted=True).values
         hit = (label_logit >= top[..., -1:]) & ~top.isnan().any(dim=-1, keepdim=True)
+    return hit, in_range, counted
+
+
+def _count(hit: Tensor, in_range: Tensor, counted: Tensor, *, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(correct, total, invalid)`` of the masks from :func:`_hits` (of one batch, or of several concatenated)."""
+    # A negative ignore_index, such as -100, is never in range, so the in-range labels are the counted ones.
+    valid = in_range & counted if ignore_index >= 0 else in_range
     # Few distinct kernels (compare, and, sum), which is what a step pays for on the host, more than the op count.
     total = valid.sum()
     return (hit & valid).sum(), total, counted.sum() - total

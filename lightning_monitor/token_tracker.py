@@ -18,13 +18,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor.halting import copies_without_blocking, host_dtype
-from lightning_monitor.token_accuracy import TokenAccuracy
+from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
 __all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
 
 #: A user function ``(outputs, batch) -> (logits, labels)``, or ``None`` to skip the batch (without a warning).
 LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 Stage = Literal["train", "val"]
+
+#: Batches whose masks are held before their counts are added, at most: summing many at once costs about what one
+#: costs. A held batch keeps three boolean masks of its positions (3 bytes a token).
+HOLD_AT_MOST = 64
 
 
 def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key: str) -> tuple[Tensor, Tensor] | None:
@@ -101,6 +105,7 @@ class TokenAccuracyTracker:
         self.disabled: set[Stage] = set()
         self._warned: set[tuple[Stage, str]] = set()
         self._mark: tuple[int, Tensor] | None = None
+        self._held: dict[Stage, list[Hits]] = {"train": [], "val": []}
 
     def begin(self, enabled: bool) -> None:
         """Start a run: count both stages if ``enabled`` (else neither), and warn afresh about batches left out."""
@@ -115,6 +120,7 @@ class TokenAccuracyTracker:
     def reset(self, stage: Stage) -> None:
         """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
         self.metrics[stage].reset()
+        self._held[stage].clear()
         if stage == "train" and self._mark is not None:
             self._mark = (self._mark[0], torch.zeros_like(self._mark[1]))
 
@@ -152,20 +158,25 @@ class TokenAccuracyTracker:
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
-            metric._add(logits, labels)  # the states are read directly, so torchmetrics' update wrapper is skipped
+            hits = metric._hits(logits, labels)
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
+            return
+        held = self._held[stage]
+        held.append(hits)
+        if len(held) >= HOLD_AT_MOST:
+            self._add_held(stage)
 
     def mark(self, tag: int) -> None:
         """Remember the training counts now, under ``tag`` (one copy of two numbers, on the metric's device)."""
-        metric = self.metrics["train"]
+        metric = self._add_held("train")
         self._mark = (tag, torch.stack([metric.correct, metric.total]))
 
     def counts_since_mark(self, tag: int) -> Tensor | None:
         """``[correct, total]`` counted since :meth:`mark` was called with ``tag`` (int64, on the device), else None."""
         if self._mark is None or self._mark[0] != tag:
             return None
-        metric = self.metrics["train"]
+        metric = self._add_held("train")
         now = torch.stack([metric.correct, metric.total])
         # The mark may predate the metric's move to the logits' device (a mark before the first batch).
         return now - self._mark[1].to(now.device)
@@ -177,8 +188,16 @@ class TokenAccuracyTracker:
         The counts travel in :func:`~lightning_monitor.halting.host_dtype`; a stage that counted nothing yet may
         still be on another device.
         """
-        metric = self.metrics[stage]
+        metric = self._add_held(stage)
         return torch.stack([metric.correct, metric.total, metric.invalid]).to(device, host_dtype(device))
+
+    def _add_held(self, stage: Stage) -> TokenAccuracy:
+        """Count the held batches of ``stage`` into its metric, and return the metric."""
+        metric, held = self.metrics[stage], self._held[stage]
+        if held:
+            metric._add_hits(held)
+            held.clear()
+        return metric
 
     def _find(self, outputs: Any, batch: Any) -> tuple[Tensor, Tensor] | None:
         return find_logits_and_labels(outputs, batch, self.logits_key, self.labels_key)

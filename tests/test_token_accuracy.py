@@ -5,8 +5,10 @@ And the devices of the monitor's ``TokenAccuracyTracker`` counts, with the meta 
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_monitor.sync_count import HostSyncCounter
 from lightning_monitor.token_accuracy import TokenAccuracy, token_accuracy_counts
-from lightning_monitor.token_tracker import TokenAccuracyTracker
+from lightning_monitor.token_tracker import HOLD_AT_MOST, TokenAccuracyTracker
 
 V = 37
 
@@ -357,6 +359,56 @@ def test_sync_counter_can_fail():
 
 
 # ------------------------------------------------------------------------------------------------------ devices
+# --------------------------------------------------------------------------------------- the tracker's held batches
+
+
+def _tracker_batches(ignore_index: int, shift: bool, int_preds: bool):
+    """More batches than the tracker holds at once, of changing shapes, with labels out of range in some."""
+    for i in range(HOLD_AT_MOST + 9):
+        logits, labels = _data((1 + i % 3, 5 + i % 4), ignore_index=ignore_index, seed=i, shift=shift)
+        if i % 5 == 0:
+            labels[0, -1] = V + i  # out of range: left out of `total`, counted in `invalid`
+        yield {"logits": logits.argmax(-1) if int_preds else logits, "labels": labels}
+
+
+@pytest.mark.parametrize(
+    ("ignore_index", "shift", "int_preds"),
+    [(-100, False, False), (-100, True, False), (0, True, False), (0, False, True)],
+)
+def test_tracker_counts_of_held_batches_equal_one_update_per_batch(ignore_index, shift, int_preds):
+    tracker = TokenAccuracyTracker(ignore_index=ignore_index, shift=shift)
+    metric = TokenAccuracy(ignore_index=ignore_index, shift=shift, validate_args=False)
+    tracker.mark(tag=1)
+    for i, batch in enumerate(_tracker_batches(ignore_index, shift, int_preds)):
+        tracker.update("train", batch, None)
+        metric.update(batch["logits"], batch["labels"])
+        if i == 20:  # the counts since a mark include the batches still held
+            counts = (int(metric.correct), int(metric.total))
+            assert tracker.counts_since_mark(tag=1).tolist() == list(counts)
+    expected = [int(metric.correct), int(metric.total), int(metric.invalid)]
+    assert expected[2] > 0 if not int_preds else expected[2] == 0
+    assert tracker.epoch_counts("train", torch.device("cpu")).tolist() == expected
+    assert tracker.counts_since_mark(tag=1).tolist() == expected[:2]
+
+
+def test_tracker_forgets_held_batches_at_a_reset_and_keeps_no_inputs_alive():
+    tracker = TokenAccuracyTracker()
+    logits, labels = _data((2, 8), seed=1)
+    tracker.update("val", {"logits": logits, "labels": labels}, None)
+    tracker.reset("val")
+    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [0.0, 0.0, 0.0]
+
+    # Held batches keep masks of their own, not the inputs: labels changed or freed after the step change nothing.
+    expected = _argmax_reference(logits, labels)[:2]
+    refs = [weakref.ref(logits), weakref.ref(labels)]
+    tracker.update("val", {"logits": logits, "labels": labels}, None)
+    labels.fill_(0)
+    del logits, labels
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [*expected, 0]
+
+
 # No GPU here: the meta device stands in for CUDA. Meta tensors have shapes, dtypes and a device but no values, so
 # these tests pin where the counts are, not what they are (the tests above pin that, on the CPU).
 
