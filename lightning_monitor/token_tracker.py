@@ -2,10 +2,12 @@
 
 :class:`TokenAccuracyTracker` is what :class:`~lightning_monitor.TrainingMonitor` uses for ``train_token_acc`` and
 ``val_token_acc``. It finds logits and labels in what ``training_step``/``validation_step`` returned (or in the
-batch), feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage, and, when asked, marks the counts at the
-start of an optimizer step so the monitor can log that step's own figure. A batch it cannot count is skipped, with one
-warning per stage and cause; the next batch is counted again. Nothing here reads a value on the host: the monitor
-gathers the counts with its other figures in its one read per check.
+batch) and feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage. Each batch's logits are read at
+once, into three boolean masks of its positions; the counts of the masks are summed for many batches at once, which
+costs about what one batch costs, before any figure is read (and at the latest every :data:`HOLD_AT_MOST` batches).
+When asked, it marks the counts at the start of an optimizer step so the monitor can log that step's own figure. A
+batch it cannot count is skipped, with one warning per stage and cause; the next batch is counted again. Nothing
+here reads a value on the host: the monitor gathers the counts with its other figures in its one read per check.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class TokenAccuracyTracker:
         logits, labels = found
         metric = self.metrics[stage]
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
+            self._add_held(stage)  # (none are held then; a later move counts those held first, where they are)
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric._hits(logits, labels)

@@ -430,6 +430,17 @@ def test_tracker_counts_since_a_mark_taken_before_the_metric_moved():
     assert (counts.device, counts.dtype, counts.shape) == (META, torch.long, (2,))
 
 
+def test_tracker_counts_held_batches_before_the_metric_moves_to_another_device():
+    # A batch on another device moves the metric there; the batches held before it are counted first, where they are
+    # (joining masks of two devices in one sum would fail).
+    tracker = TokenAccuracyTracker()
+    logits, labels = _data((2, 8), seed=1)
+    tracker.update("train", {"logits": logits, "labels": labels}, None)
+    tracker.update("train", _meta_batch(2), None)
+    counts = tracker.epoch_counts("train", META)
+    assert (counts.device, counts.shape) == (META, (3,))
+
+
 def test_tracker_epoch_counts_come_on_the_device_asked_for():
     tracker = TokenAccuracyTracker()
     tracker.update("train", _meta_batch(1), None)
