@@ -362,10 +362,11 @@ def test_sync_counter_can_fail():
 # --------------------------------------------------------------------------------------- the tracker's held batches
 
 
-def _tracker_batches(ignore_index: int, shift: bool, int_preds: bool):
-    """More batches than the tracker holds at once, of changing shapes, with labels out of range in some."""
+def _tracker_batches(ignore_index: int, shift: bool, int_preds: bool, vary: bool):
+    """More batches than the tracker holds at once, with labels out of range in some; of changing shapes if ``vary``."""
     for i in range(HOLD_AT_MOST + 9):
-        logits, labels = _data((1 + i % 3, 5 + i % 4), ignore_index=ignore_index, seed=i, shift=shift)
+        shape = (1 + i % 3, 5 + i % 4) if vary else (2, 6)
+        logits, labels = _data(shape, ignore_index=ignore_index, seed=i, shift=shift)
         if i % 5 == 0:
             labels[0, -1] = V + i  # out of range: left out of `total`, counted in `invalid`
         yield {"logits": logits.argmax(-1) if int_preds else logits, "labels": labels}
@@ -375,11 +376,12 @@ def _tracker_batches(ignore_index: int, shift: bool, int_preds: bool):
     ("ignore_index", "shift", "int_preds"),
     [(-100, False, False), (-100, True, False), (0, True, False), (0, False, True)],
 )
-def test_tracker_counts_of_held_batches_equal_one_update_per_batch(ignore_index, shift, int_preds):
+@pytest.mark.parametrize("vary", [True, False], ids=["shapes-vary", "one-shape"])
+def test_tracker_counts_of_held_batches_equal_one_update_per_batch(ignore_index, shift, int_preds, vary):
     tracker = TokenAccuracyTracker(ignore_index=ignore_index, shift=shift)
     metric = TokenAccuracy(ignore_index=ignore_index, shift=shift, validate_args=False)
     tracker.mark(tag=1)
-    for i, batch in enumerate(_tracker_batches(ignore_index, shift, int_preds)):
+    for i, batch in enumerate(_tracker_batches(ignore_index, shift, int_preds, vary)):
         tracker.update("train", batch, None)
         metric.update(batch["logits"], batch["labels"])
         if i == 20:  # the counts since a mark include the batches still held
