@@ -174,18 +174,16 @@ class TokenAccuracy(Metric):
     @override
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add the counts of one batch to the states."""
-        self._add(preds, target)
-
-    def _add(self, preds: Tensor, target: Tensor) -> None:
-        """``update`` without torchmetrics' wrapper, which costs about as much as the counting on a short step.
-
-        For callers that read the states and never call ``compute()`` (``TokenAccuracyTracker``): the update count
-        is not kept. No grad mode is set: the counting reads the logits detached.
-        """
         self._add_hits([self._hits(preds, target)])
 
     def _hits(self, preds: Tensor, target: Tensor) -> Hits:
-        """Read one batch into its masks (see :meth:`_add`); the states are unchanged until :meth:`_add_hits`."""
+        """Read one batch into its masks; the states are unchanged until :meth:`_add_hits` sums them.
+
+        With :meth:`_add_hits`, ``update`` without torchmetrics' wrapper, which costs about as much as the counting on
+        a short step: for callers that read the states and never call ``compute()`` (``TokenAccuracyTracker``, which
+        holds the masks of several batches). The update count is not kept. No grad mode is set: the counting reads
+        the logits detached.
+        """
         return _hits(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
 
     def _add_hits(self, held: list[Hits]) -> None:
