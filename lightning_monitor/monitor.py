@@ -910,7 +910,7 @@ class TrainingMonitor(Callback):
         """
         if not (self.token_accuracy and self._every):
             return
-        if (step + 1) % self._every == 0 or trainer.should_stop or not pl_module.automatic_optimization:
+        if is_logging_step(trainer, step, self._every) or not pl_module.automatic_optimization:
             self._tokens.mark(self._window)
 
     def _take_pending_acc(self, device: torch.device) -> tuple[tuple[Tensor, ...], int | None]:
