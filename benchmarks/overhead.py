@@ -79,7 +79,9 @@ step's time does not depend on the process's allocation history.
 
 Run: ``python benchmarks/overhead.py`` (6 to 12 minutes on two CPU cores, as fast as the machine is that day),
 ``--quick`` for a smoke run of about three, ``--sizes 1M --rounds 300 --steady 500`` to choose, ``--threads 1`` on a
-busy machine (a parallel region waits for its slowest thread, so a neighbour's load stalls every op). Other jobs on the
+busy machine (a parallel region waits for its slowest thread, so a neighbour's load stalls every op), and
+``--monitor check_every_n_steps=10`` (any ``TrainingMonitor`` arguments, as Python literals) to measure another
+configuration of the monitor than its defaults; the targets' verdicts are meant for the defaults. Other jobs on the
 machine inflate every time: the header and the footer print the load average. On CUDA the same comparisons run on the
 GPU (``--device cuda``, the default there) with a device sync at each step boundary; table 2 is then the host's time in
 the hooks, which for the monitor includes waiting for the queued kernels at its one read, so table 1 is the measure
@@ -89,6 +91,7 @@ there.
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import itertools
 import logging
@@ -312,9 +315,9 @@ PARTS: dict[str, tuple[tuple[type, str, str], ...]] = {
 }
 
 
-def make_callback(config: str) -> Callback | None:
+def make_callback(config: str, monitor_args: tuple[tuple[str, Any], ...] = ()) -> Callback | None:
     if config == "monitor":
-        return TrainingMonitor()
+        return TrainingMonitor(**dict(monitor_args))
     return {"floor": ReadOnce, "recipe": LightningRecipe, "naive": NaiveLoop}.get(config, lambda: None)()
 
 
@@ -341,6 +344,7 @@ class Plan:
     alternate: int = 0  # steps timed back to back with the configuration's hooks on every other step only
     memory: int = 0  # steps over which the peak RSS is taken
     counted: int = 0  # steps whose host syncs are counted
+    monitor_args: tuple[tuple[str, Any], ...] = ()  # `TrainingMonitor(**dict(monitor_args))` (`--monitor`)
 
     @property
     def total(self) -> int:
@@ -547,7 +551,7 @@ def worker(conn: Connection, plan: Plan) -> None:
     probe = Probe(conn, plan)
     if plan.timed:
         probe.time_parts(plan.config)
-    callback = make_callback(plan.config)
+    callback = make_callback(plan.config, plan.monitor_args)
     if callback is not None:
         probe.instrument(callback)
     with tempfile.TemporaryDirectory(prefix="overhead-") as root:
@@ -634,7 +638,13 @@ def run_size(
     size: ModelSize, rounds: int, warmup: int, steady: int, counted: int, args: argparse.Namespace
 ) -> SizeResult:
     """Time the configurations of one size round-robin, then each alone back to back; then memory and syncs."""
-    common = {"size": size, "threads": args.threads, "device": args.device, "log_every": args.log_every}
+    common = {
+        "size": size,
+        "threads": args.threads,
+        "device": args.device,
+        "log_every": args.log_every,
+        "monitor_args": args.monitor,
+    }
     # Each round runs every configuration once, in a fresh random order, so no configuration always follows the same
     # one; one more bare step before the first round and after the last gives every step a bare neighbour each side.
     order = random.Random(0)
@@ -946,6 +956,21 @@ def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 
+def parse_monitor_args(items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    """``["check_every_n_steps=10"]`` to ``(("check_every_n_steps", 10),)``, checked by building the monitor once."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--monitor takes KEY=VALUE, but got {item!r}")
+        try:
+            pairs.append((key, ast.literal_eval(value)))
+        except (ValueError, SyntaxError):
+            pairs.append((key, value))  # a bare word, such as halt_mode=stop, is a string
+    TrainingMonitor(**dict(pairs))  # a wrong name or value fails here, before any process starts
+    return tuple(pairs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -967,7 +992,19 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=1, help="Trainer(log_every_n_steps=...) (default 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few rounds and repeats")
+    parser.add_argument(
+        "--monitor",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="TrainingMonitor arguments for the `monitor` configuration, values as Python literals"
+        " (e.g. --monitor check_every_n_steps=10 token_accuracy=False; default: its defaults)",
+    )
     args = parser.parse_args()
+    try:
+        args.monitor = parse_monitor_args(args.monitor)
+    except (ValueError, TypeError) as err:  # TypeError: a name TrainingMonitor does not take
+        parser.error(str(err))
     if args.rounds is not None and args.rounds < 2:
         parser.error("--rounds must be at least 2 (the IQR needs two ratios)")
     if args.steady is not None and args.steady < 2:
@@ -1005,6 +1042,8 @@ def main() -> None:
             f" on every other step), {counted} counted steps"
         )
     print(f"# log_every_n_steps={args.log_every} (TensorBoard) | kernel table: {kernel_repeats} repeats")
+    arguments = ", ".join(f"{key}={value!r}" for key, value in args.monitor)
+    print(f"# monitor: TrainingMonitor({arguments})")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)", flush=True)
 
     results = []
