@@ -172,7 +172,9 @@ def test_amp_calibration_is_quiet_but_a_collapsing_scale_halts(tmp_path):
     def amp():
         return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
 
-    quiet = TrainingMonitor(val_loss_key=None)
+    # The finite norms of this run reach 16 to 71, and at times 100, whatever the seed: the exploding threshold is
+    # set well above them, since an explosion is not what this run is about.
+    quiet = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=1e4)
     fit(tmp_path, ScriptedModel(default_factor=5.0), quiet, max_steps=12, plugins=amp())
     assert quiet.skipped_steps >= 1 and quiet.alerts == []
 
