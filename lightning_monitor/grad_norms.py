@@ -206,12 +206,14 @@ class LayerGradNorms:
 
         The squares of :meth:`per_tensor` (or of ``norms``, its result), taken and summed per layer in float64
         (float32 on MPS), so that a sum of large squares does not overflow. Nothing here reads a value on the host.
+        ``norms`` of shape ``[..., num_params]``, several steps' norms stacked, give ``[..., 2, num_layers]``.
         """
         values = self.per_tensor() if norms is None else norms
         squares = values.to(self._zeros.dtype).square()
         if self._weight is not None:
             squares = squares * self._weight
-        return torch.index_add(self._zeros, 0, self._slot, squares).view(2, -1)
+        zeros = self._zeros.expand(*squares.shape[:-1], -1)
+        return torch.index_add(zeros, -1, self._slot, squares).unflatten(-1, (2, -1))
 
     def norms(self) -> tuple[Tensor, Tensor]:
         """Return ``(total, per_layer)`` norms for a single process: both rows summed, then the square root.

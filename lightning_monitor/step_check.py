@@ -24,7 +24,7 @@ from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, 
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
 from lightning_monitor.halting import fsum, gather_ranks, to_device, world_size
 
-__all__ = ["PACK_DTYPE", "StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
+__all__ = ["HELD_STEPS_AT_MOST", "PACK_DTYPE", "StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ _HEADER = 5
 #: The small counts of the header are exact in it. Parts that need more, the held peak (a float64 sum of squares)
 #: and float64 norms, widen the whole tensor, the same way on every rank.
 PACK_DTYPE = torch.float32
+#: Steps whose norms :meth:`StepCheck.hold` keeps before it reduces them (at most 64 norm vectors; the check reduces
+#: the held steps in any case).
+HELD_STEPS_AT_MOST = 64
 
 
 class StepCheck:
@@ -98,7 +101,9 @@ class StepCheck:
         self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
         self._total_key = f"grad_norm{suffix}"
         self._layer_keys = [f"grad_norm{suffix}/{name}" for name in norms.names]
-        # Device-side figures since the last check: worst total (replicated, sharded), overflowing steps, steps.
+        # Device-side figures since the last check: the held steps' norms not yet reduced (see `hold`), the worst
+        # total (replicated, sharded) and the count of overflowing steps of those reduced, and the steps held.
+        self._held: list[Tensor] = []
         self._peak: Tensor | None = None
         self._overflows: Tensor | None = None
         self._present = 0
@@ -109,6 +114,7 @@ class StepCheck:
 
     def measure(self, norms: LayerGradNorms) -> None:
         """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
+        self._reduce_held()  # the held norms are laid out as the old parameters are
         self.norms = norms
         self._layer_keys = [f"grad_norm{self.suffix}/{name}" for name in norms.names]
 
@@ -119,24 +125,37 @@ class StepCheck:
         return due
 
     def hold(self, norms: list[Tensor], scaler: torch.amp.GradScaler | None = None) -> None:
-        """Keep the worst figures of a step that is not checked, on the device (no host sync).
+        """Keep the figures of a step that is not checked, on the device (no host sync).
 
-        They are the worst finite total (replicated, sharded), unscaled with this step's own loss scale where a fused
-        optimizer leaves the gradients scaled, and the count of steps whose gradients were not finite: under fp16 AMP
-        such an overflow is normal, and must not hide a finite explosion held with it. ``norms`` is
-        :meth:`LayerGradNorms.norm_list`.
+        The next check reads the worst finite total (replicated, sharded) of the held steps, and the count of held
+        steps whose gradients were not finite: under fp16 AMP such an overflow is normal, and must not hide a finite
+        explosion held with it. Each step's norms are unscaled with its own loss scale where a fused optimizer leaves
+        the gradients scaled. ``norms`` is :meth:`LayerGradNorms.norm_list`.
+
+        A held step costs one ``stack``: its norms are kept as they are, and reduced to those two figures for many
+        steps at once, at the check or every :data:`HELD_STEPS_AT_MOST` steps.
         """
-        totals = self.norms.squared(torch.stack(norms)).sum(1)
-        scale = scale_tensor(scaler, totals.device) if self.fused else None
-        if scale is not None:
-            totals = totals / (scale * scale)
-        finite = torch.isfinite(totals).all()
-        kept = torch.where(finite, totals, 0.0)
-        bad = (~finite).to(totals.dtype)
-        self._peak = kept if self._peak is None else torch.maximum(self._peak, kept)
-        self._overflows = bad if self._overflows is None else self._overflows + bad
+        values = torch.stack(norms)
+        scale = scale_tensor(scaler, values.device) if self.fused else None
+        if scale is not None:  # now: the scaler updates its scale in place after the step
+            values = values / scale
+        self._held.append(values)
         self._present = max(self._present, self.norms.present)
         self._held_steps += 1
+        if len(self._held) >= HELD_STEPS_AT_MOST:
+            self._reduce_held()
+
+    def _reduce_held(self) -> None:
+        """Reduce the held steps' norms to the worst finite total (replicated, sharded) and the non-finite count."""
+        if not self._held:
+            return
+        totals = self.norms.squared(torch.stack(self._held)).sum(-1)  # [steps, 2]
+        self._held = []
+        finite = torch.isfinite(totals).all(-1, keepdim=True)
+        kept = torch.where(finite, totals, 0.0).amax(0)
+        bad = (~finite).sum().to(totals.dtype)
+        self._peak = kept if self._peak is None else torch.maximum(self._peak, kept)
+        self._overflows = bad if self._overflows is None else self._overflows + bad
 
     def read(
         self,
@@ -177,6 +196,7 @@ class StepCheck:
             # rank. (A `stack` would unsqueeze and widen every 0-d part one by one: several times slower.)
             pieces = [torch.stack(head)]
             if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
+                self._reduce_held()
                 pieces += [self._peak, self._overflows.view(1)]  # type: ignore[list-item,union-attr]
             # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
             # summed per layer on the device first, so that the host handles two figures per layer and rank rather

@@ -149,6 +149,19 @@ def test_sharded_rows_and_replica_weighting():
     assert LayerGradNorms(model.named_parameters(), sharded=True, replicas=2).squared().tolist() == [[0.0], [4.0]]
 
 
+def test_squared_of_several_steps_norms_is_each_steps_squared():
+    # Stacked norms `[steps, params]` give `[steps, 2, layers]`, each step's as `squared` gives it alone: how the
+    # monitor reduces the steps it held between checks.
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    norms = LayerGradNorms(model.named_parameters(), sharded=True, replicas=2)
+    steps = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, math.inf, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    batched = norms.squared(steps)
+    assert batched.shape == (3, 2, 2)
+    for row, values in zip(batched, steps, strict=True):
+        assert row.tolist() == norms.squared(values).tolist()
+    assert batched[0].tolist() == [[0.0, 0.0], [2.5, 12.5]]
+
+
 def test_per_tensor_is_each_gradient_norm_in_parameter_order():
     # What the monitor reads at a check: one norm per parameter, in order, 0 for a missing gradient, whatever the
     # dtypes (one kernel per dtype, put back in parameter order); `group` squares and sums them like `squared`.
