@@ -189,7 +189,9 @@ class TrainingMonitor(Callback):
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next
             check (the worst value is kept on the device), but its step cannot be skipped. Each optimizer counts its
             own steps; logging steps, the last batch of an epoch and the ``max_steps``-th step are always checked.
-            Patiences then count checks, and the loss of a check is the mean over the steps it covers.
+            Patiences then count checks, and the loss of a check is the mean over the steps it covers. On a GPU
+            the read waits for the backward pass, and the GPU then waits for the host: a pause of about 3% of a
+            49 ms step on an H200 (README, "Cost"), which checking less often saves on the steps in between.
         alerts_file: File name, inside the trainer's log directory, of the JSON-lines alert log. ``None`` turns it
             off.
 
