@@ -105,6 +105,27 @@ def test_one_cuda_sync_per_optimizer_step(tmp_path, precision):
     assert [per_batch[b] for b in range(12)] == [0, 1] * 6, "\n".join(sites)
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_held_steps_make_no_cuda_sync_and_their_worst_norm_is_read_at_the_check(tmp_path, precision):
+    """Checking every 4th step: the held steps make no sync, and an explosion held among them is caught.
+
+    (Under fp16 such a loss overflows instead; ``tests/test_monitor_norms.py`` covers held overflows on the CPU.)
+    """
+    model = ScriptedModel(loss_factor={5: 1e6})
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, halt_on=[])
+    per_batch, sites = Counter(), []
+    count_cuda_syncs(monitor, per_batch, sites)
+    trainer = make_trainer(
+        tmp_path, [monitor], accelerator="cuda", precision=precision, max_steps=12, log_every_n_steps=100
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    # The last step is checked too: nothing would check it afterwards.
+    assert [per_batch[b] for b in range(12)] == [1, 0, 0, 0] * 2 + [1, 0, 0, 1], "\n".join(sites)
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step) == ("exploding_grad", 8)
+    assert close(alert.value, model.reference[5])
+
+
 def test_token_accuracy_at_llm_vocabulary_makes_no_sync_and_little_memory():
     """V = 50,257 and B*T = 2,048: no sync per update, extra peak memory under 5% of the logits, exact counts."""
     gen = torch.Generator(device="cuda").manual_seed(0)
