@@ -22,7 +22,7 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import fsum, gather_ranks, to_device, world_size
+from lightning_monitor.halting import fsum, gather_ranks, host_dtype, to_device, world_size
 
 __all__ = ["HELD_STEPS_AT_MOST", "PACK_DTYPE", "StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -137,8 +137,10 @@ class StepCheck:
         """
         values = torch.stack(norms)
         scale = scale_tensor(scaler, values.device) if self.fused else None
-        if scale is not None:  # now: the scaler updates its scale in place after the step
-            values = values / scale
+        if scale is not None:
+            # Now, with this step's scale (the scaler updates it in place after the step), and widened first: a scale
+            # below 1 must not overflow a finite float32 norm.
+            values = values.to(host_dtype(values.device)) / scale
         self._held.append(values)
         self._present = max(self._present, self.norms.present)
         self._held_steps += 1
