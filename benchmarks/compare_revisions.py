@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 import torch
 from _common import median_ci
 from lightning.pytorch.callbacks import Callback
-from overhead import SIZES, fit, parse_monitor_args
+from overhead import SIZES, add_monitor_option, fit, monitor_args, monitor_call
 
 import lightning_monitor
 from lightning_monitor._lightning import STEP_HOOKS
@@ -93,18 +93,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps left out at the start (default 20)")
     parser.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...) (default 50)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
-    parser.add_argument(
-        "--monitor",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="TrainingMonitor arguments for both monitors, values as Python literals (default: its defaults)",
-    )
+    add_monitor_option(parser, "both monitors")
     args = parser.parse_args()
-    try:
-        monitor_args = dict(parse_monitor_args(args.monitor))
-    except (ValueError, TypeError) as err:
-        parser.error(str(err))
+    arguments = monitor_args(parser, args.monitor)
     if args.steps <= args.warmup + 2:
         parser.error("--steps must leave at least one pair after --warmup")
 
@@ -119,8 +110,8 @@ def main() -> None:
     times: dict[str, dict[int, float]] = {"ref": {}, "tree": {}}
     with tempfile.TemporaryDirectory(prefix="compare-") as root:
         ref_module = import_revision(args.ref, Path(root))
-        ref = on_parity(keyed(ref_module.TrainingMonitor, "ref", monitor_args), 0, times["ref"])
-        tree = on_parity(keyed(lightning_monitor.TrainingMonitor, "tree", monitor_args), 1, times["tree"])
+        ref = on_parity(keyed(ref_module.TrainingMonitor, "ref", dict(arguments)), 0, times["ref"])
+        tree = on_parity(keyed(lightning_monitor.TrainingMonitor, "tree", dict(arguments)), 1, times["tree"])
         fit(size, [ref, tree], root, "compare", args.log_every, args.steps)
 
     def logs(step: int) -> bool:  # a logging step, or the one before it
@@ -135,7 +126,7 @@ def main() -> None:
     low, high = median_ci(diffs)
     print(
         f"# {args.size}, {args.threads} threads, {len(pairs)} pairs of steps, {args.ref} (even steps) against the"
-        f" working tree (odd steps), TrainingMonitor({', '.join(f'{k}={v!r}' for k, v in monitor_args.items())})"
+        f" working tree (odd steps), {monitor_call(arguments)}"
     )
     print("\n| code | in hooks, us per step (median) |\n|---|---|")
     print(f"| {args.ref} | {statistics.median(a for a, _ in pairs) * 1e6:.0f} |")

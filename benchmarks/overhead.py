@@ -956,19 +956,42 @@ def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def parse_monitor_args(items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
-    """``["check_every_n_steps=10"]`` to ``(("check_every_n_steps", 10),)``, checked by building the monitor once."""
+def add_monitor_option(parser: argparse.ArgumentParser, which: str) -> None:
+    """``--monitor KEY=VALUE ...``: ``TrainingMonitor`` arguments for ``which``, read by :func:`monitor_args`."""
+    parser.add_argument(
+        "--monitor",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"TrainingMonitor arguments for {which}, values as Python literals (e.g. --monitor"
+        " check_every_n_steps=10 token_accuracy=False; default: its defaults)",
+    )
+
+
+def monitor_args(parser: argparse.ArgumentParser, items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    """``["check_every_n_steps=10"]`` to ``(("check_every_n_steps", 10),)``, checked by building the monitor once.
+
+    A wrong name or value stops the command with ``parser``'s usage, before any process starts.
+    """
     pairs = []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
-            raise ValueError(f"--monitor takes KEY=VALUE, but got {item!r}")
+            parser.error(f"--monitor takes KEY=VALUE, but got {item!r}")
         try:
             pairs.append((key, ast.literal_eval(value)))
         except (ValueError, SyntaxError):
             pairs.append((key, value))  # a bare word, such as halt_mode=stop, is a string
-    TrainingMonitor(**dict(pairs))  # a wrong name or value fails here, before any process starts
+    try:
+        TrainingMonitor(**dict(pairs))
+    except (ValueError, TypeError) as err:  # TypeError: a name TrainingMonitor does not take
+        parser.error(str(err))
     return tuple(pairs)
+
+
+def monitor_call(pairs: Sequence[tuple[str, Any]]) -> str:
+    """How the monitor is built, for a report's header: ``TrainingMonitor(check_every_n_steps=10)``."""
+    return f"TrainingMonitor({', '.join(f'{key}={value!r}' for key, value in pairs)})"
 
 
 def main() -> None:
@@ -992,19 +1015,9 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=1, help="Trainer(log_every_n_steps=...) (default 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few rounds and repeats")
-    parser.add_argument(
-        "--monitor",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="TrainingMonitor arguments for the `monitor` configuration, values as Python literals"
-        " (e.g. --monitor check_every_n_steps=10 token_accuracy=False; default: its defaults)",
-    )
+    add_monitor_option(parser, "the `monitor` configuration")
     args = parser.parse_args()
-    try:
-        args.monitor = parse_monitor_args(args.monitor)
-    except (ValueError, TypeError) as err:  # TypeError: a name TrainingMonitor does not take
-        parser.error(str(err))
+    args.monitor = monitor_args(parser, args.monitor)
     if args.rounds is not None and args.rounds < 2:
         parser.error("--rounds must be at least 2 (the IQR needs two ratios)")
     if args.steady is not None and args.steady < 2:
@@ -1042,8 +1055,7 @@ def main() -> None:
             f" on every other step), {counted} counted steps"
         )
     print(f"# log_every_n_steps={args.log_every} (TensorBoard) | kernel table: {kernel_repeats} repeats")
-    arguments = ", ".join(f"{key}={value!r}" for key, value in args.monitor)
-    print(f"# monitor: TrainingMonitor({arguments})")
+    print(f"# monitor: {monitor_call(args.monitor)}")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)", flush=True)
 
     results = []
