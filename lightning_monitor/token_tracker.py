@@ -176,6 +176,10 @@ class TokenAccuracyTracker:
         metric = self._add_held("train")
         self._mark = (tag, torch.stack([metric.correct, metric.total]))
 
+    def marked(self, tag: int) -> bool:
+        """Whether the last :meth:`mark` was tagged ``tag``."""
+        return self._mark is not None and self._mark[0] == tag
+
     def counts_since_mark(self, tag: int) -> Tensor | None:
         """``[correct, total]`` counted since :meth:`mark` was called with ``tag`` (int64, on the device), else None."""
         if self._mark is None or self._mark[0] != tag:

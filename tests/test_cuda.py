@@ -163,7 +163,7 @@ class LossOnly(ScriptedModel):
 def test_token_counts_live_on_the_gpu(tmp_path, model_class):
     """With `log_every_n_steps=1` the first mark is taken before the first batch, and without logits nothing ever
     moves the counts: both must be on the GPU (they were on the CPU, and the step figure or the epoch end crashed)."""
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, epoch_token_accuracy=True)
     trainer = make_trainer(
         tmp_path,
         [monitor],

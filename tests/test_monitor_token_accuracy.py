@@ -42,7 +42,7 @@ def fit(tmp_path, model, monitor, train=None, val=None, callbacks=(), **kwargs):
 def test_per_step_epoch_and_validation_figures_equal_the_reference(tmp_path):
     model = TinyLM()
     csv = CSVLogger(tmp_path, name="csv")
-    monitor = TrainingMonitor(val_loss_key="val_loss", postmortem=None)
+    monitor = TrainingMonitor(val_loss_key="val_loss", postmortem=None, epoch_token_accuracy=True)
     fit(tmp_path, model, monitor, logger=csv, max_steps=24, log_every_n_steps=4, val_check_interval=6)
     logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
     # Per step on logging steps, each at its own step; per epoch (12 batches) at the epoch's last step.
@@ -58,6 +58,75 @@ def test_per_step_epoch_and_validation_figures_equal_the_reference(tmp_path):
     assert len(val) == 4
     for i, (_, value) in enumerate(val):
         assert value == pytest.approx(reference(model.seen["val"][2 * i : 2 * i + 2]), abs=1e-12)  # 2 batches
+
+
+class StepTagged(TinyLM):
+    """Tags each training output with the optimizer step its batch belongs to."""
+
+    def training_step(self, batch, batch_idx):
+        return {**super().training_step(batch, batch_idx), "step": self.global_step}
+
+
+@pytest.mark.parametrize("epoch_token_accuracy", [False, True])
+def test_training_batches_are_read_where_a_figure_needs_them(tmp_path, epoch_token_accuracy):
+    """By default only the batches of the steps that log, and of each epoch's first step; with the epoch figure, all."""
+    read: list[int] = []
+
+    def find(outputs, batch):
+        read.append(outputs["step"])
+        return outputs["logits"], batch["labels"]
+
+    model = StepTagged()
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy_fn=find, epoch_token_accuracy=epoch_token_accuracy)
+    fit(
+        tmp_path,
+        model,
+        monitor,
+        logger=csv,
+        max_steps=12,
+        log_every_n_steps=4,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+    )
+    # 12 batches per epoch and 2 per optimizer step: epochs begin at steps 0 and 6, and steps 3, 7 and 11 log.
+    steps_read = list(range(12)) if epoch_token_accuracy else [0, 3, 6, 7, 11]
+    assert read == [s for s in steps_read for _ in range(2)]  # both micro-batches of each step read
+    seen = model.seen["train"]
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == [3, 7, 11]
+    for step, value in logged:
+        assert value == pytest.approx(reference(seen[2 * step : 2 * step + 2]), abs=1e-12)
+    epochs = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch")
+    if epoch_token_accuracy:
+        assert epochs == [(5, pytest.approx(reference(seen[:12]))), (11, pytest.approx(reference(seen[12:])))]
+    else:
+        assert epochs == []
+
+
+def test_missing_logits_warn_at_the_first_step_without_waiting_for_a_logging_step(tmp_path):
+    class LossOnly(TinyLM):
+        def training_step(self, batch, batch_idx):
+            return self.step(batch, "train")["loss"]
+
+    class FirstStepOnly(pl.Callback):
+        """Stops the run after its first optimizer step, long before `log_every_n_steps=50` logs."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.should_stop = True
+
+    csv = CSVLogger(tmp_path, name="csv")
+    with pytest.warns(RuntimeWarning, match="left a batch out of train_token_acc: it found no logits"):
+        fit(
+            tmp_path,
+            LossOnly(),
+            TrainingMonitor(val_loss_key=None),
+            callbacks=[FirstStepOnly()],
+            logger=csv,
+            max_steps=100,
+            log_every_n_steps=50,
+            limit_val_batches=0,
+        )
 
 
 @pytest.mark.parametrize("postmortem", ["halt", None])
@@ -153,7 +222,7 @@ def test_a_batch_left_out_does_not_turn_token_accuracy_off(tmp_path, kind, fn, w
     # Four batches of each 12-batch epoch cannot be counted; every other one is, at its own step and in its epoch.
     model = Scripted(train=dict.fromkeys((1, 6, 7, 11), kind))
     csv = CSVLogger(tmp_path, name="csv")
-    monitor = TrainingMonitor(val_loss_key=None, token_accuracy_fn=fn)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy_fn=fn, epoch_token_accuracy=True)
     expected = pytest.warns(RuntimeWarning, match=warning) if warning else contextlib.nullcontext()
     with expected as record:
         fit(tmp_path, model, monitor, logger=csv, max_steps=24, limit_val_batches=0)
@@ -167,8 +236,9 @@ def test_a_batch_left_out_does_not_turn_token_accuracy_off(tmp_path, kind, fn, w
 def test_one_warning_per_stage_and_cause(tmp_path):
     model = Scripted(train={1: "missing", 2: "mismatch", 5: "missing", 8: "mismatch"}, val={1: "missing"})
     csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, epoch_token_accuracy=True)
     with pytest.warns(RuntimeWarning, match="token_acc") as record:
-        fit(tmp_path, model, TrainingMonitor(val_loss_key=None), logger=csv, max_steps=12, limit_val_batches=3)
+        fit(tmp_path, model, monitor, logger=csv, max_steps=12, limit_val_batches=3)
     check_train_figures(model, csv, [(0, 11)])
     (val_pairs,) = model.counted["val"].values()  # one validation run, at the epoch's end: batches 0 and 2
     assert len(val_pairs) == 2
@@ -203,7 +273,7 @@ class ManualEvery2(TinyLM):
 def test_manual_optimization_step_covers_its_micro_batches(tmp_path, every):
     model = ManualEvery2()
     csv = CSVLogger(tmp_path, name="csv")
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, epoch_token_accuracy=True)
     fit(tmp_path, model, monitor, logger=csv, max_steps=6, log_every_n_steps=every, limit_val_batches=0)
     # Each batch has its own logging step; the optimizer steps at batches 1, 3, ..., 11: one epoch of 12 batches.
     seen = model.seen["train"]
@@ -226,7 +296,7 @@ class StopRequest(pl.Callback):
 def test_steps_after_a_stop_request_get_their_figure(tmp_path):
     model = TinyLM()
     csv = CSVLogger(tmp_path, name="csv")
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, epoch_token_accuracy=True)
     fit(
         tmp_path,
         model,
@@ -277,7 +347,7 @@ class HFStyle(TinyLM):
 
 def test_hugging_face_style_output_object(tmp_path):
     model = HFStyle()
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, epoch_token_accuracy=True)
     trainer = fit(tmp_path, model, monitor, max_steps=12, limit_val_batches=0)
     assert float(trainer.callback_metrics["train_token_acc_epoch"]) == pytest.approx(reference(model.seen["train"]))
 
@@ -295,6 +365,7 @@ def test_user_function_and_shifted_labels(tmp_path):
     model = Unshifted()
     monitor = TrainingMonitor(
         val_loss_key=None,
+        epoch_token_accuracy=True,
         shift_labels=True,
         token_accuracy_fn=lambda outputs, batch: (outputs["scores"], batch["input_ids"]),
     )
