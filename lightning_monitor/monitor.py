@@ -171,8 +171,8 @@ class TrainingMonitor(Callback):
             out, with one warning (none for a batch ``training_step`` skipped by returning ``None``).
         epoch_token_accuracy: Also log ``train_token_acc_epoch``, the token accuracy of every training batch of the
             epoch. Off by default: it reads the logits of every training batch, where ``train_token_acc`` reads only
-            those of the steps that log, which a short step notices (about 0.4 ms of a 50 ms step, 0.8%, for a
-            1M-parameter model on two CPU cores; README, "Cost").
+            those of the steps that log, which a short step notices (0.36 ms per step, 0.7% of the step, for the
+            1M-parameter benchmark model on two CPU cores; README, "Cost").
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
         shift_labels: The labels are the input ids, not yet shifted: score the logits at position ``t`` against the
