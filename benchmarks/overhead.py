@@ -55,9 +55,10 @@ step's time does not depend on the process's allocation history.
   what reading the same data once costs inside a training step, where the gradients and logits are no longer in the
   CPU's caches and the code is cold, with its gradient read and its ``amax`` timed as the same two parts; the monitor's
   time above it is its own work. A line under the table gives the monitor's parts over the floor's: the gradient-norm
-  kernel against the 1.3x target as a step meets it (table 4 has it hot). Table 2 has far less noise than table 1, but
-  misses costs paid outside the hooks (Lightning converting and writing what ``log_dict`` logged, at its flush), which
-  table 1 includes.
+  kernel against the 1.3x target as a step meets it (table 4 has it hot), and the token-accuracy part as a mean per
+  step (both read the logits on logging steps only, so a median step reads none). Table 2 has far less noise than
+  table 1, but misses costs paid outside the hooks (Lightning converting and writing what ``log_dict`` logged, at its
+  flush), which table 1 includes.
 - **Table 3, host syncs and memory**, in a second set of fresh processes, one per configuration. Syncs per optimizer
   step are counted with :class:`~lightning_monitor.sync_count.HostSyncCounter` over the whole step loop for a few
   steps (the counter slows them; they are not timed), as a difference to bare, and inside the configuration's own
