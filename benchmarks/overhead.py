@@ -37,11 +37,11 @@ step's time does not depend on the process's allocation history.
   compares the median overhead with the target (``<= 1%`` at 25M and 163M, ``<= 3%`` at 1M); ``?`` means the confidence
   interval straddles the target. ``floor`` has no verdict: it is the reference the monitor's cost sits on.
 - **Table 1b, paired ratio back to back.** After the share in hooks below, the floor and the monitor run
-  ``2 * steady`` more steps alone, back to back, with their hooks on every other step only: each step with the
-  hooks over the mean of its two neighbours without them. In one process and one run, the ratio is free of the
-  process-to-process differences that limit table 1, and it counts what the hooks change outside themselves (an
-  optimizer step that finds the gradients just read in the CPU's caches). Each configuration sees every other step,
-  which is enough for its figures and detectors to run as usual.
+  ``2 * pairs`` more steps alone (``--pairs``, by default ``--steady``), back to back, with their hooks on every other
+  step only: each step with the hooks over the mean of its two neighbours without them. In one process and one run,
+  the ratio is free of the process-to-process differences that limit table 1, and it counts what the hooks change
+  outside themselves (an optimizer step that finds the gradients just read in the CPU's caches). Each configuration
+  sees every other step, which is enough for its figures and detectors to run as usual.
 - **Table 2, share in hooks.** The configuration's hooks are wrapped with ``time.perf_counter``, and the median share of
   the step spent inside them is taken two ways. *Round-robin*: in the timed steps of table 1. *Back to back*: after the
   rounds, each configuration runs ``steady`` steps alone, one right after the other, as a real run does, while the other
@@ -80,8 +80,9 @@ step's time does not depend on the process's allocation history.
   (perf_anchors.md, A6).
 
 Run: ``python benchmarks/overhead.py`` (6 to 12 minutes on two CPU cores, as fast as the machine is that day),
-``--quick`` for a smoke run of about three, ``--sizes 1M --rounds 300 --steady 500`` to choose, ``--threads 1`` on a
-busy machine (a parallel region waits for its slowest thread, so a neighbour's load stalls every op), and
+``--quick`` for a smoke run of about three, ``--sizes 1M --rounds 300 --steady 500`` to choose, ``--pairs 300`` for
+more pairs in table 1b than steps back to back, ``--threads 1`` on a busy machine (a parallel region waits for its
+slowest thread, so a neighbour's load stalls every op), and
 ``--monitor check_every_n_steps=10`` (any ``TrainingMonitor`` arguments, as Python literals) to measure another
 configuration of the monitor than its defaults; the targets' verdicts are meant for the defaults. Other jobs on the
 machine inflate every time: the header and the footer print the load average. On CUDA the same comparisons run on the
@@ -638,7 +639,7 @@ TIMING_KEYS = ("timed", "steady", "alternate", "alerts")
 
 
 def run_size(
-    size: ModelSize, rounds: int, warmup: int, steady: int, counted: int, args: argparse.Namespace
+    size: ModelSize, rounds: int, warmup: int, steady: int, pairs: int, counted: int, args: argparse.Namespace
 ) -> SizeResult:
     """Time the configurations of one size round-robin, then each alone back to back; then memory and syncs."""
     common = {
@@ -654,7 +655,7 @@ def run_size(
     rounds_order = [order.sample(TIMED, len(TIMED)) for _ in range(rounds)]
     schedule = ["bare", *itertools.chain.from_iterable(rounds_order), "bare"]
     # Then each configuration with hooks runs `steady` steps alone, back to back as in a real run, while the others
-    # wait: the share of its step spent in its hooks, steady. The floor and the monitor then run `2 * steady` more,
+    # wait: the share of its step spent in its hooks, steady. The floor and the monitor then run `2 * pairs` more,
     # their hooks on every other step: each such step against its two neighbours is a paired ratio, back to back.
     timing = {
         c: Plan(
@@ -662,7 +663,7 @@ def run_size(
             warmup=warmup,
             timed=schedule.count(c),
             steady=steady if c in HOOKED else 0,
-            alternate=2 * steady if c in ALTERNATED else 0,
+            alternate=2 * pairs if c in ALTERNATED else 0,
             **common,
         )
         for c in TIMED
@@ -1014,6 +1015,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help=f"untimed rounds first (default: {defaults})")
     defaults = ", ".join(f"{s.steady} at {name}" for name, s in SIZES.items())
     parser.add_argument("--steady", type=int, help=f"steps timed back to back per configuration (default: {defaults})")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        help="steps with the hooks on, each between two without, per configuration in table 1b (default: --steady)",
+    )
     parser.add_argument("--counted", type=int, default=3, help="steps whose host syncs are counted (default 3)")
     parser.add_argument("--kernel-repeats", type=int, default=30, help="round-robin repeats of the kernel table")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
@@ -1027,6 +1033,8 @@ def main() -> None:
         parser.error("--rounds must be at least 2 (the IQR needs two ratios)")
     if args.steady is not None and args.steady < 2:
         parser.error("--steady must be at least 2 (the IQR needs two shares)")
+    if args.pairs is not None and args.pairs < 2:
+        parser.error("--pairs must be at least 2 (the IQR needs two ratios)")
     if args.counted < 1:
         parser.error("--counted must be at least 1")
 
@@ -1037,11 +1045,9 @@ def main() -> None:
     for name in args.sizes:
         size = SIZES[name]
         rounds, warmup, steady = quick[name] if args.quick else (size.rounds, size.warmup, size.steady)
-        plan[name] = (
-            args.rounds or rounds,
-            warmup if args.warmup is None else args.warmup,
-            args.steady or steady,
-        )
+        steady = args.steady or steady
+        warmup = warmup if args.warmup is None else args.warmup
+        plan[name] = (args.rounds or rounds, warmup, steady, args.pairs or steady)
     kernel_repeats = 10 if args.quick else args.kernel_repeats
     counted = 2 if args.quick else args.counted
 
@@ -1052,11 +1058,11 @@ def main() -> None:
         f"# torch {torch.__version__} ({args.threads} threads) | lightning {lightning.__version__} | device"
         f" {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
-    for name, (rounds, warmup, steady) in plan.items():
+    for name, (rounds, warmup, steady, pairs) in plan.items():
         s = SIZES[name]
         print(
             f"# {name}: {s.layers} layers, d={s.d_model}, {s.heads} heads, V={s.vocab}, T={s.seq}, B={s.batch} |"
-            f" {warmup} warm-up + {rounds} timed rounds, {steady} steps back to back (then {2 * steady} with the hooks"
+            f" {warmup} warm-up + {rounds} timed rounds, {steady} steps back to back (then {2 * pairs} with the hooks"
             f" on every other step), {counted} counted steps"
         )
     print(f"# log_every_n_steps={args.log_every} (TensorBoard) | kernel table: {kernel_repeats} repeats")
@@ -1064,8 +1070,8 @@ def main() -> None:
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)", flush=True)
 
     results = []
-    for name, (rounds, warmup, steady) in plan.items():
-        results.append(run_size(SIZES[name], rounds, warmup, steady, counted, args))
+    for name, (rounds, warmup, steady, pairs) in plan.items():
+        results.append(run_size(SIZES[name], rounds, warmup, steady, pairs, counted, args))
         print(f"# {name} done after {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
     kernels = {name: time_kernels(SIZES[name], kernel_repeats, args.device) for name in plan}
 
