@@ -214,8 +214,10 @@ class TrainingMonitor(Callback):
 
     Raises:
         ValueError: If a threshold is negative, a patience, window or interval is below 1, ``halt_on`` or
-            ``skip_on`` names an unknown alert kind (or ``skip_on`` one that is not about a step), or a choice
-            argument is not one of its choices.
+            ``skip_on`` names an unknown alert kind (or ``skip_on`` one that is not about a step), a choice
+            argument is not one of its choices, or an argument would do nothing: ``epoch_token_accuracy``,
+            ``token_accuracy_fn`` or ``token_acc_patience`` with ``token_accuracy=False``, or ``token_acc_patience``
+            with ``val_loss_key=None``.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -288,6 +290,19 @@ class TrainingMonitor(Callback):
         ):
             if not isinstance(count, int) or isinstance(count, bool) or count < least:
                 raise ValueError(f"Expected argument `{name}` to be at least {least}, but got {count!r}")
+        # An argument that another one makes do nothing: say so now, not with a figure or an alert that never comes.
+        off = {"token_accuracy=False": not token_accuracy, "val_loss_key=None": val_loss_key is None}
+        for name, given, default, other in (
+            ("epoch_token_accuracy", epoch_token_accuracy, False, "token_accuracy=False"),
+            ("token_accuracy_fn", token_accuracy_fn, None, "token_accuracy=False"),
+            ("token_acc_patience", token_acc_patience, None, "token_accuracy=False"),
+            ("token_acc_patience", token_acc_patience, None, "val_loss_key=None"),
+        ):
+            if off[other] and given != default:
+                raise ValueError(
+                    f"Expected argument `{name}` to be {default} with `{other}`, which turns off what it needs,"
+                    f" but got {given!r}"
+                )
         if (
             exploding_grad_threshold is not None
             and vanishing_grad_threshold is not None

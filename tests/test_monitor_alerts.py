@@ -267,10 +267,32 @@ def test_missing_validation_key_warns_once(tmp_path):
         # A bool is not a count.
         ({"check_every_n_steps": True}, "`check_every_n_steps` to be at least 1, but got True"),
         ({"top_k": True}, "`top_k` to be at least 1, but got True"),
+        # An argument another one makes do nothing: no epoch figure, no stall alert would ever come.
+        (
+            {"token_accuracy": False, "epoch_token_accuracy": True},
+            "`epoch_token_accuracy` to be False with `token_accuracy=False`, .* but got True",
+        ),
+        (
+            {"token_accuracy": False, "token_accuracy_fn": lambda outputs, batch: None},
+            "`token_accuracy_fn` to be None with `token_accuracy=False`",
+        ),
+        ({"token_accuracy": False, "token_acc_patience": 3}, "`token_acc_patience` to be None with `token_accuracy"),
+        ({"val_loss_key": None, "token_acc_patience": 3}, "`token_acc_patience` to be None with `val_loss_key=None`"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        TrainingMonitor(**kwargs)
+
+
+def test_arguments_that_need_each_other_are_accepted_together():
+    # The check above refuses only the combinations that would do nothing; these all work.
+    for kwargs in (
+        {"token_accuracy": False},
+        {"val_loss_key": None},
+        {"epoch_token_accuracy": True, "token_acc_patience": 2, "token_accuracy_fn": lambda outputs, batch: None},
+        {"token_accuracy": False, "epoch_token_accuracy": False, "token_acc_patience": None},
+    ):
         TrainingMonitor(**kwargs)
 
 
