@@ -32,7 +32,7 @@ try:  # torch >= 2.4
 except ImportError:  # pragma: no cover - older torch without public DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
-from lightning_monitor.halting import fsum, host_dtype, to_device
+from lightning_monitor._host import fsum, host_dtype, to_device
 
 __all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_monitor._host import fsum, gather_ranks, host_dtype, world_size
 from lightning_monitor._lightning import (
     grad_scaler,
     gradient_sharding,
@@ -37,7 +38,7 @@ from lightning_monitor.detectors import (
     ThresholdDetector,
 )
 from lightning_monitor.grad_norms import LayerGradNorms, layer_name
-from lightning_monitor.halting import TrainingHalted, fsum, gather_ranks, host_dtype, skip_optimizer_step, world_size
+from lightning_monitor.halting import TrainingHalted, skip_optimizer_step
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.report import load_run, summarize_run
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -109,7 +110,7 @@ class TrainingMonitor(Callback):
 
     **Cost.** The figures stay on the device between checks. Each check packs them in one small tensor, gathers it
     from every rank in one ``all_gather`` and reads it to the host once
-    (:func:`~lightning_monitor.halting.gather_ranks`): that is the monitor's only host synchronisation, once per
+    (:func:`~lightning_monitor._host.gather_ranks`): that is the monitor's only host synchronisation, once per
     optimizer step by default. Every rank then runs the same detectors on the same numbers, so all ranks decide
     alike at the same step.
 

@@ -3,7 +3,7 @@
 :class:`StepCheck` is what :class:`~lightning_monitor.TrainingMonitor` runs in ``on_before_optimizer_step``. Between
 checks (``check_every_n_steps > 1``) it keeps the worst figures on the device; at a check it packs the loss, the
 gradient norms, the loss scale and any extra figures into one tensor, gathers it from every rank with
-:func:`~lightning_monitor.halting.gather_ranks` (the one host read), and turns the rows into :class:`StepFigures` on
+:func:`~lightning_monitor._host.gather_ranks` (the one host read), and turns the rows into :class:`StepFigures` on
 the host. The norms are squared and summed per layer on the host in one process, on the device with several ranks.
 Every rank then runs the same detectors on the same numbers.
 """
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_monitor._host import fsum, gather_ranks, host_dtype, to_device, world_size
 from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector, SpikeDetector, ThresholdDetector
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import fsum, gather_ranks, host_dtype, to_device, world_size
 
 __all__ = ["HELD_STEPS_AT_MOST", "PACK_DTYPE", "StepCheck", "StepDetectors", "StepFigures", "scale_tensor"]
 
@@ -176,7 +176,7 @@ class StepCheck:
             scaler: The fp16 GradScaler, or ``None``.
             extras: Figures to gather with the rest, 0-d or 1-d; each rank's come back, flattened, in
                 :attr:`StepFigures.extras`.
-            ranks: :func:`~lightning_monitor.halting.world_size`, when the caller knows it.
+            ranks: :func:`~lightning_monitor._host.world_size`, when the caller knows it.
         """
         loss_sum, loss_count = loss
         device, held = self.norms.device, self._held_steps  # `norms` is on this device

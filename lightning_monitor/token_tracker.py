@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_monitor.halting import copies_without_blocking, host_dtype
+from lightning_monitor._host import copies_without_blocking, host_dtype
 from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
 __all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
@@ -193,7 +193,7 @@ class TokenAccuracyTracker:
         """``[correct, total, invalid]`` counted on this rank since the last reset of ``stage``, on ``device``.
 
         ``invalid`` counts labels neither in ``[0, V)`` nor equal to ``ignore_index``, which are left out of ``total``.
-        The counts travel in :func:`~lightning_monitor.halting.host_dtype`; a stage that counted nothing yet may
+        The counts travel in :func:`~lightning_monitor._host.host_dtype`; a stage that counted nothing yet may
         still be on another device.
         """
         metric = self._add_held(stage)

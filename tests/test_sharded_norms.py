@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from helpers import free_port
 from torch import nn
 
+from lightning_monitor._host import gather_ranks
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from lightning_monitor.halting import gather_ranks
 from lightning_monitor.sync_count import HostSyncCounter
 
 WORLD = 2
