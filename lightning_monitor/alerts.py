@@ -40,18 +40,17 @@ class AlertKind(str, Enum):
         Example:
             >>> AlertKind.parse("vanishing_grad", "halt_on")
             <AlertKind.VANISHING_GRAD: 'vanishing_grad'>
-            >>> AlertKind.parse("nan", "halt_on")
+            >>> AlertKind.parse("nan", "halt_on")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            ValueError: Expected argument `halt_on` to hold alert kinds from ['nonfinite_loss', ...], but got 'nan'
+            ValueError: Expected argument `halt_on` to hold alert kinds from [...], but got 'nan'
         """
         try:
             return cls(name)
         except ValueError:
-            known = [k.value for k in cls]
-            shown = f"[{known[0]!r}, ...]" if len(known) > 1 else str(known)
+            known = ", ".join(repr(k.value) for k in cls)
             raise ValueError(
-                f"Expected argument `{argument}` to hold alert kinds from {shown}, but got {name!r}"
+                f"Expected argument `{argument}` to hold alert kinds from [{known}], but got {name!r}"
             ) from None
 
 

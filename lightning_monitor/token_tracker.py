@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor._host import copies_without_blocking, host_dtype
+from lightning_monitor.packing import PACK_DTYPE
 from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
 __all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
@@ -29,8 +30,8 @@ LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 Stage = Literal["train", "val"]
 
 #: Batches whose masks are held before their counts are added, at most. A held batch keeps three boolean masks of
-#: its positions (3 bytes a token). On a 2-vCPU CPU, 64 held batches of 256 tokens are summed in about 0.13 ms hot,
-#: where each batch counted alone costs 0.04 ms hot and several times that inside a training step.
+#: its positions (3 bytes a token); summing many batches' masks at once costs a few device ops in all rather than
+#: several a batch (docs/benchmarks.md).
 HOLD_AT_MOST = 64
 
 
@@ -109,11 +110,72 @@ class TokenAccuracyTracker:
         self._warned: set[tuple[Stage, str]] = set()
         self._mark: tuple[int, Tensor] | None = None
         self._held: dict[Stage, list[Hits]] = {"train": [], "val": []}
+        # The window of training batches of one optimizer step: the steps closed so far tag the marks; whether the
+        # step under way logs, at which step; every batch counted, or only those of marked steps.
+        self._window = 0
+        self._logged_at: int | None = None
+        self._every_batch = False
+        self._pending: tuple[Tensor, int] | None = None  # a step's counts, waiting to be shipped with the next check
+        self._no_counts: tuple[Tensor, Tensor] | None = None  # cached zeros standing for "no counts waiting"
 
-    def begin(self, enabled: bool) -> None:
-        """Start a run: count both stages if ``enabled`` (else neither), and warn afresh about batches left out."""
+    def begin(self, enabled: bool, every_batch: bool = False) -> None:
+        """Start a run: count both stages if ``enabled`` (else neither), and warn afresh about batches left out.
+
+        With ``every_batch`` every training batch is counted (for the epoch's figure); else only the batches of the
+        optimizer steps marked by :meth:`close_step` and :meth:`start_epoch`.
+        """
         self.disabled = set() if enabled else {"train", "val"}
+        self._every_batch = every_batch
         self._warned.clear()
+        self._window, self._logged_at, self._pending = 0, None, None
+
+    # ------------------------------------------------------------------------------------- the step's window
+
+    def start_epoch(self) -> None:
+        """Count the epoch afresh; its first step is read whether it logs or not, so missing logits warn at once."""
+        self.reset("train")
+        if "train" not in self.disabled:
+            self.mark(self._window)
+
+    def note_step(self, logged_at: int | None) -> None:
+        """The optimizer step under way logs at ``logged_at`` (``None``: it does not log)."""
+        self._logged_at = logged_at
+
+    def count_train(self, outputs: Any, batch: Any) -> None:
+        """Count one training batch, if its step is read (a marked step, or every batch for the epoch's figure)."""
+        if self._every_batch or self.marked(self._window):
+            self.update("train", outputs, batch)
+
+    def close_step(self, next_may_log: bool) -> None:
+        """The batch whose optimizer stepped has ended: keep the step's counts if it logs, and mark the next step.
+
+        ``next_may_log``: the next optimizer step may log, so its batches are read and its counts told apart from
+        the epoch's by a mark.
+        """
+        if self._logged_at is not None:
+            counts = self.counts_since_mark(self._window)
+            self._pending = None if counts is None else (counts, self._logged_at)
+        self._window += 1
+        if next_may_log and "train" not in self.disabled:
+            self.mark(self._window)
+
+    def take_step_counts(self, device: torch.device) -> tuple[tuple[Tensor, Tensor], int | None]:
+        """The ``(correct, total)`` of the last logged step (0-d, on ``device``) and its step; forget them.
+
+        Zeros and ``None`` when none wait. The counts travel in the check's ``PACK_DTYPE`` (float32): exact up to
+        2**24 tokens per rank in one logging step, and beyond that rounded at the precision loggers store the
+        figure in.
+        """
+        if self._pending is None:
+            if self._no_counts is None or self._no_counts[0].device != device:
+                zeros = torch.zeros(2, dtype=PACK_DTYPE, device=device).unbind()
+                self._no_counts = (zeros[0], zeros[1])
+            return self._no_counts, None
+        (counts, step), self._pending = self._pending, None
+        correct, total = counts.to(device, PACK_DTYPE).unbind()
+        return (correct, total), step
+
+    # ------------------------------------------------------------------------------------- counting
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""

@@ -264,9 +264,10 @@ def test_missing_validation_key_warns_once(tmp_path):
         # The level averages over window / 4 values: at least two.
         ({"spike_window": 4}, "`spike_window` to be at least 8, but got 4"),
         ({"spike_window": 7}, "`spike_window` to be at least 8, but got 7"),
-        # A bool is not a count.
-        ({"check_every_n_steps": True}, "`check_every_n_steps` to be at least 1, but got True"),
-        ({"top_k": True}, "`top_k` to be at least 1, but got True"),
+        # A bool is not a count, nor a float a whole number: the message says what was expected.
+        ({"check_every_n_steps": True}, "`check_every_n_steps` to be an integer of at least 1, but got True"),
+        ({"top_k": True}, "`top_k` to be an integer of at least 1, but got True"),
+        ({"divergence_patience": 2.0}, "`divergence_patience` to be an integer of at least 1, but got 2.0"),
         # An argument another one makes do nothing: no epoch figure, no stall alert would ever come.
         (
             {"token_accuracy": False, "epoch_token_accuracy": True},

@@ -1,4 +1,4 @@
-"""StepCheck on its own: the figures of a check that covers held steps, against the norms of each step."""
+"""OptimizerCheck on its own: the figures of a check that covers held steps, against the norms of each step."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from torch import nn
 from lightning_monitor.alerts import AlertKind
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector
 from lightning_monitor.grad_norms import LayerGradNorms
-from lightning_monitor.step_check import HELD_STEPS_AT_MOST, StepCheck, StepDetectors
+from lightning_monitor.checks import HELD_STEPS_AT_MOST, OptimizerCheck, StepDetectors
 from lightning_monitor.sync_count import HostSyncCounter
 
 
-def make_check(model: nn.Module) -> StepCheck:
+def make_check(model: nn.Module) -> OptimizerCheck:
     detectors = StepDetectors(
         nonfinite_loss=NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
         nonfinite_grad=NonFiniteDetector(AlertKind.NONFINITE_GRAD, "gradient norm"),
         amp=AmpOverflowDetector(patience=3, min_scale=1.0),
     )
-    return StepCheck(LayerGradNorms(model.named_parameters()), detectors)
+    return OptimizerCheck(LayerGradNorms(model.named_parameters()), detectors)
 
 
 def set_grads(model: nn.Module, step: int, bad: set[int]) -> float:
@@ -52,10 +52,10 @@ def test_a_check_covering_held_steps_reads_their_worst_norm_and_their_overflows(
     totals = []
     for step in range(held):
         totals.append(set_grads(model, step, bad))
-        check.hold(check.norms.norm_list(), scaler)
+        check.hold(scaler)
     totals.append(set_grads(model, held, bad))
     with HostSyncCounter() as syncs:
-        figures = check.read(check.norms.norm_list(), (None, 0), scaler)
+        figures = check.read((None, 0), scaler)
     assert syncs.count == 1  # the one read, whatever was held
     assert figures.checked_steps == held + 1
     assert figures.grad_norm == pytest.approx(totals[-1], rel=1e-6)
@@ -64,7 +64,7 @@ def test_a_check_covering_held_steps_reads_their_worst_norm_and_their_overflows(
     assert figures.overflow_steps == (len(bad) if amp else 0)
     # Nothing is held after a check: the next one covers its own step only.
     set_grads(model, held + 1, set())
-    assert check.read(check.norms.norm_list(), (None, 0), scaler).checked_steps == 1
+    assert check.read((None, 0), scaler).checked_steps == 1
 
 
 def test_a_non_finite_held_step_makes_the_peak_non_finite_without_a_scaler():
@@ -73,9 +73,9 @@ def test_a_non_finite_held_step_makes_the_peak_non_finite_without_a_scaler():
     check = make_check(model)
     for step in range(HELD_STEPS_AT_MOST + 3):
         set_grads(model, step, {5})
-        check.hold(check.norms.norm_list())
+        check.hold()
     set_grads(model, 100, set())
-    figures = check.read(check.norms.norm_list(), (None, 0), None)
+    figures = check.read((None, 0), None)
     assert math.isfinite(figures.grad_norm)
     assert not math.isfinite(figures.grad_peak)
 
@@ -86,10 +86,10 @@ def test_held_steps_are_reduced_before_the_parameters_change():
     new = nn.Linear(4, 2)
     check = make_check(old)
     worst = set_grads(old, 6, set())  # (1 + 6) ** 3: the largest factor of the steps below
-    check.hold(check.norms.norm_list())
+    check.hold()
     check.measure(LayerGradNorms(new.named_parameters()))
     current = set_grads(new, 0, set())
-    figures = check.read(check.norms.norm_list(), (None, 0), None)
+    figures = check.read((None, 0), None)
     assert figures.checked_steps == 2
     assert figures.grad_norm == pytest.approx(current, rel=1e-6)
     assert figures.grad_peak == pytest.approx(worst, rel=1e-6)

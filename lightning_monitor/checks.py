@@ -1,0 +1,564 @@
+"""The checks of each optimizer's steps: measure, pack, gather once, combine, and run the step detectors.
+
+:class:`OptimizerChecks` holds one :class:`OptimizerCheck` per optimizer of the run, built on its first step from
+the parameters it steps (and from a checkpoint after a resume). An :class:`OptimizerCheck` owns its gradient norms
+(:class:`~lightning_monitor.grad_norms.LayerGradNorms`) and its detectors. At a check it measures the gradients,
+packs them with the loss, the loss scale and any extra figures into one tensor of named parts
+(:class:`~lightning_monitor.packing.Layout`), gathers that tensor from every rank and reads it to the host once
+(:func:`~lightning_monitor._host.gather_ranks`), and combines the rows into :class:`StepFigures`. Every rank then
+runs the same detectors on the same numbers. Between checks (``check_every_n_steps > 1``) it keeps the worst
+figures on the device, with no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_monitor._host import fsum, gather_ranks, host_dtype, to_device, world_size
+from lightning_monitor._lightning import gradient_sharding
+from lightning_monitor.activations import ForwardOrder
+from lightning_monitor.alerts import AlertKind, Detection, format_value
+from lightning_monitor.detectors import (
+    AmpOverflowDetector,
+    NonFiniteDetector,
+    SpikeDetector,
+    ThresholdDetector,
+)
+from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
+from lightning_monitor.packing import PACK_DTYPE, Layout, Part
+from lightning_monitor.settings import SpikeSettings, StepSettings
+
+__all__ = [
+    "HELD_STEPS_AT_MOST",
+    "OptimizerCheck",
+    "OptimizerChecks",
+    "StepDetectors",
+    "StepFigures",
+    "TrainingLoss",
+    "scale_tensor",
+]
+
+#: Steps whose norms :meth:`OptimizerCheck.hold` keeps before it reduces them (at most 64 norm vectors; the check
+#: reduces the held steps in any case).
+HELD_STEPS_AT_MOST = 64
+#: The parts every check packs first, one value each: counts known on the host, the loss sum and the loss scale.
+_HEADER = (("loss_count", 1), ("present", 1), ("held", 1), ("loss_sum", 1), ("scale", 1))
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The host figures of one check, combined over ranks, plus what each rank saw for attribution."""
+
+    loss: float | None  # None when no backward ran since the last check
+    grad_norm: float | None  # None when no parameter had a gradient
+    grad_peak: float | None  # worst total norm since the last check (NaN/Inf propagate)
+    layer_sq: list[float]  # squared per-layer norms
+    overflow_steps: int  # steps since the last check whose gradients were not finite
+    checked_steps: int  # optimizer steps covered by this check
+    loss_scale: float | None  # None without fp16 AMP
+    amp: bool
+    loss_ranks: list[float]  # each rank's loss sum, for attribution
+    grad_ranks: list[float]  # each rank's local squared total, for attribution
+    extras: dict[str, list[list[float]]] = field(default_factory=dict)  # each extra part, per rank
+
+    @property
+    def grad_nonfinite(self) -> bool:
+        """Whether some gradient since the last check was NaN or infinite."""
+        return self.grad_peak is not None and not math.isfinite(self.grad_peak)
+
+    @property
+    def unsafe(self) -> bool:
+        """Whether the step must not reach the weights: a non-finite loss, or (outside fp16 AMP) gradient.
+
+        Under fp16 AMP the GradScaler skips overflowing gradients itself.
+        """
+        loss_bad = self.loss is not None and not math.isfinite(self.loss)
+        return loss_bad or (self.grad_nonfinite and not self.amp)
+
+    def rank_for(self, kind: AlertKind) -> int | None:
+        """The lowest rank whose own figure shows ``kind``; ``None`` in one process, or when no rank stands out."""
+        if len(self.loss_ranks) < 2:
+            return None
+        # Only where the ranks disagree: DDP all-reduces the gradients, so a NaN from one rank reaches every rank's
+        # gradients (and, between checks, every rank's losses); then no rank can be named.
+        if kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+            values = self.loss_ranks if kind is AlertKind.NONFINITE_LOSS else self.grad_ranks
+            bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
+            return bad[0] if len(bad) < len(values) else None
+        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE) and len(set(self.grad_ranks)) > 1:
+            return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
+        return None
+
+
+@dataclass
+class StepDetectors:
+    """The detectors run at every check of an optimizer step; ``None`` for the ones turned off."""
+
+    nonfinite_loss: NonFiniteDetector
+    nonfinite_grad: NonFiniteDetector
+    amp: AmpOverflowDetector
+    exploding: ThresholdDetector | None = None
+    vanishing: ThresholdDetector | None = None
+    loss_spike: SpikeDetector | None = None
+    grad_spike: SpikeDetector | None = None
+
+    @classmethod
+    def from_settings(cls, step: StepSettings, spikes: SpikeSettings) -> StepDetectors:
+        """Fresh detectors, configured from the monitor's settings."""
+        gradient = "gradient norm"
+        spike = {"window": spikes.spike_window, "warmup": spikes.spike_warmup, "patience": spikes.spike_patience}
+        exploding, vanishing = step.exploding_grad_threshold, step.vanishing_grad_threshold
+        loss_z, grad_z = spikes.loss_spike_threshold, spikes.grad_spike_threshold
+        detectors = cls(
+            nonfinite_loss=NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
+            nonfinite_grad=NonFiniteDetector(AlertKind.NONFINITE_GRAD, gradient),
+            amp=AmpOverflowDetector(step.amp_overflow_patience, step.min_loss_scale),
+        )
+        if exploding is not None:
+            kind = AlertKind.EXPLODING_GRAD
+            detectors.exploding = ThresholdDetector(kind, gradient, exploding, "above", 1, "exploding_grad_threshold")
+        if vanishing is not None:
+            patience, kind = step.vanishing_grad_patience, AlertKind.VANISHING_GRAD
+            detectors.vanishing = ThresholdDetector(
+                kind, gradient, vanishing, "below", patience, "vanishing_grad_threshold"
+            )
+        if loss_z is not None:
+            detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike)
+        if grad_z is not None:
+            detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike)
+        return detectors
+
+    def present(self) -> dict[str, Any]:
+        """The detectors that are on, by name (the names key their state in checkpoints)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def rearm(self) -> None:
+        """Forget every alert episode under way (after a resume), keeping the statistics."""
+        for detector in self.present().values():
+            detector.rearm()
+
+
+class OptimizerCheck:
+    """The checks of one optimizer: its layer norms, its detectors, and the figures kept on the device in between.
+
+    Args:
+        norms: The gradient norms of the optimizer's parameters.
+        detectors: The step-level detectors to run.
+        index: The optimizer's index in ``trainer.optimizers``.
+        suffix: Appended to ``grad_norm`` keys (``"_opt1"`` with several optimizers, else ``""``).
+        fused: The optimizer unscales fp16 gradients inside ``step()`` (fused Adam), so they are still scaled here.
+    """
+
+    def __init__(
+        self, norms: LayerGradNorms, detectors: StepDetectors, index: int = 0, suffix: str = "", fused: bool = False
+    ) -> None:
+        self.norms = norms
+        self.detectors = detectors
+        self.index = index
+        self.suffix = suffix
+        self.fused = fused
+        self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
+        self._total_key = f"grad_norm{suffix}"
+        self._layer_keys = [f"grad_norm{suffix}/{name}" for name in norms.names]
+        # Device-side figures since the last check: the held steps' norms not yet reduced (see `hold`), the worst
+        # total (replicated, sharded) and the count of overflowing steps of those reduced, and the steps held.
+        self._held: list[Tensor] = []
+        self._peak: Tensor | None = None
+        self._overflows: Tensor | None = None
+        self._present = 0
+        self._held_steps = 0
+        self._steps = 0  # optimizer steps of this optimizer so far
+        self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a 0 and a 1 on it
+        self._counts: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}
+        self._layouts: dict[tuple[Any, ...], Layout] = {}
+
+    def measure(self, norms: LayerGradNorms) -> None:
+        """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
+        self._reduce_held()  # the held norms are laid out as the old parameters are
+        self.norms = norms
+        self._layer_keys = [f"grad_norm{self.suffix}/{name}" for name in norms.names]
+        self._layouts = {}
+
+    def count_step(self, every: int) -> bool:
+        """Count one optimizer step; whether it is due for a check (the first, then every ``every``-th)."""
+        due = self._steps % every == 0
+        self._steps += 1
+        return due
+
+    def hold(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Keep the figures of a step that is not checked, on the device (no host sync).
+
+        The next check reads the worst finite total (replicated, sharded) of the held steps, and the count of held
+        steps whose gradients were not finite: under fp16 AMP such an overflow is normal, and must not hide a finite
+        explosion held with it. Each step's norms are unscaled with its own loss scale where a fused optimizer leaves
+        the gradients scaled. A held step costs one ``stack``: its norms are kept as they are, and reduced to those
+        two figures for many steps at once, at the check or every :data:`HELD_STEPS_AT_MOST` steps.
+        """
+        values = torch.stack(self.norms.norm_list())
+        scale = scale_tensor(scaler, values.device) if self.fused else None
+        if scale is not None:
+            # Now, with this step's scale (the scaler updates it in place after the step), and widened first: a scale
+            # below 1 must not overflow a finite float32 norm.
+            values = values.to(host_dtype(values.device)) / scale
+        self._held.append(values)
+        self._present = max(self._present, self.norms.present)
+        self._held_steps += 1
+        if len(self._held) >= HELD_STEPS_AT_MOST:
+            self._reduce_held()
+
+    def _reduce_held(self) -> None:
+        """Reduce the held steps' norms to the worst finite total (replicated, sharded) and the non-finite count."""
+        if not self._held:
+            return
+        totals = self.norms.squared(torch.stack(self._held)).sum(-1)  # [steps, 2]
+        self._held = []
+        finite = torch.isfinite(totals).all(-1, keepdim=True)
+        kept = torch.where(finite, totals, 0.0).amax(0)
+        bad = (~finite).sum().to(totals.dtype)
+        self._peak = kept if self._peak is None else torch.maximum(self._peak, kept)
+        self._overflows = bad if self._overflows is None else self._overflows + bad
+
+    def read(
+        self,
+        loss: tuple[Tensor | None, int],
+        scaler: torch.amp.GradScaler | None,
+        extras: Mapping[str, Part] | None = None,
+        ranks: int | None = None,
+    ) -> StepFigures:
+        """Measure this step, pack it with the loss and ``extras``, gather every rank's once, and combine them.
+
+        Args:
+            loss: :meth:`TrainingLoss.take`: the sum of the micro-batch losses since the last check (0-d), each
+                already multiplied back by its accumulation factor and divided by its loss scale, and how many.
+            scaler: The fp16 GradScaler, or ``None``.
+            extras: Named figures to gather with the rest (0-d tensors, or 1-D); each comes back, per rank and by
+                name, in :attr:`StepFigures.extras`.
+            ranks: :func:`~lightning_monitor._host.world_size`, when the caller knows it.
+        """
+        norms = self.norms.norm_list()
+        extras = extras or {}
+        loss_sum, loss_count = loss
+        device, held = self.norms.device, self._held_steps  # `norms` is on this device
+        ranks = world_size() if ranks is None else ranks
+        # Host-known counts travel with the rest, so every rank decides on the same numbers.
+        zero, one, counts_now = self._constants(device, (loss_count, max(self._present, self.norms.present), held))
+        scale_now = scale_tensor(scaler, device)
+        values: list[Part] = [
+            *counts_now,
+            zero if loss_sum is None else loss_sum,  # no loss: 0
+            one if scale_now is None else scale_now,  # no scaler: a scale of 1
+        ]
+        if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
+            self._reduce_held()
+            values += [self._peak, self._overflows]  # type: ignore[list-item]
+        # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
+        # summed per layer on the device first, so that the host handles two figures per layer and rank rather
+        # than one per parameter and rank.
+        values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
+        values += extras.values()
+        layout = self._layout(held > 0, ranks > 1, extras)
+        per_rank = layout.read(gather_ranks(layout.pack(values), ranks))  # the one host sync of this check
+        self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
+
+        first = per_rank.rows[0]
+        scale = first[layout.slices["scale"].start] if scaler is not None else 1.0
+        if ranks > 1:
+            rows = per_rank["norms"]
+            layer_sq = combine_ranks(rows)
+            rank_sq: list[float] | None = [fsum(row) for row in rows]
+            has_grads = any(v > 0 for v in per_rank.scalars("present"))
+            count = fsum(per_rank.scalars("loss_count"))
+            loss_total = fsum(per_rank.scalars("loss_sum"))
+        else:  # the same figures, without the loops over ranks
+            layer_sq = self.norms.layer_squares(per_rank.first("norms"))
+            rank_sq = None  # the total below
+            (has_grads,), (count,), (loss_total,) = (
+                [v > 0 for v in per_rank.scalars("present")],
+                per_rank.scalars("loss_count"),
+                per_rank.scalars("loss_sum"),
+            )
+        if self.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
+            unscale = scale**2
+            layer_sq = [v / unscale for v in layer_sq]
+        total_sq = fsum(layer_sq)
+        overflow_steps = 0 if math.isfinite(total_sq) else 1
+        norm = math.sqrt(total_sq)
+        grad_norm = grad_peak = norm if has_grads else None
+        if held and has_grads:
+            held_norm = math.sqrt(combine_ranks(per_rank["held_peak"])[0])  # finite, unscaled
+            held_bad = int(max(per_rank.scalars("held_overflows")))
+            overflow_steps += held_bad
+            if scaler is None:  # a non-finite gradient is an alert: it shows in the peak
+                worst = max(held_norm, norm, key=lambda v: math.inf if math.isnan(v) else v)
+                grad_peak = math.nan if held_bad and math.isfinite(worst) else worst
+            else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
+                finite = [v for v in (held_norm, norm) if math.isfinite(v)]
+                grad_peak = max(finite) if finite else norm
+        return StepFigures(
+            loss=loss_total / count if count else None,
+            grad_norm=grad_norm,
+            grad_peak=grad_peak,
+            layer_sq=layer_sq,
+            overflow_steps=overflow_steps if scaler is not None else 0,
+            checked_steps=held + 1,
+            loss_scale=scale if scaler is not None else None,
+            amp=scaler is not None,
+            loss_ranks=per_rank.scalars("loss_sum"),
+            grad_ranks=[total_sq] if rank_sq is None else rank_sq,
+            extras={name: per_rank[name] for name in extras},
+        )
+
+    def _layout(self, held: bool, several: bool, extras: Mapping[str, Part]) -> Layout:
+        """The layout of this check's packed tensor, built once per pattern of parts."""
+        shapes = tuple(
+            (name, value.numel() if isinstance(value, Tensor) else len(value)) for name, value in extras.items()
+        )
+        flat = all(not isinstance(v, Tensor) or v.ndim == 0 for v in extras.values())
+        key = (held, several, shapes, flat)
+        layout = self._layouts.get(key)
+        if layout is None:
+            norms = ("norms", 2 * len(self.norms.names) if several else len(self.norms.params))
+            parts = [*_HEADER, *((("held_peak", 2), ("held_overflows", 1)) if held else ()), norms, *shapes]
+            # A plain check: every part is a 0-d float32, so one `stack` packs them all.
+            single = not held and not several and self.norms.dtype is PACK_DTYPE and flat
+            layout = self._layouts[key] = Layout(parts, single_stack=single)
+        return layout
+
+    def _constants(
+        self, device: torch.device, counts: tuple[int, int, int]
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """A 0-d ``0`` and ``1`` that stand in for figures a step does not have, and ``counts`` as 0-d tensors.
+
+        All are cached on ``device``. The counts rarely change, so most steps create and copy nothing; a new
+        pattern is copied without blocking on CUDA (the copy queues behind the device work instead of waiting for it).
+        """
+        if self._fills is None or self._fills[0] != device:
+            zero, one = (torch.full((), v, dtype=PACK_DTYPE, device=device) for v in (0.0, 1.0))
+            self._fills = (device, zero, one)
+            self._counts = {}
+        cached = self._counts.get(counts)
+        if cached is None:
+            if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
+                self._counts.clear()
+            cached = to_device(counts, device, PACK_DTYPE).unbind()
+            self._counts[counts] = cached
+        _, zero, one = self._fills
+        return zero, one, cached
+
+    def detect(self, step: StepFigures) -> list[Detection]:
+        """Run every detector on the figures of one check; report causes, not their echoes."""
+        found: list[Detection | None] = []
+        if step.loss is not None:
+            found.append(self.detectors.nonfinite_loss.update(step.loss))
+            if self.detectors.loss_spike is not None:
+                found.append(self.detectors.loss_spike.update(step.loss))
+        if step.grad_norm is not None and step.grad_peak is not None:
+            if step.amp:
+                overflowed = step.overflow_steps == step.checked_steps
+                found.append(self.detectors.amp.update(overflowed, step.loss_scale))  # type: ignore[arg-type]
+            else:
+                found.append(self.detectors.nonfinite_grad.update(step.grad_peak))
+            for detector, value in (
+                (self.detectors.exploding, step.grad_peak),
+                (self.detectors.vanishing, step.grad_norm),
+                (self.detectors.grad_spike, step.grad_norm),
+            ):
+                if detector is not None:
+                    found.append(detector.update(value))
+        detections = [d for d in found if d is not None]
+        if not detections:
+            return detections
+        kinds = {d.kind for d in detections}
+        # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
+        if AlertKind.NONFINITE_LOSS in kinds or self.detectors.nonfinite_loss.active:
+            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
+        if AlertKind.EXPLODING_GRAD in kinds:
+            detections = [d for d in detections if d.kind is not AlertKind.GRAD_SPIKE]
+        return detections
+
+    def beyond(self, kinds: frozenset[AlertKind]) -> bool:
+        """Whether the last check's figure was beyond the limit of any of ``kinds`` (even before patience ran out)."""
+        if not kinds:
+            return False
+        d = self.detectors
+        states = {
+            AlertKind.NONFINITE_LOSS: d.nonfinite_loss.active,
+            AlertKind.NONFINITE_GRAD: d.nonfinite_grad.active,
+            AlertKind.EXPLODING_GRAD: d.exploding is not None and d.exploding.count > 0,
+            AlertKind.VANISHING_GRAD: d.vanishing is not None and d.vanishing.count > 0,
+            AlertKind.LOSS_SPIKE: d.loss_spike is not None and d.loss_spike.outlier,
+            AlertKind.GRAD_SPIKE: d.grad_spike is not None and d.grad_spike.outlier,
+        }
+        return any(states.get(kind, False) for kind in kinds)
+
+    def blame(self, kind: AlertKind, step: StepFigures) -> str:
+        """Name the layers behind a gradient or loss alert, from the per-layer norms already computed."""
+        names, squares = self.norms.names, step.layer_sq
+        if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
+            return ""
+        if kind is AlertKind.EXPLODING_GRAD and step.grad_peak != step.grad_norm:
+            # The explosion was a step held since the last check: its layers were not kept, only its total.
+            return " It came from a step between checks, whose per-layer norms are not kept."
+        bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
+        if bad:
+            bad = self.order.sort(bad) if self.order is not None else bad
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {shown}."
+        total = fsum(squares)
+        if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
+            return ""
+        top = sorted(zip(names, squares, strict=True), key=lambda x: -x[1])[:3]
+        shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
+        return f" Largest layers (norm, share of squared total): {shares}."
+
+    def figures(self, step: StepFigures, layer_norms: bool) -> dict[str, float]:
+        """The host figures to log for this step."""
+        out: dict[str, float] = {}
+        if step.grad_norm is not None:
+            out[self._total_key] = step.grad_norm
+            if layer_norms:
+                out.update(zip(self._layer_keys, map(math.sqrt, step.layer_sq), strict=True))
+        if step.loss_scale is not None:
+            out["loss_scale"] = step.loss_scale
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The detectors' states, as plain values."""
+        return {name: det.state_dict() for name, det in self.detectors.present().items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the detectors' states."""
+        for name, det in self.detectors.present().items():
+            det.load_state_dict(state.get(name, {}))
+
+
+class OptimizerChecks:
+    """The :class:`OptimizerCheck` of every optimizer of a run, built on each one's first step.
+
+    The gradient norms follow the optimizer's parameters: when it is replaced, or gains a parameter group (as
+    ``BaseFinetuning.unfreeze_and_add_param_group`` does), they are measured afresh; the detectors carry on.
+
+    Args:
+        step: The step rules.
+        spikes: The spike rules.
+    """
+
+    def __init__(self, step: StepSettings, spikes: SpikeSettings) -> None:
+        self.step_settings = step
+        self.spike_settings = spikes
+        self.checks: dict[int, OptimizerCheck] = {}
+        self.order: ForwardOrder | None = None  # the layers' forward order, handed to each check for its messages
+        self._last: tuple[Optimizer, OptimizerCheck, int] | None = None  # what `for_optimizer` returned last
+        self._measured: dict[int, tuple[Optimizer, int]] = {}  # each check's optimizer and its number of groups
+        self._restored: dict[str, Any] = {}
+
+    def reset(self) -> None:
+        """Forget the checks of an earlier run (the detectors restored from a checkpoint stay until used)."""
+        self.checks, self._last, self._measured = {}, None, {}
+
+    def for_optimizer(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> OptimizerCheck:
+        """The check of ``optimizer``, built on its first step (and after a resume, from the checkpoint)."""
+        groups = len(optimizer.param_groups)
+        last = self._last
+        if last is not None and last[0] is optimizer and last[2] == groups:  # every step of a single optimizer
+            return last[1]
+        index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+        check = self.checks.get(index)
+        if check is None:
+            check = OptimizerCheck(
+                _layer_norms(trainer, pl_module, optimizer),
+                StepDetectors.from_settings(self.step_settings, self.spike_settings),
+                index=index,
+                suffix=f"_opt{index}" if len(trainer.optimizers) > 1 else "",
+                fused=bool(getattr(optimizer, "_step_supports_amp_scaling", False)),
+            )
+            if str(index) in self._restored:
+                check.load_state_dict(self._restored.pop(str(index)))
+                check.detectors.rearm()
+            self.checks[index] = check
+        elif self._measured.get(index) != (optimizer, groups):
+            check.measure(_layer_norms(trainer, pl_module, optimizer))
+        if self.order is not None:
+            check.order = self.order
+        self._measured[index] = (optimizer, groups)
+        self._last = (optimizer, check, groups)
+        return check
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every check's detector states, by optimizer index (those restored but not yet used included)."""
+        states = dict(self._restored)
+        states.update({str(i): check.state_dict() for i, check in self.checks.items()})
+        return states
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        """Keep the detector states of a checkpoint, for each optimizer's check to restore on its first step."""
+        self._restored = dict(states)
+        self.reset()
+
+
+class TrainingLoss:
+    """The training loss handed to ``backward``, summed on the device over the micro-batches since the last check.
+
+    Each micro-batch's own factors are undone: the ``accumulate_grad_batches`` division, and the fp16 loss scale
+    (they can change between checks: the GradScaler halves at an overflow, a ``GradientAccumulationScheduler``
+    changes the other). Summing keeps NaN and Inf, so any bad micro-batch shows.
+    """
+
+    def __init__(self) -> None:
+        self._sum: Tensor | None = None
+        self._count = 0
+
+    def add(self, loss: Tensor, accumulate: int, scaler: torch.amp.GradScaler | None) -> None:
+        """Add one micro-batch's loss as ``backward`` received it (one element, on the device)."""
+        loss = loss.detach()
+        if loss.dim():  # `backward()` takes any one-element loss; the check packs 0-d figures
+            loss = loss.reshape(())
+        if loss.dtype is not torch.float32:  # summed in float32, whatever precision computed it
+            loss = loss.float()
+        if accumulate != 1:
+            loss = loss * accumulate
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, Tensor):
+            loss = loss / scale
+        self._sum = loss if self._sum is None else self._sum + loss
+        self._count += 1
+
+    def take(self) -> tuple[Tensor | None, int]:
+        """Hand over the sum and the number of micro-batches since the last call, and start a new sum."""
+        taken = (self._sum, self._count)
+        self._sum, self._count = None, 0
+        return taken
+
+
+def scale_tensor(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:
+    """The current loss scale as a 0-d device tensor, without a host sync (``get_scale()`` would sync).
+
+    ``None`` without a GradScaler, or before its first ``scale()``.
+    """
+    scale = getattr(scaler, "_scale", None)
+    return scale.reshape(()).to(device=device, dtype=torch.float32) if isinstance(scale, Tensor) else None
+
+
+def _layer_norms(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> LayerGradNorms:
+    """The gradient norms of ``optimizer``'s parameters, named as in the module.
+
+    A parameter the optimizer holds but the module does not (kept in a plain list) is named after its group.
+    """
+    params = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    in_optimizer = {id(p) for _, p in params}
+    named = [(n, p) for n, p in pl_module.named_parameters() if id(p) in in_optimizer]
+    known = {id(p) for _, p in named}
+    for g, p in params:
+        if id(p) not in known:
+            known.add(id(p))
+            named.append((f"param_group_{g}.{len(named)}", p))
+    sharded, replicas = gradient_sharding(trainer.strategy, trainer.num_nodes)
+    return LayerGradNorms(named, sharded=sharded, replicas=replicas)

@@ -1,0 +1,282 @@
+"""What happens on a detection, from any path: the alert, where it is written, the bundle, the skip, the halt.
+
+:class:`Responder` turns the detections of a training-step check or of a validation run into :class:`Alert`
+records with their full message, writes them to every sink (console, loggers, JSON-lines file), writes the
+post-mortem bundle, skips the optimizer step and halts, in that order. It also writes the monitor's figures to the
+loggers. Every rank calls it at the same point with the same detections, since every rank decided on the same
+gathered numbers; the sinks write on global rank zero only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+
+from lightning_monitor._host import gather_ranks
+from lightning_monitor._lightning import logging_step, mirror_callback_metrics
+from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
+from lightning_monitor.checks import OptimizerCheck, StepFigures
+from lightning_monitor.halting import TrainingHalted, skip_optimizer_step
+from lightning_monitor.postmortem import write_bundle
+from lightning_monitor.settings import ResponseSettings
+from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
+
+__all__ = ["Responder", "StepContext"]
+
+#: How many checks the post-mortem bundle's history keeps.
+HISTORY = 256
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a training-step check adds to its detections: the figures, the optimizer's check, and how far it reaches.
+
+    Attributes:
+        optimizer: The optimizer about to step.
+        check: That optimizer's check (for its index, suffix and the layers to blame).
+        figures: The check's host figures.
+        every: ``check_every_n_steps``, quoted when a check covers held steps.
+        first_bad_activation: The first module whose output was not finite, when activations are watched.
+        batches: The micro-batches of the step, ``(batch_idx, batch)``, for the bundle.
+        logged: The figures to log (``skipped_steps`` is added here).
+        latest: The monitor's ``latest`` figures, kept in the bundle's history (``skipped_steps`` too).
+        logs: Whether Lightning logs at this step.
+    """
+
+    optimizer: Optimizer
+    check: OptimizerCheck
+    figures: StepFigures
+    every: int
+    first_bad_activation: str | None
+    batches: Sequence[tuple[int, Any]]
+    logged: dict[str, float]
+    latest: dict[str, float]
+    logs: bool
+
+
+class Responder:
+    """Turn detections into alerts and act on them; keep the alerts, the stopping reason and the skipped steps.
+
+    Args:
+        settings: What halts and how, what skips, what is written where.
+
+    Attributes:
+        alerts: Every alert so far, oldest first (restored from checkpoints).
+        stopping_reason: The kind of the alert that halted this run, or ``None``.
+        stopping_reason_message: That alert's message, or ``None``.
+        skipped_steps: Optimizer steps skipped so far (by the monitor, or by the GradScaler under fp16 AMP).
+        history: ``(step, epoch, figures)`` of the last checks, for the bundle.
+    """
+
+    def __init__(self, settings: ResponseSettings) -> None:
+        self.settings = settings
+        self.alerts: list[Alert] = []
+        self.stopping_reason: AlertKind | None = None
+        self.stopping_reason_message: str | None = None
+        self.skipped_steps = 0
+        self.history: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=HISTORY)
+        self.log_dir = Path(".")
+        self._console = ConsoleSink()
+        self._loggers = LoggerSink([])
+        self._jsonl: JsonlSink | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------------ a run
+
+    def begin(self, trainer: pl.Trainer, log_dir: Path, settings: dict[str, Any]) -> None:
+        """Start a run: its sinks, a fresh history, no halt yet; rank zero writes the run's settings."""
+        self.log_dir = log_dir
+        alerts_file = self.settings.alerts_file
+        self._jsonl = JsonlSink(log_dir / alerts_file) if alerts_file else None
+        self._loggers = LoggerSink(trainer.loggers)
+        self.history.clear()
+        self.stopping_reason, self.stopping_reason_message = None, None
+        if trainer.is_global_zero:
+            write_settings(log_dir / SETTINGS_FILE, settings)
+            self._loggers.add_layout()
+
+    def set_earlier_alerts_aside(self, trainer: pl.Trainer) -> None:
+        """For a run that starts afresh: move the alerts file an earlier run left in the folder out of the way."""
+        if self._jsonl is None or not trainer.is_global_zero:
+            return
+        aside = self._jsonl.set_aside()
+        if aside is not None:
+            rank_zero_info(
+                f"TrainingMonitor moved the alerts of an earlier run in {str(self.log_dir)!r} to {aside.name}."
+            )
+
+    def log_figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
+        """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
+        mirror_callback_metrics(trainer, figures)
+        if trainer.is_global_zero:
+            self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
+
+    # ------------------------------------------------------------------------------------------------ responses
+
+    def respond_to_step(self, trainer: pl.Trainer, detections: list[Detection], step: StepContext) -> None:
+        """Act on a training-step check: skip the step if it must not reach the weights, alert, log, bundle, halt.
+
+        No update with a non-finite loss or gradient reaches the weights (under fp16 AMP the GradScaler skips
+        overflows), nor one that raises a halting alert, nor one beyond a ``skip_on`` limit, nor any after a halt
+        (with ``min_steps``, Lightning trains on after ``should_stop``). A halting step logs its figures whatever
+        ``log_every_n_steps`` says: Lightning logs its own metrics there too, since ``should_stop`` is set.
+        """
+        settings, check, found = self.settings, step.check, step.figures
+        self.history.append((logging_step(trainer), trainer.current_epoch, step.latest))
+        skip = (
+            any(d.kind in settings.halt_on for d in detections)
+            or found.unsafe
+            or check.beyond(settings.skip_on)
+            or self.stopping_reason is not None
+        )
+        bundle = self._bundle_folder(trainer, detections)
+        alerts = [self._alert(trainer, d, step, bundle, skip) for d in detections]
+        halting = [a for a in alerts if a.halted]
+        if skip:
+            skip_optimizer_step(step.optimizer)
+            overflowed = found.amp and found.grad_norm is not None and not math.isfinite(found.grad_norm)
+            self.skipped_steps += 0 if overflowed else 1  # an overflowing step is counted below, once
+        self.skipped_steps += found.overflow_steps  # the GradScaler skips these itself
+        if self.skipped_steps:  # absent means none: no constant zero written at every logging step
+            step.latest["skipped_steps"] = step.logged["skipped_steps"] = float(self.skipped_steps)
+        for alert in alerts:
+            self._emit(trainer, alert)
+        if step.logs or halting:
+            self.log_figures(trainer, step.logged)
+        if bundle is not None:
+            batches = step.batches
+            self._write_bundle(trainer, bundle, alerts, bool(halting), skip, batches, found.checked_steps)
+        if halting:
+            self._halt(trainer, halting[0])
+
+    def respond_to_validation(self, trainer: pl.Trainer, detections: list[Detection]) -> None:
+        """Act on the detections of a validation run: alert, bundle, halt."""
+        if not detections:
+            return
+        bundle = self._bundle_folder(trainer, detections)
+        alerts = [self._alert(trainer, d, None, bundle, skipped=False) for d in detections]
+        for alert in alerts:
+            self._emit(trainer, alert)
+        halting = [a for a in alerts if a.halted]
+        if bundle is not None:
+            self._write_bundle(trainer, bundle, alerts, bool(halting), None, [], 1)
+        if halting:
+            self._halt(trainer, halting[0])
+
+    def warn_once(self, key: str, message: str) -> None:
+        """One ``RuntimeWarning`` per ``key`` and monitor."""
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message, category=RuntimeWarning)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _alert(
+        self, trainer: pl.Trainer, detection: Detection, step: StepContext | None, bundle: Path | None, skipped: bool
+    ) -> Alert:
+        """Turn a detection into an alert: where and when, what was done about it, and what to try.
+
+        The step is the one Lightning logs at (``_batches_that_stepped``), where the run's figures are, not
+        ``global_step``, which counts the steps of every optimizer.
+        """
+        halted = detection.kind in self.settings.halt_on
+        figures = None if step is None else step.figures
+        rank = None if figures is None else figures.rank_for(detection.kind)
+        at = logging_step(trainer)
+        where = f" at step {at} (epoch {trainer.current_epoch})"
+        if step is not None and step.check.suffix:
+            where += f" for optimizer {step.check.index}"
+        if rank is not None:
+            where += f", first seen on rank {rank}"
+        blame = "" if step is None or figures is None else step.check.blame(detection.kind, figures)
+        first_bad = None if step is None else step.first_bad_activation
+        if first_bad is not None and detection.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+            blame += f" The first module whose output was not finite, in forward order: {first_bad}."
+        stop = "Training is halting." if self.settings.halt_mode == "stop" else "Raising TrainingHalted."
+        skip = "The optimizer step was skipped, so the weights are unchanged."
+        action = " ".join(part for part, applies in ((skip, skipped), (stop, halted)) if applies)
+        if step is not None and figures is not None and figures.checked_steps > 1:
+            action += (
+                f" This check covers the last {figures.checked_steps} optimizer steps (check_every_n_steps="
+                f"{step.every}): the ones before this step were applied unchecked."
+            )
+        reason = detection.reason[:1].upper() + detection.reason[1:]
+        message = f"{reason}{where}.{blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
+        if bundle is not None:
+            message += f" Post-mortem bundle: {bundle}"
+        return Alert(
+            kind=detection.kind,
+            step=at,
+            epoch=trainer.current_epoch,
+            value=detection.value,
+            threshold=detection.threshold,
+            message=message,
+            halted=halted,
+            rank=rank,
+        )
+
+    def _emit(self, trainer: pl.Trainer, alert: Alert) -> None:
+        """Keep the alert, and on rank zero write it to the console, every logger and the JSON-lines file."""
+        self.alerts.append(alert)
+        if not trainer.is_global_zero:
+            return
+        self._console.write(alert)
+        # `self.alerts` holds this run's alerts, a resumed run's restored ones included: count on from them.
+        count = sum(a.kind is alert.kind for a in self.alerts)
+        self._loggers.write(alert, logging_step(trainer), count)
+        if self._jsonl is not None:
+            self._jsonl.write(alert)
+
+    def _bundle_folder(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
+        """Where this check's post-mortem bundle goes, or ``None`` when it does not call for one."""
+        postmortem = self.settings.postmortem
+        if postmortem is None:
+            return None
+        cause = [d for d in detections if postmortem == "alert" or d.kind in self.settings.halt_on]
+        if not cause:
+            return None
+        return self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
+
+    def _write_bundle(
+        self,
+        trainer: pl.Trainer,
+        folder: Path,
+        cause: Sequence[Alert],
+        halted: bool,
+        skipped: bool | None,
+        batches: Sequence[tuple[int, Any]],
+        covered: int,
+    ) -> None:
+        """Write the bundle on every rank, or warn once and carry on if any rank cannot write its folder."""
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            writable = 1.0
+        except OSError:
+            writable = 0.0
+        # Everyone must agree before `save_checkpoint`, which all ranks join: one rank failing alone would hang.
+        if not all(ok for (ok,) in gather_ranks(torch.full((1,), writable, device=trainer.strategy.root_device))):
+            self.warn_once("postmortem", f"TrainingMonitor could not create the post-mortem folder {str(folder)!r}.")
+            return
+        try:
+            history = ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self.history)
+            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted, skipped, covered)
+        except OSError as err:
+            self.warn_once("postmortem", f"TrainingMonitor could not write the post-mortem bundle ({err}).")
+
+    def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
+        """Stop training on this rank; every rank reaches this call at the same step with the same alert."""
+        if self.stopping_reason is None:  # the first halt of the run is its reason
+            self.stopping_reason = alert.kind
+            self.stopping_reason_message = alert.message
+        if self.settings.halt_mode == "raise":
+            raise TrainingHalted(alert)
+        trainer.should_stop = True

@@ -1,0 +1,299 @@
+"""The monitor's configuration: grouped, validated, immutable settings behind ``TrainingMonitor``'s flat arguments.
+
+``TrainingMonitor(...)`` keeps one flat, typed keyword argument per setting, which is what ``LightningCLI`` reads.
+:meth:`MonitorSettings.from_arguments` hands each argument to the group that uses it, and each group checks its own
+values when it is built, so a bad value fails at construction with a ``ValueError`` that names the argument, the
+value and what was expected. :meth:`MonitorSettings.as_dict` gives the flat plain-value form written to
+``monitor_settings.json``; nothing lists the arguments a second time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from torch import Tensor
+
+from lightning_monitor.alerts import AlertKind
+
+__all__ = [
+    "DEFAULT_HALT_ON",
+    "STEP_KINDS",
+    "MonitorSettings",
+    "ResponseSettings",
+    "SpikeSettings",
+    "StepSettings",
+    "TokenSettings",
+    "ValidationSettings",
+]
+
+#: The alert kinds that halt training unless ``halt_on`` says otherwise.
+DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
+#: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``).
+STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL}
+#: The smallest ``spike_window``: the spike level averages over ``window / 4`` values, so at least two.
+MIN_SPIKE_WINDOW = 8
+
+TokenAccuracyFn = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What each optimizer step is checked for, and how often: the gradient rules and the fp16 AMP rules."""
+
+    exploding_grad_threshold: float | None
+    vanishing_grad_threshold: float | None
+    vanishing_grad_patience: int
+    amp_overflow_patience: int
+    min_loss_scale: float
+    layer_norms: bool
+    check_every_n_steps: int
+    watch_activations: bool
+
+    def __post_init__(self) -> None:
+        _number(self, "exploding_grad_threshold", optional=True)
+        _number(self, "vanishing_grad_threshold", optional=True)
+        _number(self, "min_loss_scale")
+        for name in ("vanishing_grad_patience", "amp_overflow_patience", "check_every_n_steps"):
+            _count(self, name, 1)
+        for name in ("layer_norms", "watch_activations"):
+            _flag(self, name)
+        low, high = self.vanishing_grad_threshold, self.exploding_grad_threshold
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"Expected argument `vanishing_grad_threshold` ({low}) to be below `exploding_grad_threshold` ({high})"
+            )
+
+
+@dataclass(frozen=True)
+class SpikeSettings:
+    """The loss and gradient-norm spike rules (see :class:`~lightning_monitor.detectors.SpikeDetector`)."""
+
+    loss_spike_threshold: float | None
+    grad_spike_threshold: float | None
+    spike_window: int
+    spike_warmup: int
+    spike_patience: int
+
+    def __post_init__(self) -> None:
+        # A z-score of 0 would call every rise a spike.
+        _number(self, "loss_spike_threshold", optional=True, positive=True)
+        _number(self, "grad_spike_threshold", optional=True, positive=True)
+        _count(self, "spike_window", MIN_SPIKE_WINDOW)
+        _count(self, "spike_warmup", 1)
+        _count(self, "spike_patience", 1)
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """The rules read once per validation run: a diverging validation loss, a stalled token accuracy."""
+
+    val_loss_key: str | None
+    divergence_patience: int
+    divergence_min_delta: float
+    token_acc_patience: int | None
+
+    def __post_init__(self) -> None:
+        _text(self, "val_loss_key", optional=True)
+        _count(self, "divergence_patience", 1)
+        _number(self, "divergence_min_delta")
+        _count(self, "token_acc_patience", 1, optional=True)
+
+
+@dataclass(frozen=True)
+class TokenSettings:
+    """Where token accuracy finds logits and labels, and how it scores them."""
+
+    token_accuracy: bool
+    epoch_token_accuracy: bool
+    ignore_index: int
+    shift_labels: bool
+    top_k: int
+    logits_key: str
+    labels_key: str
+    token_accuracy_fn: TokenAccuracyFn | None
+
+    def __post_init__(self) -> None:
+        for name in ("token_accuracy", "epoch_token_accuracy", "shift_labels"):
+            _flag(self, name)
+        _integer(self, "ignore_index")
+        _count(self, "top_k", 1)
+        _text(self, "logits_key")
+        _text(self, "labels_key")
+        if self.token_accuracy_fn is not None and not callable(self.token_accuracy_fn):
+            raise ValueError(
+                "Expected argument `token_accuracy_fn` to be a function (outputs, batch) -> (logits, labels) or None,"
+                f" but got {self.token_accuracy_fn!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ResponseSettings:
+    """What happens on an alert: which kinds halt and how, which skip their step, what is written where."""
+
+    halt_on: frozenset[AlertKind]
+    halt_mode: Literal["stop", "raise"]
+    skip_on: frozenset[AlertKind]
+    postmortem: Literal["halt", "alert"] | None
+    alerts_file: str | None
+    summary_on_fit_end: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "halt_on", _kinds("halt_on", self.halt_on))
+        object.__setattr__(self, "skip_on", _kinds("skip_on", self.skip_on))
+        if self.skip_on - STEP_KINDS:
+            raise ValueError(
+                "Expected argument `skip_on` to hold alert kinds raised at an optimizer step, "
+                f"but got {sorted(k.value for k in self.skip_on - STEP_KINDS)}"
+            )
+        if self.halt_mode not in ("stop", "raise"):
+            raise ValueError(f"Expected argument `halt_mode` to be 'stop' or 'raise', but got {self.halt_mode!r}")
+        if self.postmortem not in ("halt", "alert", None):
+            raise ValueError(
+                f"Expected argument `postmortem` to be 'halt', 'alert' or None, but got {self.postmortem!r}"
+            )
+        _text(self, "alerts_file", optional=True)
+        _flag(self, "summary_on_fit_end")
+
+
+_GROUPS = (StepSettings, SpikeSettings, ValidationSettings, TokenSettings, ResponseSettings)
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """Every setting of a :class:`~lightning_monitor.TrainingMonitor`, in groups, checked once when built.
+
+    Example:
+        >>> from lightning_monitor import TrainingMonitor
+        >>> settings = TrainingMonitor(exploding_grad_threshold=50).config
+        >>> settings.step.exploding_grad_threshold, settings.response.halt_mode
+        (50.0, 'stop')
+        >>> settings.as_dict()["halt_on"]
+        ['diverging_val_loss', 'exploding_grad', 'nonfinite_grad', 'nonfinite_loss']
+        >>> TrainingMonitor(top_k=2.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected argument `top_k` to be an integer of at least 1, but got 2.0
+    """
+
+    step: StepSettings
+    spikes: SpikeSettings
+    validation: ValidationSettings
+    tokens: TokenSettings
+    response: ResponseSettings
+
+    def __post_init__(self) -> None:
+        # An argument that another one makes do nothing: say so now, not with a figure or an alert that never comes.
+        tokens, validation = self.tokens, self.validation
+        off = {"token_accuracy=False": not tokens.token_accuracy, "val_loss_key=None": validation.val_loss_key is None}
+        for name, given, default, other in (
+            ("epoch_token_accuracy", tokens.epoch_token_accuracy, False, "token_accuracy=False"),
+            ("token_accuracy_fn", tokens.token_accuracy_fn, None, "token_accuracy=False"),
+            ("token_acc_patience", validation.token_acc_patience, None, "token_accuracy=False"),
+            ("token_acc_patience", validation.token_acc_patience, None, "val_loss_key=None"),
+        ):
+            if off[other] and given != default:
+                raise ValueError(
+                    f"Expected argument `{name}` to be {default} with `{other}`, which turns off what it needs,"
+                    f" but got {given!r}"
+                )
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> MonitorSettings:
+        """Build the settings from ``TrainingMonitor``'s keyword arguments, each handed to the group that uses it.
+
+        Raises:
+            ValueError: If a value is not what its argument expects, or two arguments contradict each other.
+            TypeError: If an argument is missing or unknown (a programming error, not a user's value).
+        """
+        names = {f.name for group in _GROUPS for f in fields(group)}
+        unknown = set(arguments) - names
+        if unknown:
+            raise TypeError(f"Unknown settings: {sorted(unknown)}")
+
+        def build(group: type[Any]) -> Any:
+            return group(**{f.name: arguments[f.name] for f in fields(group)})
+
+        return cls(*(build(group) for group in _GROUPS))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting by its argument's name, as plain JSON values (alert kinds as sorted names)."""
+        out: dict[str, Any] = {}
+        for group in (self.step, self.spikes, self.validation, self.tokens, self.response):
+            for f in fields(group):
+                value = getattr(group, f.name)
+                if isinstance(value, frozenset):
+                    value = sorted(k.value for k in value)
+                out[f.name] = value
+        out.pop("token_accuracy_fn")  # a function: not a plain value, and not needed to read a run back
+        return out
+
+    def get(self, name: str) -> Any:
+        """The setting of argument ``name``.
+
+        Raises:
+            AttributeError: If no argument has that name.
+        """
+        for group in (self.step, self.spikes, self.validation, self.tokens, self.response):
+            if name in group.__dataclass_fields__:
+                return getattr(group, name)
+        raise AttributeError(name)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _number(group: Any, name: str, *, optional: bool = False, positive: bool = False) -> None:
+    """A finite real number (of any numeric type: numpy scalars too, not a bool), ``> 0`` or ``>= 0``."""
+    value = getattr(group, name)
+    if value is None and optional:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and (value > 0 if positive else value >= 0)):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {value!r}")
+    object.__setattr__(group, name, float(value))
+
+
+def _count(group: Any, name: str, least: int, *, optional: bool = False) -> None:
+    """An integer (of any integer type, not a bool) of at least ``least``."""
+    value = getattr(group, name)
+    if value is None and optional:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"Expected argument `{name}` to be an integer of at least {least}, but got {value!r}")
+    if int(value) < least:
+        raise ValueError(f"Expected argument `{name}` to be at least {least}, but got {value!r}")
+    object.__setattr__(group, name, int(value))
+
+
+def _integer(group: Any, name: str) -> None:
+    value = getattr(group, name)
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+        raise ValueError(f"Expected argument `{name}` to be an integer, but got {value!r}")
+    object.__setattr__(group, name, int(value))
+
+
+def _flag(group: Any, name: str) -> None:
+    value = getattr(group, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"Expected argument `{name}` to be True or False, but got {value!r}")
+
+
+def _text(group: Any, name: str, *, optional: bool = False) -> None:
+    value = getattr(group, name)
+    if value is None and optional:
+        return
+    if not (isinstance(value, str) and value):
+        expected = "a non-empty string or None" if optional else "a non-empty string"
+        raise ValueError(f"Expected argument `{name}` to be {expected}, but got {value!r}")
+
+
+def _kinds(argument: str, kinds: Any) -> frozenset[AlertKind]:
+    """A collection of alert kinds, by name; a string, a mapping or a non-collection is refused."""
+    if isinstance(kinds, (str, bytes, Mapping)) or not isinstance(kinds, Iterable):
+        raise ValueError(f"Expected argument `{argument}` to be a collection of alert kinds, but got {kinds!r}")
+    return frozenset(AlertKind.parse(k, argument) for k in kinds)
