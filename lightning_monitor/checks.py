@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -515,9 +516,23 @@ class TrainingLoss:
     def __init__(self) -> None:
         self._sum: Tensor | None = None
         self._count = 0
+        self._warned = False
 
     def add(self, loss: Tensor, accumulate: int, scaler: torch.amp.GradScaler | None) -> None:
-        """Add one micro-batch's loss as ``backward`` received it (one element, on the device)."""
+        """Add one micro-batch's loss as ``backward`` received it (one element, on the device).
+
+        A loss of several elements (``manual_backward(tensor, gradient)``) is left out, with one warning.
+        """
+        if loss.numel() != 1:
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"TrainingMonitor reads one-element losses only, and got one of shape {tuple(loss.shape)} (a"
+                    " `manual_backward(tensor, gradient)`?). Its steps are checked without a loss: the gradients"
+                    " are watched, `nonfinite_loss` and `loss_spike` are not.",
+                    category=RuntimeWarning,
+                )
+            return
         loss = loss.detach()
         if loss.dim():  # `backward()` takes any one-element loss; the check packs 0-d figures
             loss = loss.reshape(())

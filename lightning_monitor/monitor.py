@@ -12,45 +12,51 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_monitor._host import fsum, gather_ranks, host_dtype, world_size
+from lightning_monitor._host import fsum, world_size
 from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
-from lightning_monitor.alerts import Alert, AlertKind, Detection
+from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.checks import OptimizerChecks, TrainingLoss
-from lightning_monitor.detectors import AccuracyStallDetector, RisingDetector
 from lightning_monitor.grad_norms import layer_name
-from lightning_monitor.packing import Layout
 from lightning_monitor.responder import Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker
+from lightning_monitor.validation import ValidationCheck
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
 
-#: What one validation run gathers from every rank: its validation loss (if logged) and its token counts.
-_VALIDATION = Layout([("val_loss", 1), ("has_val_loss", 1), ("val_token_counts", 3)])
-#: What the end of a training epoch gathers: the last logged step's token counts and the epoch's.
-_EPOCH_END = Layout([("step_token_counts", 2), ("epoch_token_counts", 3)])
+_T = TypeVar("_T")
+
+
+class _Kept(Generic[_T]):
+    """An attribute of the monitor that its responder keeps: read and written there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, monitor: TrainingMonitor, owner: type | None = None) -> _T:
+        return getattr(monitor._responder, self.name)
+
+    def __set__(self, monitor: TrainingMonitor, value: _T) -> None:
+        setattr(monitor._responder, self.name, value)
 
 
 class TrainingMonitor(Callback):
     r"""Watch gradients, losses and validation, report pathologies in the run's own logs, and halt on demand.
 
     Add it to the trainer; everything is configured here, nothing changes in the ``LightningModule``. Gradient
-    norms are taken in ``on_before_optimizer_step`` on the gradients the optimizer is about to apply: unscaled
-    under fp16 AMP, summed over micro-batches, synchronised across DDP ranks and reduced across shards, before
-    clipping. The training loss is the one handed to ``backward``, with the accumulation factor and loss scale
-    undone; the validation loss is read in ``on_validation_end``. (``docs/design.md`` says where each is taken.)
+    norms are those the optimizer is about to apply (unscaled under fp16 AMP, summed over micro-batches and ranks
+    or shards, before clipping); ``docs/design.md`` says where each figure is taken.
 
     ========================  =========================================================================
     Alert kind                Rule
@@ -71,16 +77,11 @@ class TrainingMonitor(Callback):
     ========================  =========================================================================
 
     A non-finite gradient or loss never reaches the weights: the monitor skips that optimizer step (under fp16 AMP
-    the GradScaler skips overflows). A step that raises a halting alert is skipped too, so a halt keeps the last
-    good weights, and so is every step beyond the limit of a kind in ``skip_on``. Alerts name the layers to blame.
+    the GradScaler skips overflows), and so it does with a step that halts or is beyond a ``skip_on`` limit.
     Halting sets ``trainer.should_stop`` (like ``EarlyStopping``), or raises :class:`TrainingHalted` on every rank
-    with ``halt_mode="raise"``. Each detector fires when its condition starts and again only after the figure has
-    been healthy once. On a halt (or any alert, with ``postmortem="alert"``) the monitor writes a post-mortem bundle
-    (:mod:`lightning_monitor.postmortem`) and gives its path in the alert.
-
-    The figures stay on the device between checks; each check packs them into one tensor, gathers it from every
-    rank in one ``all_gather`` and reads it to the host once: the monitor's only host synchronisation, once per
-    optimizer step by default. Every rank then decides alike on the same numbers.
+    with ``halt_mode="raise"``, and writes a post-mortem bundle (:mod:`lightning_monitor.postmortem`). Each check
+    gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
+    so every rank decides alike on the same numbers.
 
     **Logged metrics** (to every logger, on Lightning's logging steps; with several optimizers every ``grad_norm``
     key gets an ``_opt<i>`` suffix):
@@ -173,11 +174,9 @@ class TrainingMonitor(Callback):
 
     Raises:
         ValueError: If a value is not what its argument expects (the message names the argument, the value and what
-            was expected): a threshold that is not a finite number ``>= 0``, a patience, window or interval that is
-            not an integer of at least 1, an unknown alert kind in ``halt_on`` or ``skip_on`` (or a ``skip_on`` kind
-            that is not about a step), a choice that is not one of its choices, or an argument another one makes do
-            nothing: ``epoch_token_accuracy``, ``token_accuracy_fn`` or ``token_acc_patience`` with
-            ``token_accuracy=False``, or ``token_acc_patience`` with ``val_loss_key=None``.
+            was expected): a bad number, count, string, choice or alert kind, or an argument another one makes do
+            nothing (``epoch_token_accuracy``, ``token_accuracy_fn`` or ``token_acc_patience`` with
+            ``token_accuracy=False``, ``token_acc_patience`` with ``val_loss_key=None``).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -236,68 +235,34 @@ class TrainingMonitor(Callback):
         self.latest: dict[str, float] = {}
         self._checks = OptimizerChecks(self.config.step, self.config.spikes)
         self._responder = Responder(self.config.response)
-        self._tokens = TokenAccuracyTracker(
-            tokens.ignore_index,
-            tokens.top_k,
-            tokens.shift_labels,
-            tokens.logits_key,
-            tokens.labels_key,
-            tokens.token_accuracy_fn,
-        )
-        key, patience, delta = validation.val_loss_key, validation.divergence_patience, validation.divergence_min_delta
-        self._val = None if key is None else RisingDetector(AlertKind.DIVERGING_VAL_LOSS, key, patience, delta)
-        stall = validation.token_acc_patience
-        self._stall = None if stall is None else AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, stall)
+        self._tokens = TokenAccuracyTracker.from_settings(tokens)
+        self._validation = ValidationCheck(validation)
         self._loss = TrainingLoss()
         self._resumed = False  # whether a checkpoint restored the monitor in this run
         # Fixed for a run, found at its start: the fp16 GradScaler, the ranks, how often Lightning logs.
         self._scaler: torch.amp.GradScaler | None = None
-        self._ranks = 1
-        self._every = 0
+        self._ranks, self._every = 1, 0
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
 
     def __getattr__(self, name: str) -> Any:
-        # A setting reads as an attribute of its argument's name (`monitor.halt_on`). Only reached for names that
-        # are not attributes; `config` itself is missing while unpickling, before `__dict__` is restored.
+        # A setting reads as an attribute of its argument's name (`monitor.halt_on`); no `config` while unpickling.
         config = self.__dict__.get("config")
         if config is None or name.startswith("_"):
             raise AttributeError(name)
         return config.get(name)
 
+    # What the run did so far, kept by the responder (see "Attributes" above).
+    alerts = _Kept[list[Alert]]()
+    stopping_reason = _Kept[AlertKind | None]()
+    stopping_reason_message = _Kept[str | None]()
+    skipped_steps = _Kept[int]()
+
     @property
     @override
     def state_key(self) -> str:
         return self._state_key
-
-    @property
-    def alerts(self) -> list[Alert]:
-        """Every alert so far, oldest first (restored from checkpoints)."""
-        return self._responder.alerts
-
-    @property
-    def stopping_reason(self) -> AlertKind | None:
-        """The kind of the alert that halted training in this run, or ``None``."""
-        return self._responder.stopping_reason
-
-    @stopping_reason.setter
-    def stopping_reason(self, value: AlertKind | None) -> None:
-        self._responder.stopping_reason = value
-
-    @property
-    def stopping_reason_message(self) -> str | None:
-        """The message of the alert that halted training, or ``None``."""
-        return self._responder.stopping_reason_message
-
-    @stopping_reason_message.setter
-    def stopping_reason_message(self, value: str | None) -> None:
-        self._responder.stopping_reason_message = value
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far."""
-        return self._responder.skipped_steps
 
     def settings(self) -> dict[str, Any]:
         """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory).
@@ -339,7 +304,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close_hooks()
+        self._close_hooks()  # also on an exception, below
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -349,16 +314,7 @@ class TrainingMonitor(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not (self.config.response.summary_on_fit_end and trainer.is_global_zero):
             return
-        from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
-
-        for logger in trainer.loggers:  # Lightning finalizes loggers only after this hook: flush what they hold
-            logger.save()
-        log_dir = self._responder.log_dir
-        try:
-            summary = summarize_run(load_run(log_dir))
-        except (OSError, ValueError) as err:
-            summary = f"no summary: {err}"
-        rank_zero_info(f"lightning-monitor summary of {log_dir}\n{summary}")
+        self._responder.print_summary(trainer)
 
     # ------------------------------------------------------------------------------------------------ training
 
@@ -376,14 +332,6 @@ class TrainingMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if loss.numel() != 1:  # `manual_backward(tensor, gradient)`: no loss to read, only the gradients
-            self._responder.warn_once(
-                "loss_shape",
-                f"TrainingMonitor reads one-element losses only, and got one of shape {tuple(loss.shape)} (a"
-                " `manual_backward(tensor, gradient)`?). Its steps are checked without a loss: the gradients are"
-                " watched, `nonfinite_loss` and `loss_spike` are not.",
-            )
-            return
         accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         self._loss.add(loss, accumulate, self._scaler)
 
@@ -449,16 +397,12 @@ class TrainingMonitor(Callback):
         if not self.config.tokens.token_accuracy:
             return
         # Compute: the epoch's token counts and any step figure still waiting, in one read.
-        device = pl_module.device
-        (correct, total), counted_at = self._tokens.take_step_counts(device)
-        step_counts = torch.stack([correct, total]).to(host_dtype(device))
-        rows = _EPOCH_END.read(gather_ranks(_EPOCH_END.pack([step_counts, self._tokens.epoch_counts("train", device)])))
+        step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
         # Log.
-        self._log_accuracy(trainer, "train_token_acc", rows["step_token_counts"], counted_at)
-        epoch = rows["epoch_token_counts"]
+        self._log_accuracy(trainer, "train_token_acc", step, counted_at)
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
             self._log_accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
-        self._warn_invalid_labels("train", [r[2] for r in epoch])
+        self._tokens.warn_invalid("train", [r[2] for r in epoch])
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -492,33 +436,13 @@ class TrainingMonitor(Callback):
 
         # Compute: every rank contributes its figures (or their absence), so no rank can skip the collective.
         device = pl_module.device
-        dtype = host_dtype(device)
-        value = None if key is None else trainer.callback_metrics.get(key)
-        loss = torch.zeros((), dtype=dtype, device=device)
-        if value is not None:
-            loss = torch.as_tensor(value, device=device).reshape(()).to(dtype)
-        counts = self._tokens.epoch_counts("val", device) if watch_acc else torch.zeros(3, dtype=dtype, device=device)
-        has_loss = torch.full((), float(value is not None), dtype=dtype, device=device)
-        rows = _VALIDATION.read(gather_ranks(_VALIDATION.pack([loss, has_loss, counts])))  # one read per validation
-        seen = [v for v, has in zip(rows.scalars("val_loss"), rows.scalars("has_val_loss"), strict=True) if has]
-        val_loss = fsum(seen) / len(seen) if seen else None
-        val_acc = self._log_accuracy(trainer, "val_token_acc", rows["val_token_counts"], logging_step(trainer))
-        self._warn_invalid_labels("val", [r[2] for r in rows["val_token_counts"]])
-        if key is not None and val_loss is None:
-            self._responder.warn_once(
-                "val_loss_key",
-                f"TrainingMonitor watches `val_loss_key={key!r}`, but validation logged no such metric "
-                f"(it logged {sorted(trainer.callback_metrics)}). Log it in `validation_step` with "
-                f"`self.log({key!r}, loss)`, or pass `val_loss_key=None` to turn the check off.",
-            )
+        counts = self._tokens.epoch_counts("val", device) if watch_acc else None
+        found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
+        val_acc = self._log_accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
+        self._tokens.warn_invalid("val", [r[2] for r in found.token_counts])
 
         # Decide and act.
-        found: list[Detection | None] = []
-        if val_loss is not None and self._val is not None:
-            found.append(self._val.update(val_loss))
-        if self._stall is not None and val_loss is not None and val_acc is not None:
-            found.append(self._stall.update(val_loss, val_acc))
-        self._responder.respond_to_validation(trainer, [d for d in found if d is not None])
+        self._responder.respond_to_validation(trainer, self._validation.detect(found.val_loss, val_acc))
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -529,8 +453,7 @@ class TrainingMonitor(Callback):
             "skipped_steps": self.skipped_steps,
             "stopping_reason": None if self.stopping_reason is None else self.stopping_reason.value,
             "stopping_reason_message": self.stopping_reason_message,
-            "val": {} if self._val is None else self._val.state_dict(),
-            "stall": {} if self._stall is None else self._stall.state_dict(),
+            **self._validation.state_dict(),
             "watches": self._checks.state_dict(),
         }
 
@@ -541,10 +464,7 @@ class TrainingMonitor(Callback):
         self._responder.skipped_steps = int(state_dict.get("skipped_steps", 0))
         # Not the stopping reason: a resumed run has not halted. Nor any alert episode under way: a problem still
         # there after the resume (say, from a post-mortem checkpoint taken before the bad step) fires again.
-        for detector, key in ((self._val, "val"), (self._stall, "stall")):
-            if detector is not None:
-                detector.load_state_dict(state_dict.get(key, {}))
-                detector.rearm()
+        self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -560,16 +480,6 @@ class TrainingMonitor(Callback):
             return None
         self._responder.log_figures(trainer, {key: correct / total}, step)
         return correct / total
-
-    def _warn_invalid_labels(self, stage: str, per_rank: Sequence[float]) -> None:
-        invalid = int(fsum(per_rank))
-        if invalid:
-            self._responder.warn_once(
-                f"invalid_{stage}",
-                f"TrainingMonitor left {invalid} label(s) out of {stage}_token_acc: they are neither in [0, V) (V is "
-                f"the last dimension of the logits) nor equal to ignore_index={self.config.tokens.ignore_index}. "
-                "Check that the labels come from the model's vocabulary, or set `ignore_index` to your padding id.",
-            )
 
     def _close_hooks(self) -> None:
         for hooks in (self._checks.order, self._activations):

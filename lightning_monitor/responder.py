@@ -120,6 +120,18 @@ class Responder:
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
 
+    def print_summary(self, trainer: pl.Trainer) -> None:
+        """Print the health summary of ``lightning-monitor report`` for this run (``summary_on_fit_end``)."""
+        from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
+
+        for logger in trainer.loggers:  # Lightning finalizes loggers only after `on_fit_end`: flush what they hold
+            logger.save()
+        try:
+            summary = summarize_run(load_run(self.log_dir))
+        except (OSError, ValueError) as err:
+            summary = f"no summary: {err}"
+        rank_zero_info(f"lightning-monitor summary of {self.log_dir}\n{summary}")
+
     # ------------------------------------------------------------------------------------------------ responses
 
     def respond_to_step(self, trainer: pl.Trainer, detections: list[Detection], step: StepContext) -> None:

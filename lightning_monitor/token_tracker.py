@@ -12,15 +12,16 @@ value on the host: the monitor gathers the counts with its other figures in its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_monitor._host import copies_without_blocking, host_dtype
-from lightning_monitor.packing import PACK_DTYPE
+from lightning_monitor._host import copies_without_blocking, fsum, gather_ranks, host_dtype
+from lightning_monitor.packing import PACK_DTYPE, Layout
+from lightning_monitor.settings import TokenSettings
 from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
 __all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
@@ -33,6 +34,8 @@ Stage = Literal["train", "val"]
 #: its positions (3 bytes a token); summing many batches' masks at once costs a few device ops in all rather than
 #: several a batch (docs/benchmarks.md).
 HOLD_AT_MOST = 64
+#: What the end of a training epoch gathers: the last logged step's token counts and the epoch's.
+_EPOCH_END = Layout([("step_token_counts", 2), ("epoch_token_counts", 3)])
 
 
 def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key: str) -> tuple[Tensor, Tensor] | None:
@@ -118,6 +121,12 @@ class TokenAccuracyTracker:
         self._pending: tuple[Tensor, int] | None = None  # a step's counts, waiting to be shipped with the next check
         self._no_counts: tuple[Tensor, Tensor] | None = None  # cached zeros standing for "no counts waiting"
 
+    @classmethod
+    def from_settings(cls, settings: TokenSettings) -> TokenAccuracyTracker:
+        """The tracker the monitor's token settings describe."""
+        s = settings
+        return cls(s.ignore_index, s.top_k, s.shift_labels, s.logits_key, s.labels_key, s.token_accuracy_fn)
+
     def begin(self, enabled: bool, every_batch: bool = False) -> None:
         """Start a run: count both stages if ``enabled`` (else neither), and warn afresh about batches left out.
 
@@ -174,6 +183,18 @@ class TokenAccuracyTracker:
         (counts, step), self._pending = self._pending, None
         correct, total = counts.to(device, PACK_DTYPE).unbind()
         return (correct, total), step
+
+    def gather_epoch(self, device: torch.device) -> tuple[list[list[float]], list[list[float]], int | None]:
+        """At the end of a training epoch, gather the counts of every rank in one collective and one host read.
+
+        Returns every rank's ``[correct, total]`` of the last logged step still waiting, every rank's
+        ``[correct, total, invalid]`` of the epoch, and the step the waiting counts belong to (``None``: none wait).
+        Every rank must call it.
+        """
+        (correct, total), step = self.take_step_counts(device)
+        waiting = torch.stack([correct, total]).to(host_dtype(device))
+        rows = _EPOCH_END.read(gather_ranks(_EPOCH_END.pack([waiting, self.epoch_counts("train", device)])))
+        return rows["step_token_counts"], rows["epoch_token_counts"], step
 
     # ------------------------------------------------------------------------------------- counting
 
@@ -260,6 +281,19 @@ class TokenAccuracyTracker:
         """
         metric = self._add_held(stage)
         return torch.stack([metric.correct, metric.total, metric.invalid]).to(device, host_dtype(device))
+
+    def warn_invalid(self, stage: Stage, per_rank: Sequence[float]) -> None:
+        """Warn once per stage when labels were left out as neither in range nor ``ignore_index`` (every rank's)."""
+        invalid = int(fsum(per_rank))
+        if not invalid or (stage, "invalid") in self._warned:
+            return
+        self._warned.add((stage, "invalid"))
+        rank_zero_warn(
+            f"TrainingMonitor left {invalid} label(s) out of {stage}_token_acc: they are neither in [0, V) (V is the"
+            f" last dimension of the logits) nor equal to ignore_index={self.metrics[stage].ignore_index}. Check that"
+            " the labels come from the model's vocabulary, or set `ignore_index` to your padding id.",
+            category=RuntimeWarning,
+        )
 
     def _add_held(self, stage: Stage) -> TokenAccuracy:
         """Count the held batches of ``stage`` into its metric, and return the metric."""
