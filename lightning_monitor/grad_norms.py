@@ -15,13 +15,19 @@ A ``DTensor`` gradient whose placements differ from its parameter's, such as the
 ``Replicate`` parameter gets under sequence parallelism, is first redistributed to its parameter's placements. That
 is a collective over the parameter's mesh, so every rank must call ``per_tensor()`` at the same point (the monitor
 does).
+
+Sparse and complex gradients: a sparse gradient (``nn.Embedding(..., sparse=True)``) is measured through its values,
+with the duplicate indices of an uncoalesced COO gradient summed first, and a complex one through
+``torch.view_as_real``, which gives sqrt(sum |g|^2) with a real-dtype norm. Both are the norm of the dense gradient
+the optimizer applies. They go into groups of their own, resolved once in the cached plan, so that dense real
+gradients are read exactly as before.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -81,7 +87,8 @@ class LayerGradNorms:
     Attributes:
         names: The layer names, one per row entry of :meth:`squared`.
         present: How many parameters had a gradient at the last call of :meth:`per_tensor` (or :meth:`squared`).
-        dtype: The dtype of :meth:`per_tensor`'s values: float64 when any parameter is float64, else float32.
+        dtype: The dtype of :meth:`per_tensor`'s values: float64 when any parameter is float64 or complex128, else
+            float32.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -132,7 +139,8 @@ class LayerGradNorms:
         self._has_dtensor = DTensor is not None and any(isinstance(p, DTensor) for p in self.params)
         # The dtype `per_tensor` returns, fixed by the parameters rather than by which of them have a gradient, so
         # that every rank packs the same dtype (an `all_gather` of mismatched dtypes fails).
-        self.dtype: torch.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        wide = (torch.float64, torch.complex128)
+        self.dtype: torch.dtype = torch.float64 if any(p.dtype in wide for p in self.params) else torch.float32
         self._plans: dict[tuple[int, ...], _Plan] = {}
         dtype = host_dtype(self.device)
         # For `squared()`: where each parameter's square goes, its weight, and the zeros the rows start from (never
@@ -147,10 +155,12 @@ class LayerGradNorms:
         """Return the L2 norm of each parameter's gradient on this rank, as one 1-D tensor in parameter order.
 
         One fused ``torch._foreach_norm`` per device and dtype and one ``stack``, nothing else. Norms are accumulated
-        in float32 (float64 for float64 gradients, which keep their range) and returned in float32, or in float64
-        when any parameter is float64. A parameter without a gradient reads 0; a non-finite gradient makes its norm
-        non-finite. Every rank returns the same layout and dtype, whatever gradients it has. ``DTensor`` gradients
-        placed unlike their parameters are redistributed first, a collective over their mesh.
+        in float32 (float64 for float64 and complex128 gradients, which keep their range) and returned in float32, or
+        in float64 when any parameter is float64 or complex128. A complex gradient's norm is sqrt(sum |g|^2); a sparse
+        one's is that of the dense gradient it stands for (duplicate indices summed), measured in a group of its own.
+        A parameter without a gradient reads 0; a non-finite gradient makes its norm non-finite. Every rank returns
+        the same layout and dtype, whatever gradients it has. ``DTensor`` gradients placed unlike their parameters are
+        redistributed first, a collective over their mesh.
 
         Turn the values into per-layer squares on the host with :meth:`group` or :meth:`layer_squares`, or on the
         device with :meth:`squared`.
@@ -161,8 +171,8 @@ class LayerGradNorms:
         """:meth:`per_tensor`'s values before the ``stack``: one 0-d tensor per parameter, in parameter order.
 
         What the monitor reads at every check: it stacks them with its other figures, one ``stack`` for all. Their
-        dtypes can differ; stacked, they promote to :meth:`per_tensor`'s dtype (any float64 parameter, with or
-        without a gradient, contributes a float64 norm or zero).
+        dtypes can differ; stacked, they promote to :meth:`per_tensor`'s dtype (any float64 or complex128 parameter,
+        with or without a gradient, contributes a float64 norm or zero).
         """
         present = [g for p in self.params if (g := p.grad) is not None]
         self.present = len(present)
@@ -172,15 +182,26 @@ class LayerGradNorms:
         plan = self._plans.get(missing) or self._plan(missing)
         if self._has_dtensor:
             present = [_local_grad(g, p) for p in self.params if (g := p.grad) is not None]
-        if plan.groups == [None]:  # one device and dtype: one kernel over all of them
-            norms = _norms_float32(present, plan.dtypes[0])
-        else:  # one kernel per (device, dtype), in plan order; norms on another device move in one copy per group
-            norms = []
-            for idx, dtype in zip(plan.groups, plan.dtypes, strict=True):
-                group = _norms_float32([present[i] for i in idx], dtype)  # type: ignore[union-attr]
-                if group[0].device != self.device:
-                    group = list(torch.stack(group).to(self.device).unbind())
-                norms.extend(group)
+        while True:  # once, unless a gradient has turned sparse since the plan was made
+            try:
+                if plan.groups == [None]:  # one device and dtype, dense and real: one kernel over all of them
+                    norms = _norms_float32(present, plan.dtypes[0])
+                else:  # one kernel per group, in plan order; norms on another device move in one copy per group
+                    norms = []
+                    for idx, dtype, read in zip(plan.groups, plan.dtypes, plan.readers, strict=True):
+                        grads = [present[i] for i in idx]  # type: ignore[union-attr]
+                        group = _norms_float32(grads if read is None else [read(g) for g in grads], dtype)
+                        if group[0].device != self.device:
+                            group = list(torch.stack(group).to(self.device).unbind())
+                        norms.extend(group)
+                break
+            except NotImplementedError:
+                # The dense kernel has no sparse version: plan again from the layouts the gradients have now (the
+                # plan read them when it was made), unless that changes nothing.
+                replanned = self._plan(missing)
+                if replanned == plan:
+                    raise
+                plan = replanned
         if plan.order is not None:  # back to parameter order, with a shared zero for each missing gradient
             norms = [self._zero if j < 0 else norms[j] for j in plan.order]
         return norms
@@ -238,18 +259,28 @@ class LayerGradNorms:
         return tuple(i for i, p in enumerate(self.params) if p.grad is None)
 
     def _plan(self, missing: tuple[int, ...]) -> _Plan:
-        """Group the parameters that have a gradient by (device, dtype), once per pattern of missing gradients.
+        """Group the parameters that have a gradient by (device, dtype, kind), once per pattern of missing gradients.
 
-        A gradient always has its parameter's device and dtype, so the grouping can be read off the parameters.
+        A gradient always has its parameter's device and dtype, so those can be read off the parameters. The layout
+        cannot (an ``nn.Embedding(sparse=True)`` weight is dense, its gradient sparse): it is read off the gradients
+        present now. Sparse and complex gradients get groups of their own, each with a reader that turns a gradient
+        into a dense real tensor of the same L2 norm; the kernel is then that of the real dtype.
         """
         skip = set(missing)
         present = [i for i in range(len(self.params)) if i not in skip]
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        groups: dict[tuple[torch.device, torch.dtype, _Reader | None], list[int]] = {}
         for j, i in enumerate(present):
             param = self.params[i]
             local = param.to_local() if self._has_dtensor and isinstance(param, DTensor) else param
-            groups.setdefault((local.device, local.dtype), []).append(j)
-        single = len(groups) == 1 and next(iter(groups))[0] == self.device
+            grad = param.grad
+            if grad is not None and grad.layout in _SPARSE_LAYOUTS:
+                read: _Reader | None = _sparse_values
+            elif local.dtype.is_complex:
+                read = torch.view_as_real
+            else:
+                read = None
+            groups.setdefault((local.device, local.dtype, read), []).append(j)
+        single = len(groups) == 1 and next(iter(groups))[0] == self.device and next(iter(groups))[2] is None
         # Where each parameter's norm is in the kernels' output (in group order), or -1 for a missing gradient.
         position = dict.fromkeys(range(len(self.params)), -1)
         for k, i in enumerate(present[j] for idx in groups.values() for j in idx):
@@ -257,7 +288,8 @@ class LayerGradNorms:
         order = list(position.values())
         plan = _Plan(
             groups=[None] if single else list(groups.values()),
-            dtypes=[dtype for _, dtype in groups],
+            dtypes=[dtype.to_real() for _, dtype, _ in groups],
+            readers=[read for _, _, read in groups],
             order=None if order == list(range(len(self.params))) else order,
         )
         self._plans[missing] = plan
@@ -268,7 +300,8 @@ class _Plan(NamedTuple):
     """How to measure one pattern of present gradients: the groups to fuse, and how to put their norms in order."""
 
     groups: list[list[int] | None]  # positions in the list of present gradients; None means all of them
-    dtypes: list[torch.dtype]  # the dtype of each group
+    dtypes: list[torch.dtype]  # the real dtype of each group, which picks the accumulation dtype
+    readers: list[_Reader | None]  # what turns each group's gradients into dense real tensors (None: nothing)
     order: list[int] | None  # for each parameter, its norm's position in the kernels' output (-1: missing)
 
 
@@ -302,6 +335,43 @@ def _runs(slots: Sequence[int], weights: Sequence[float]) -> list[tuple[int, flo
         else:
             runs.append((*key, i, i + 1))
     return runs
+
+
+#: Turns a sparse or complex gradient into a dense real tensor with the same L2 norm.
+_Reader = Callable[[Tensor], Tensor]
+
+#: The sparse layouts a gradient can have (only COO can hold duplicate indices).
+_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
+
+def _sparse_values(grad: Tensor) -> Tensor:
+    """A dense real tensor whose L2 norm is that of ``grad.to_dense()``, without building the dense gradient.
+
+    An uncoalesced COO gradient (an embedding's, with a token seen twice in the batch) can hold an index more than
+    once, and the dense gradient is the sum of those values, so the duplicates are summed first: the values sorted
+    by index, a segment id per distinct index from a running count, and an ``index_add_`` into a buffer of the
+    values' size. Unlike ``coalesce()``, nothing there sizes an output from the data, so nothing waits on the host.
+    Low-precision values are summed in float32 (complex64 if complex). A gradient that has turned dense again is
+    returned as it is.
+    """
+    if grad.layout == torch.strided:
+        values = grad
+    elif grad.layout != torch.sparse_coo:  # compressed layouts hold each index once
+        values = grad.values()
+    elif grad.is_coalesced() or grad._nnz() < 2:
+        values = grad._values()
+    else:
+        indices, values = grad._indices(), grad._values()
+        flat = indices[0]
+        for dim in range(1, grad.sparse_dim()):  # one linear index per element of the sparse dims
+            flat = flat * grad.shape[dim] + indices[dim]
+        flat, perm = flat.sort()
+        segment = torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1]).cumsum(0)])
+        segment = torch.empty_like(segment).scatter_(0, perm, segment)  # each value's segment, in the values' order
+        real = torch.float64 if values.dtype.to_real() == torch.float64 else torch.float32
+        dtype = real.to_complex() if values.is_complex() else real
+        values = torch.zeros(values.shape, dtype=dtype, device=values.device).index_add_(0, segment, values.to(dtype))
+    return torch.view_as_real(values) if values.is_complex() else values
 
 
 def _norms_float32(grads: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
