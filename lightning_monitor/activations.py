@@ -3,8 +3,7 @@
 :class:`ForwardOrder` records, once, the order in which a model's layers first run, so alerts can name the
 *first* layer with a non-finite gradient. :class:`ActivationWatch` (opt-in) flags every module whose output holds a
 NaN or an infinity, on the device and without a host sync, so the monitor can name the first one in forward order
-when the loss goes non-finite: the question Hugging Face's underflow/overflow debugger answers, at the price of
-one extra read of each module's output (``output.sum()``), far below ``torch.autograd.detect_anomaly``.
+when the loss goes non-finite, at the price of one extra read of each module's output (``output.sum()``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 :func:`token_accuracy_counts` does the math; :class:`TokenAccuracy` is the ``torchmetrics`` metric that sums its
 counts. One update reads the logits once, in a single ``amax`` over the vocabulary (``topk`` for ``top_k > 1``),
-and gathers the label's logit: no ``argmax`` (5 to 6 times slower than ``amax`` on CPU), no boolean-mask
-compaction (a host sync), no ``[N, V]`` temporary (the extra memory is O(N) for top-1 and O(N * k) for top-k), and
-with ``shift=True`` no copy of the logits (slices are views, and both reductions run on the view).
+and gathers the label's logit: no ``argmax``, no boolean-mask compaction (a host sync), no ``[N, V]`` temporary
+(the extra memory is O(N) for top-1 and O(N * k) for top-k), and with ``shift=True`` no copy of the logits (slices
+are views, and both reductions run on the view). docs/design.md says why; docs/benchmarks.md, what it costs.
 """
 
 from __future__ import annotations
@@ -179,10 +179,9 @@ class TokenAccuracy(Metric):
     def _hits(self, preds: Tensor, target: Tensor) -> Hits:
         """Read one batch into its masks; the states are unchanged until :meth:`_add_hits` sums them.
 
-        With :meth:`_add_hits`, ``update`` without torchmetrics' wrapper, which costs about as much as the counting on
-        a short step: for callers that read the states and never call ``compute()`` (``TokenAccuracyTracker``, which
-        holds the masks of several batches). The update count is not kept. No grad mode is set: the counting reads
-        the logits detached.
+        With :meth:`_add_hits`, ``update`` without torchmetrics' wrapper, whose bookkeeping a caller that reads the
+        states and never calls ``compute()`` does not need (``TokenAccuracyTracker``, which holds the masks of several
+        batches). The update count is not kept. No grad mode is set: the counting reads the logits detached.
         """
         return _hits(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
 
@@ -192,7 +191,7 @@ class TokenAccuracy(Metric):
             hit, in_range, counted = held[0]
         else:
             # A batch's three masks share one shape. Batches whose shapes agree past the first dimension are joined
-            # as they are; otherwise each mask is flattened first, which costs a few µs a mask more.
+            # as they are; otherwise each mask is flattened first.
             first = held[0][0]
             ndim, tail = first.ndim, first.shape[1:]
             flat = not ndim or any(h.ndim != ndim or h.shape[1:] != tail for h, _, _ in held)
