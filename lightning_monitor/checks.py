@@ -269,8 +269,8 @@ class OptimizerCheck:
         per_rank = layout.read(gather_ranks(layout.pack(values), ranks))  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
-        first = per_rank.rows[0]
-        scale = first[layout.slices["scale"].start] if scaler is not None else 1.0
+        first, where = per_rank.rows[0], layout.slices
+        scale = first[where["scale"].start] if scaler is not None else 1.0
         if ranks > 1:
             rows = per_rank["norms"]
             layer_sq = combine_ranks(rows)
@@ -279,13 +279,10 @@ class OptimizerCheck:
             count = fsum(per_rank.scalars("loss_count"))
             loss_total = fsum(per_rank.scalars("loss_sum"))
         else:  # the same figures, without the loops over ranks
-            layer_sq = self.norms.layer_squares(per_rank.first("norms"))
+            layer_sq = self.norms.layer_squares(first[where["norms"]])
             rank_sq = None  # the total below
-            (has_grads,), (count,), (loss_total,) = (
-                [v > 0 for v in per_rank.scalars("present")],
-                per_rank.scalars("loss_count"),
-                per_rank.scalars("loss_sum"),
-            )
+            has_grads = first[where["present"].start] > 0
+            count, loss_total = first[where["loss_count"].start], first[where["loss_sum"].start]
         if self.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
             unscale = scale**2
             layer_sq = [v / unscale for v in layer_sq]
@@ -318,14 +315,12 @@ class OptimizerCheck:
         )
 
     def _layout(self, held: bool, several: bool, extras: Mapping[str, Part]) -> Layout:
-        """The layout of this check's packed tensor, built once per pattern of parts."""
-        shapes = tuple(
-            (name, value.numel() if isinstance(value, Tensor) else len(value)) for name, value in extras.items()
-        )
-        flat = all(not isinstance(v, Tensor) or v.ndim == 0 for v in extras.values())
-        key = (held, several, shapes, flat)
+        """The layout of this check's packed tensor, built once per pattern of parts (an extra keeps its size)."""
+        key = (held, several, *extras)
         layout = self._layouts.get(key)
         if layout is None:
+            shapes = tuple((name, v.numel() if isinstance(v, Tensor) else len(v)) for name, v in extras.items())
+            flat = all(not isinstance(v, Tensor) for v in extras.values())
             norms = ("norms", 2 * len(self.norms.names) if several else len(self.norms.params))
             parts = [*_HEADER, *((("held_peak", 2), ("held_overflows", 1)) if held else ()), norms, *shapes]
             # A plain check: every part is a 0-d float32, so one `stack` packs them all.

@@ -371,7 +371,7 @@ class TrainingMonitor(Callback):
 
         # Decide and act: the alerts, the skip, the figures, the bundle, the halt.
         every = self.config.step.check_every_n_steps
-        context = StepContext(optimizer, check, figures, every, first_bad, self._batches, logged, self.latest, logs)
+        context = StepContext(optimizer, check, figures, every, first_bad, self._batches, logged, self.latest, logs, at)
         self._responder.respond_to_step(trainer, check.detect(figures), context)
 
     @override

@@ -61,13 +61,7 @@ class Layout:
     def pack(self, values: Sequence[Part]) -> Tensor:
         """Pack one value per part, in the layout's order, into one 1-D tensor on the values' device."""
         if self.single_stack:
-            flat: list[Tensor] = []
-            for value in values:
-                if isinstance(value, Tensor):
-                    flat.append(value)
-                else:
-                    flat.extend(value)
-            return torch.stack(flat)
+            return torch.stack([t for v in values for t in ((v,) if isinstance(v, Tensor) else v)])
         # A `stack` of 0-d parts would unsqueeze and widen every one of them in turn: several times slower than
         # stacking the 0-d runs as they are and joining them to the 1-D parts in one `cat`.
         pieces: list[Tensor] = []

@@ -12,9 +12,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -36,8 +35,7 @@ __all__ = ["Responder", "StepContext"]
 HISTORY = 256
 
 
-@dataclass(frozen=True)
-class StepContext:
+class StepContext(NamedTuple):
     """What a training-step check adds to its detections: the figures, the optimizer's check, and how far it reaches.
 
     Attributes:
@@ -50,6 +48,7 @@ class StepContext:
         logged: The figures to log (``skipped_steps`` is added here).
         latest: The monitor's ``latest`` figures, kept in the bundle's history (``skipped_steps`` too).
         logs: Whether Lightning logs at this step.
+        at: The step Lightning logs this batch's metrics at.
     """
 
     optimizer: Optimizer
@@ -61,6 +60,7 @@ class StepContext:
     logged: dict[str, float]
     latest: dict[str, float]
     logs: bool
+    at: int
 
 
 class Responder:
@@ -143,15 +143,15 @@ class Responder:
         ``log_every_n_steps`` says: Lightning logs its own metrics there too, since ``should_stop`` is set.
         """
         settings, check, found = self.settings, step.check, step.figures
-        self.history.append((logging_step(trainer), trainer.current_epoch, step.latest))
+        self.history.append((step.at, trainer.current_epoch, step.latest))
         skip = (
             any(d.kind in settings.halt_on for d in detections)
             or found.unsafe
             or check.beyond(settings.skip_on)
             or self.stopping_reason is not None
         )
-        bundle = self._bundle_folder(trainer, detections)
-        alerts = [self._alert(trainer, d, step, bundle, skip) for d in detections]
+        bundle = self._bundle_folder(trainer, detections) if detections else None
+        alerts = [self._alert(trainer, d, step, bundle, skip) for d in detections] if detections else []
         halting = [a for a in alerts if a.halted]
         if skip:
             skip_optimizer_step(step.optimizer)
