@@ -198,12 +198,12 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
         lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.grad_norm)))
         settings = run.settings or {}
         thresholds = tuple(
-            Threshold(name, float(settings[name]), alert_colour(kind))
+            Threshold(name, value, alert_colour(kind))
             for name, kind in (
                 ("exploding_grad_threshold", "exploding_grad"),
                 ("vanishing_grad_threshold", "vanishing_grad"),
             )
-            if isinstance(settings.get(name), (int, float)) and math.isfinite(settings[name]) and settings[name] > 0
+            if (value := _threshold(settings.get(name))) is not None
         )
         panels.append(Panel("grad_norm", _PANEL_LABELS["grad_norm"], lines, thresholds, _log_if_positive(lines)))
     if keys.loss_scale:
@@ -213,6 +213,17 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
         )
     marks = tuple(AlertMark(a.step, a.kind, alert_colour(a.kind), a.halted) for a in run.alerts)
     return RunPlot(str(run.path) if title is None else title, verdict(run, keys), tuple(panels), marks)
+
+
+def _threshold(value: object) -> float | None:
+    """A threshold of ``monitor_settings.json`` as drawn: a finite positive number, else ``None`` (not drawn)."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        return None
+    return number if math.isfinite(number) and number > 0 else None
 
 
 def _loss_panel(run: Run, keys: RunKeys) -> Panel:

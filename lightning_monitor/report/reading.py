@@ -33,6 +33,9 @@ __all__ = [
 ALERTS_FILE = "alerts.jsonl"
 METRICS_FILE = "metrics.csv"
 SETTINGS_FILE = "monitor_settings.json"  # the same name as `lightning_monitor.sinks.SETTINGS_FILE`
+#: The largest step, epoch or rank read (TensorBoard keeps steps as int64); a larger one makes its record unreadable.
+MAX_INDEX = 2**63 - 1
+_MAX_REBUILT_ALERTS = 10_000  # per kind, from the `alerts/<kind>` counters: a garbage count must not hang the report
 _EVENTS_PREFIX = "events.out.tfevents."
 
 
@@ -110,21 +113,32 @@ class RunAlert:
     def from_dict(cls, data: Mapping[str, Any]) -> RunAlert:
         """Read one ``alerts.jsonl`` record (non-finite numbers may be the strings ``"nan"``, ``"inf"``, ``"-inf"``).
 
+        ``step``, ``epoch`` and ``rank`` must be whole numbers from 0 to :data:`MAX_INDEX` (``3.0`` and ``"3"`` read
+        as 3); ``value`` and ``threshold`` may be NaN or infinite.
+
         Raises:
             KeyError: If ``kind`` or ``step`` is missing.
-            ValueError: If a number cannot be read.
+            ValueError: If a number cannot be read, or a step, epoch or rank is not a whole number in range.
+            TypeError: If a number is of another type (a list, an object).
+
+        Example:
+            >>> RunAlert.from_dict({"kind": "loss_spike", "step": float("inf"), "value": 1.0})
+            Traceback (most recent call last):
+            ...
+            ValueError: not a whole number from 0 to 2**63 - 1: inf
         """
         threshold = data.get("threshold")
         value = data.get("value")
+        rank = data.get("rank")
         return cls(
             kind=str(data["kind"]),
-            step=int(data["step"]),
-            epoch=int(data.get("epoch") or 0),
-            value=math.nan if value is None else float(value),
-            threshold=None if threshold is None else float(threshold),
+            step=read_index(data["step"]),
+            epoch=read_index(data.get("epoch") or 0),
+            value=math.nan if value is None else _float(value),
+            threshold=None if threshold is None else _float(threshold),
             message=str(data.get("message", "")),
             halted=bool(data.get("halted", False)),
-            rank=None if data.get("rank") is None else int(data["rank"]),
+            rank=None if rank is None else read_index(rank),
             time=str(data.get("time") or ""),
         )
 
@@ -142,6 +156,12 @@ class Run:
         settings: ``monitor_settings.json``, or ``None`` when absent or unreadable.
         sources: The files that were read, by name.
         notes: Problems met while reading (a line still being written, an unreadable file), in words.
+        skipped: How many records were left out because they could not be read, by file name: rows of
+            ``metrics.csv`` whose step or epoch is not a whole number from 0 (NaN, infinite, ``3.5``, negative,
+            empty, not a number), and lines of ``alerts.jsonl`` that do not read (the same for step, epoch and rank,
+            a value that is not a number, a line that is not JSON). Files with nothing skipped are not listed.
+        skipped_values: How many single values of ``metrics.csv`` were left out (not a number); the rest of their
+            row is kept. A NaN or infinite value is a reading, not skipped.
     """
 
     path: Path
@@ -150,6 +170,8 @@ class Run:
     settings: dict[str, Any] | None = None
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_values: int = 0
 
     @property
     def last_step(self) -> int | None:
@@ -227,7 +249,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     r"""Read one run folder: TensorBoard events, ``metrics.csv``, ``alerts.jsonl`` and ``monitor_settings.json``.
 
     Each file is optional. A run still being written reads fine: a last line without its newline is left out,
-    and any unreadable line or file is skipped and described in :attr:`Run.notes`.
+    and any unreadable line or file is skipped and described in :attr:`Run.notes`. Unreadable rows and lines
+    (a step or epoch that is NaN, infinite, fractional, negative or not a number) are counted in
+    :attr:`Run.skipped`; everything else in the file is kept.
 
     Example:
         >>> import tempfile
@@ -236,6 +260,10 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         >>> run = load_run(run_dir)
         >>> run.scalars["train_loss"].values, run.notes
         ((2.5, nan), ['metrics.csv: left out 1 incomplete last line (still being written?)'])
+        >>> _ = (run_dir / "metrics.csv").write_text("epoch,step,train_loss\n0,0,2.5\n0,inf,1.0\n0,1.5,1.0\n0,2,nan\n")
+        >>> run = load_run(run_dir)
+        >>> run.scalars["train_loss"].steps, run.skipped
+        ((0, 2), {'metrics.csv': 2})
     """
     run = Run(path=Path(path))
     events = sorted(run.path.glob(f"{_EVENTS_PREFIX}*"))
@@ -249,7 +277,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     if alerts_path.is_file():
         run.alerts = _read_alerts(run, alerts_path)
     else:
-        run.alerts = _alerts_from_counters(run.scalars)
+        run.alerts = _alerts_from_counters(run)
     settings_path = run.path / SETTINGS_FILE
     if settings_path.is_file():
         try:
@@ -298,22 +326,36 @@ def _read_csv(run: Run, path: Path) -> dict[str, Series]:
     if lines is None:
         return {}
     points: dict[str, list[tuple[int, float]]] = {}
-    bad = 0
-    for row in csv.DictReader(lines):
+    bad_rows = bad_values = 0
+    reader = csv.DictReader(lines)
+    while True:
         try:
-            step = int(float(row.get("step") or ""))
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error:  # e.g. a field over csv.field_size_limit(); the reader goes on at the next line
+            bad_rows += 1
+            continue
+        try:
+            step = read_index(row.get("step"))
+            if row.get("epoch"):  # an empty epoch cell is fine; a bad one makes the row's step doubtful
+                read_index(row["epoch"])
         except ValueError:
-            bad += 1
+            bad_rows += 1
             continue
         for key, text in row.items():
             if key in (None, "step") or not text:
                 continue
             try:
-                points.setdefault(key, []).append((step, float(text)))
+                points.setdefault(key, []).append((step, _float(text)))
             except (TypeError, ValueError):
-                bad += 1
-    if bad:
-        run.notes.append(f"{METRICS_FILE}: skipped {bad} unreadable value(s)")
+                bad_values += 1
+    if bad_rows:
+        run.skipped[METRICS_FILE] = bad_rows
+        run.notes.append(skip_note(METRICS_FILE, bad_rows))
+    if bad_values:
+        run.skipped_values = bad_values
+        run.notes.append(skip_note(METRICS_FILE, bad_values, "value"))
     run.sources.append(METRICS_FILE)
     return {key: _series(key, pts, "csv") for key, pts in points.items()}
 
@@ -330,28 +372,94 @@ def _read_alerts(run: Run, path: Path) -> list[RunAlert]:
             continue
         try:
             alerts.append(RunAlert.from_dict(json.loads(line)))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # RecursionError: deep nesting
             bad += 1
     if bad:
-        run.notes.append(f"{ALERTS_FILE}: skipped {bad} unreadable line(s)")
+        run.skipped[ALERTS_FILE] = bad
+        run.notes.append(skip_note(ALERTS_FILE, bad))
     run.sources.append(ALERTS_FILE)
     return alerts
 
 
-def _alerts_from_counters(scalars: Mapping[str, Series]) -> list[RunAlert]:
+def _alerts_from_counters(run: Run) -> list[RunAlert]:
     """Alerts rebuilt from the ``alerts/<kind>`` counters, for runs without ``alerts.jsonl``: one per increment."""
     alerts: list[RunAlert] = []
-    for key, series in scalars.items():
+    for key, series in run.scalars.items():
         if not key.startswith("alerts/"):
             continue
-        seen = 0.0
+        seen, made = 0.0, 0
         for step, count in zip(series.steps, series.values, strict=True):
             if math.isfinite(count) and count > seen:
-                alerts.extend(
-                    RunAlert(key[len("alerts/") :], step, 0, math.nan, None, "") for _ in range(int(count - seen))
-                )
+                new = min(int(count - seen), _MAX_REBUILT_ALERTS - made)
+                alerts.extend(RunAlert(key[len("alerts/") :], step, 0, math.nan, None, "") for _ in range(new))
+                made += new
                 seen = count
+                if made == _MAX_REBUILT_ALERTS:
+                    run.notes.append(f"{key}: counts past {_MAX_REBUILT_ALERTS} alerts; only the first are shown")
+                    break
     return sorted(alerts, key=lambda a: a.step)
+
+
+def read_index(value: object) -> int:
+    """A step, epoch or rank as read from a file: a whole number from 0 to :data:`MAX_INDEX`.
+
+    Accepts an ``int``, an integer-valued ``float`` and a string of either (``"3"``, ``"3.0"``, ``"1e3"``).
+
+    Raises:
+        ValueError: For anything else: NaN, infinities, ``3.5``, negative or too large numbers, ``True``, ``None``,
+            empty or non-numeric text.
+
+    Example:
+        >>> read_index(3), read_index(3.0), read_index(" 7 "), read_index("1e3")
+        (3, 3, 7, 1000)
+        >>> read_index("nan")
+        Traceback (most recent call last):
+        ...
+        ValueError: not a whole number from 0 to 2**63 - 1: 'nan'
+    """
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():  # False for NaN and infinities
+        number = int(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text)
+        except ValueError:
+            try:
+                as_float = float(text)
+            except ValueError:
+                as_float = math.nan
+            number = int(as_float) if as_float.is_integer() else None
+    if number is None or not 0 <= number <= MAX_INDEX:
+        raise ValueError(f"not a whole number from 0 to 2**63 - 1: {value!r}")
+    return number
+
+
+def skip_note(file: str, count: int, unit: str | None = None) -> str:
+    """The note of :attr:`Run.notes` that says ``count`` unreadable records of ``file`` were skipped.
+
+    Example:
+        >>> skip_note("alerts.jsonl", 2)
+        'alerts.jsonl: skipped 2 unreadable line(s)'
+        >>> skip_note("metrics.csv", 3, "value")
+        'metrics.csv: skipped 3 unreadable value(s)'
+    """
+    return f"{file}: skipped {count} unreadable {unit or record_unit(file)}(s)"
+
+
+def record_unit(file: str) -> str:
+    """What one record of ``file`` is called: ``"row"`` for ``metrics.csv``, ``"line"`` otherwise."""
+    return "row" if file == METRICS_FILE else "line"
+
+
+def _float(value: object) -> float:
+    """``float(value)``, with a number too large for a float (a long integer in JSON) as a ``ValueError``."""
+    try:
+        return float(value)  # type: ignore[arg-type]  # a TypeError for lists and objects, caught by the readers
+    except OverflowError as err:
+        raise ValueError(f"number out of range: {value!r}") from err
 
 
 def _complete_lines(run: Run, path: Path) -> list[str] | None:

@@ -7,7 +7,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_monitor.report.reading import ALERTS_FILE, SETTINGS_FILE, Run, RunAlert, Series
+from lightning_monitor.report.reading import (
+    ALERTS_FILE,
+    METRICS_FILE,
+    SETTINGS_FILE,
+    Run,
+    RunAlert,
+    Series,
+    record_unit,
+    skip_note,
+)
 
 __all__ = [
     "TRAIN_ACC_KEYS",
@@ -151,9 +160,10 @@ def verdict(run: Run, keys: RunKeys | None = None) -> str:
 def summarize_run(run: Run, keys: RunKeys | None = None) -> str:
     """The run's health in a few lines of text, for the terminal: what to look at first, and the verdict.
 
-    Lists the run's folder and files, its length (last step and epochs), the final and best training and validation
-    loss, the final token accuracy when logged, the gradient norm, the alert counts by kind, the first alert with
-    its message, whether and why the run halted, and ends with :func:`verdict`.
+    Lists the run's folder and files, how many of their rows and lines could not be read (when any), its length
+    (last step and epochs), the final and best training and validation loss, the final token accuracy when logged,
+    the gradient norm, the alert counts by kind, the first alert with its message, whether and why the run halted,
+    and ends with :func:`verdict`.
 
     Args:
         run: A run read by :func:`load_run`.
@@ -174,6 +184,9 @@ def summarize_run(run: Run, keys: RunKeys | None = None) -> str:
     """
     keys = keys or detect_keys(run)
     rows: list[tuple[str, str]] = [("Read", ", ".join(run.sources) or "(nothing)")]
+    unreadable = _unreadable(run)
+    if unreadable:
+        rows.append(("Unreadable", unreadable))
     rows.append(("Length", _length(run)))
     curves: tuple[tuple[str | None, Literal["min", "max"]], ...] = (
         (keys.train_loss, "min"),
@@ -239,8 +252,27 @@ def _describe(alert: RunAlert) -> str:
     return f"{text}: {alert.message}" if alert.message else text
 
 
+def _unreadable(run: Run) -> str:
+    """What was skipped, e.g. ``2 rows and 1 value of metrics.csv, 1 line of alerts.jsonl skipped``, or ``""``."""
+    files = dict.fromkeys([*([METRICS_FILE] if run.skipped_values else []), *run.skipped])
+    parts = []
+    for file in files:
+        counts = [_plural(run.skipped[file], record_unit(file))] if run.skipped.get(file) else []
+        if file == METRICS_FILE and run.skipped_values:
+            counts.append(_plural(run.skipped_values, "value"))
+        parts.append(f"{' and '.join(counts)} of {file}")
+    return ", ".join(parts) + " skipped" if parts else ""
+
+
+def _plural(count: int, unit: str) -> str:
+    return f"{count} {unit}{'' if count == 1 else 's'}"
+
+
 def _notes(run: Run, keys: RunKeys) -> list[str]:
-    notes = list(run.notes)
+    # The skip counts are said once, on the `Unreadable` line, not again as notes.
+    said = {skip_note(file, count) for file, count in run.skipped.items()}
+    said.add(skip_note(METRICS_FILE, run.skipped_values, "value"))
+    notes = [note for note in run.notes if note not in said]
     if run.settings is None and (run.scalars or run.alerts):
         notes.append(
             f"no {SETTINGS_FILE} here: TrainingMonitor may not have watched this run (with several loggers it writes "
