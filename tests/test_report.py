@@ -608,3 +608,30 @@ def test_garbage_counters_and_settings(tmp_path: Path) -> None:
     assert plan_run(run).panel("grad_norm").thresholds == (
         Threshold("vanishing_grad_threshold", 0.5, ALERT_COLOURS["vanishing_grad"]),
     )
+
+
+def test_values_at_the_edge_of_float_are_summarised_and_drawn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = "step,train_loss,grad_norm,loss_scale\n0,1e308,1e308,abc\n1,-1e308,1e-320,abc\n2,1.0,2.0,abc\n"
+    run_dir = write_run(tmp_path / "version_0", rows, alerts_text=None)
+    (run_dir / "monitor_settings.json").write_text('{"exploding_grad_threshold": 1e308}')
+    run = load_run(run_dir)
+    assert "loss_scale" not in run.scalars  # no readable value: no series, rather than an empty one
+    assert run.skipped_values == 3
+    assert main(["report", str(run_dir)]) == 0  # matplotlib cannot span +-1e308: those values are not drawn
+    assert fields(capsys.readouterr().out)["train_loss"].startswith("final 1 (step 2), best -1e+308 (step 1)")
+    assert_png(run_dir / "health_report.png")
+
+
+def test_a_figure_that_cannot_be_drawn_is_an_error_not_a_traceback(
+    healthy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def render_png(*_: object) -> Path:
+        raise ValueError("arange: cannot compute length")
+
+    monkeypatch.setattr("lightning_monitor.cli.render_png", render_png)
+    assert main(["report", str(healthy), "--output", str(tmp_path / "x.png")]) == 1
+    captured = capsys.readouterr()
+    assert "Verdict:" in captured.out
+    assert "could not draw the report (ValueError: arange: cannot compute length)" in captured.err

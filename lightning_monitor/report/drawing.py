@@ -28,6 +28,10 @@ from lightning_monitor.report.summary import RunKeys, _fmt, detect_keys, summari
 
 __all__ = ["MissingDependencyError", "render_html", "render_png"]
 
+# matplotlib's axis arithmetic overflows far below float's limit (a range from -1e308 to 1e308): values and threshold
+# lines beyond this magnitude (or, on a log axis, closer to zero) are not drawn. No real loss or norm comes near it.
+_DRAWABLE = 1e150
+
 
 class MissingDependencyError(ImportError):
     """Raised when drawing needs matplotlib and it is not installed."""
@@ -41,8 +45,8 @@ def render_png(plots: Sequence[RunPlot], path: str | os.PathLike[str], *, dpi: i
 
     Alerts are vertical lines in their kind's colour on every panel of their run; the halting alert is a thick
     dark-red line annotated ``halted: <kind>``. Non-finite values are left out of the lines and marked with an
-    ``x`` along the top of the panel. A panel kind missing from one run but present in another is left empty in
-    that run's column, so rows stay aligned.
+    ``x`` along the top of the panel; finite values too large for an axis (beyond 1e150) are left out too. A panel
+    kind missing from one run but present in another is left empty in that run's column, so rows stay aligned.
 
     matplotlib is imported here, and the figure is drawn on the ``Agg`` canvas: no window opens and the
     matplotlib backend of the calling process is not changed.
@@ -109,7 +113,7 @@ def render_png(plots: Sequence[RunPlot], path: str | os.PathLike[str], *, dpi: i
 def _draw_panel(ax: Any, panel: Panel) -> None:
     log = panel.yscale == "log"
     for line in panel.lines:
-        shown = [v if math.isfinite(v) and (v > 0 or not log) else math.nan for v in line.values]
+        shown = [v if _drawable(v, log) else math.nan for v in line.values]
         lone = sum(not math.isnan(v) for v in shown) == 1  # a line through one point draws nothing
         marker = "o" if line.points or lone else None
         ax.plot(line.steps, shown, color=line.colour, lw=1.4, label=line.label, marker=marker, ms=4)
@@ -127,7 +131,7 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
                 clip_on=False,
                 label=f"{line.label} non-finite",
             )
-    for threshold in panel.thresholds:
+    for threshold in (t for t in panel.thresholds if _drawable(t.value, log)):
         ax.axhline(
             threshold.value, color=threshold.colour, ls="--", lw=1.2, label=f"{threshold.label} = {threshold.value:g}"
         )
@@ -140,6 +144,12 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         ax.text(
             0.5, 0.5, f"no {panel.ylabel} logged", ha="center", va="center", transform=ax.transAxes, color="#888888"
         )
+
+
+def _drawable(value: float, log: bool) -> bool:
+    if not math.isfinite(value) or abs(value) > _DRAWABLE:
+        return False
+    return value >= 1 / _DRAWABLE if log else True
 
 
 def _draw_alerts(ax: Any, marks: Sequence[AlertMark], *, annotate: bool) -> None:

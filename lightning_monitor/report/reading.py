@@ -347,9 +347,11 @@ def _read_csv(run: Run, path: Path) -> dict[str, Series]:
             if key in (None, "step") or not text:
                 continue
             try:
-                points.setdefault(key, []).append((step, _float(text)))
+                value = _float(text)
             except (TypeError, ValueError):
                 bad_values += 1
+            else:  # a column with no readable value gets no series (a stored series is never empty)
+                points.setdefault(key, []).append((step, value))
     if bad_rows:
         run.skipped[METRICS_FILE] = bad_rows
         run.notes.append(skip_note(METRICS_FILE, bad_rows))
