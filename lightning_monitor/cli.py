@@ -131,6 +131,9 @@ def _report(args: argparse.Namespace) -> int:
     except OSError as err:
         _error(f"could not write the report: {err}")
         return 1
+    except Exception as err:  # matplotlib on data it cannot draw: the summary above stands, never a traceback
+        _error(f"could not draw the report ({type(err).__name__}: {err}); the summary above is complete")
+        return 1
     return 0
 
 

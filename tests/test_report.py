@@ -470,3 +470,168 @@ def test_a_fresh_run_in_the_same_folder_sets_earlier_alerts_aside(tmp_path: Path
     assert steps(tmp_path / "alerts.jsonl") == [3]
     assert [(a.kind, a.step) for a in load_run(tmp_path).alerts] == [("nonfinite_loss", 3)]
     assert steps(tmp_path / "alerts.jsonl.1") == [2] and not (tmp_path / "alerts.jsonl.2").exists()
+
+
+# ------------------------------------------------------------------------------------------------ unreadable numbers
+
+# metrics.csv as CSVLogger writes it, with rows a crashed or hand-edited run may leave: each `skip` row has a step or
+# epoch that is not a whole number from 0, each `keep` row is read.
+CSV_ROWS = [
+    ("0,0,2.5,", "keep"),
+    ("0,inf,1.0,", "skip"),
+    ("0,nan,1.0,", "skip"),
+    ("0,-inf,1.0,", "skip"),
+    ("0,,1.0,", "skip"),
+    ("0,abc,1.0,", "skip"),
+    ("0,3.5,1.0,", "skip"),
+    ("0,-2,1.0,", "skip"),
+    ("0,1e400,1.0,", "skip"),
+    ("0,99999999999999999999999,1.0,", "skip"),  # past int64
+    ("inf,1,1.0,", "skip"),
+    ("nan,1,1.0,", "skip"),
+    ("0.5,1,1.0,", "skip"),
+    ("0,4,nan,", "keep"),  # a NaN loss is a reading
+    ("0,5,1e400,", "keep"),  # read as inf: a reading too
+    ("0,6,-inf,0.5", "keep"),
+    ("1,7,abc,0.25", "keep"),  # the loss is not a number: that value alone is left out
+    ("1,8.0,0.75,", "keep"),  # 8.0 is step 8
+]
+CSV_TEXT = "epoch,step,train_loss,val_loss\n" + "".join(row + "\n" for row, _ in CSV_ROWS)
+CSV_SKIPPED = sum(what == "skip" for _, what in CSV_ROWS)
+
+ALERT_LINES = [
+    ('{"kind": "loss_spike", "step": 1, "epoch": 0, "value": 9.0, "threshold": 3.0, "message": "spike"}', "keep"),
+    ('{"kind": "nonfinite_loss", "step": Infinity, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": -Infinity, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": NaN, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": "abc", "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": 3.5, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": -1, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": true, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": null, "epoch": 0, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": 99999999999999999999999, "epoch": 0}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": 2, "epoch": 1e400, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": 2, "epoch": NaN, "value": "nan"}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": 2, "epoch": 0, "rank": Infinity}', "skip"),
+    ('{"kind": "nonfinite_loss", "step": 2, "epoch": 0, "value": 1' + "0" * 400 + "}", "skip"),  # no float holds it
+    ('{"kind": "nonfinite_loss", "step": 2, "epoch": 0, "value": [1]}', "skip"),
+    ("[" * 100_000 + "]" * 100_000, "skip"),  # nested deeper than the JSON reader goes
+    ('{"kind": "nonfinite_loss", "step": 4, "epoch": 0, "value": NaN, "halted": true}', "keep"),
+    ('{"kind": "loss_spike", "step": "5", "epoch": 1.0, "value": Infinity, "threshold": 1e400}', "keep"),
+    ('{"kind": "loss_spike", "step": 6.0, "epoch": 1, "value": 2.0}', "keep"),
+]
+ALERTS_TEXT = "".join(line + "\n" for line, _ in ALERT_LINES)
+ALERTS_SKIPPED = sum(what == "skip" for _, what in ALERT_LINES)
+
+
+def write_run(run_dir: Path, csv_text: str | None = CSV_TEXT, alerts_text: str | None = ALERTS_TEXT) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if csv_text is not None:
+        (run_dir / "metrics.csv").write_text(csv_text)
+    if alerts_text is not None:
+        (run_dir / "alerts.jsonl").write_text(alerts_text)
+    return run_dir
+
+
+def test_csv_rows_with_unreadable_steps_are_skipped_and_counted(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path / "version_0", alerts_text=None))
+    assert run.skipped == {"metrics.csv": CSV_SKIPPED}
+    assert run.skipped_values == 1
+    loss = run.scalars["train_loss"]
+    assert loss.steps == (0, 4, 5, 6, 8)
+    assert same(loss.values, (2.5, math.nan, math.inf, -math.inf, 0.75))
+    assert run.scalars["val_loss"].steps == (6, 7)
+    assert run.scalars["epoch"].steps == (0, 4, 5, 6, 7, 8)
+    assert run.epochs == (0, 1)
+    assert run.last_step == 8
+    assert f"metrics.csv: skipped {CSV_SKIPPED} unreadable row(s)" in run.notes
+    assert "metrics.csv: skipped 1 unreadable value(s)" in run.notes
+
+
+def test_alert_lines_with_unreadable_steps_are_skipped_and_counted(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path / "version_0", csv_text=None))
+    assert run.skipped == {"alerts.jsonl": ALERTS_SKIPPED}
+    assert [(a.kind, a.step, a.epoch) for a in run.alerts] == [
+        ("loss_spike", 1, 0),
+        ("nonfinite_loss", 4, 0),
+        ("loss_spike", 5, 1),
+        ("loss_spike", 6, 1),
+    ]
+    assert math.isnan(run.alerts[1].value)  # a NaN value is what the alert was about
+    assert run.alerts[2].value == math.inf
+    assert run.alerts[2].threshold == math.inf
+    assert run.halt is run.alerts[1]
+    assert verdict(run) == "HALTED: nonfinite_loss at step 4"
+    assert f"alerts.jsonl: skipped {ALERTS_SKIPPED} unreadable line(s)" in run.notes
+
+
+@pytest.mark.parametrize("plot", [False, True])
+def test_report_on_unreadable_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str], plot: bool) -> None:
+    run_dir = write_run(tmp_path / "version_0")
+    assert main(["report", str(run_dir), *([] if plot else ["--no-plot"])]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    got = fields(captured.out)
+    assert got["Unreadable"] == (
+        f"{CSV_SKIPPED} rows and 1 value of metrics.csv, {ALERTS_SKIPPED} lines of alerts.jsonl skipped"
+    )
+    assert captured.out.count("Unreadable:") == 1
+    notes = [line for line in captured.out.splitlines() if line.strip().startswith("Note:")]
+    assert not [note for note in notes if "skipped" in note]  # said once, on that line: not again as a note
+    assert got["Verdict"] == "HALTED: nonfinite_loss at step 4"
+    if plot:
+        assert_png(run_dir / "health_report.png")
+    else:
+        assert not (run_dir / "health_report.png").exists()
+
+
+def test_one_unreadable_row_and_nothing_unreadable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = write_run(tmp_path / "a", "step,train_loss\n0,1.0\ninf,2.0\n1,nan\n", alerts_text=None)
+    assert main(["report", str(run_dir), "--no-plot"]) == 0
+    assert fields(capsys.readouterr().out)["Unreadable"] == "1 row of metrics.csv skipped"
+
+    run_dir = write_run(tmp_path / "b", "step,train_loss\n0,1.0\n1,nan\n", alerts_text=None)
+    assert load_run(run_dir).skipped == {}
+    assert main(["report", str(run_dir), "--no-plot"]) == 0
+    assert "Unreadable" not in capsys.readouterr().out
+
+
+def test_garbage_counters_and_settings(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "version_0", "step,alerts/loss_spike,grad_norm\n0,1.0,1.0\n1,1e300,2.0\n", None)
+    huge = "1" + "0" * 400  # an integer no float holds
+    (run_dir / "monitor_settings.json").write_text(
+        f'{{"exploding_grad_threshold": {huge}, "vanishing_grad_threshold": 0.5}}'
+    )
+    run = load_run(run_dir)
+    assert len(run.alerts) == 10_000  # rebuilt from the counter, up to a bound instead of 1e300 of them
+    assert any("alerts/loss_spike: counts past 10000 alerts" in note for note in run.notes)
+    assert plan_run(run).panel("grad_norm").thresholds == (
+        Threshold("vanishing_grad_threshold", 0.5, ALERT_COLOURS["vanishing_grad"]),
+    )
+
+
+def test_values_at_the_edge_of_float_are_summarised_and_drawn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = "step,train_loss,grad_norm,loss_scale\n0,1e308,1e308,abc\n1,-1e308,1e-320,abc\n2,1.0,2.0,abc\n"
+    run_dir = write_run(tmp_path / "version_0", rows, alerts_text=None)
+    (run_dir / "monitor_settings.json").write_text('{"exploding_grad_threshold": 1e308}')
+    run = load_run(run_dir)
+    assert "loss_scale" not in run.scalars  # no readable value: no series, rather than an empty one
+    assert run.skipped_values == 3
+    assert main(["report", str(run_dir)]) == 0  # matplotlib cannot span +-1e308: those values are not drawn
+    assert fields(capsys.readouterr().out)["train_loss"].startswith("final 1 (step 2), best -1e+308 (step 1)")
+    assert_png(run_dir / "health_report.png")
+
+
+def test_a_figure_that_cannot_be_drawn_is_an_error_not_a_traceback(
+    healthy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def render_png(*_: object) -> Path:
+        raise ValueError("arange: cannot compute length")
+
+    monkeypatch.setattr("lightning_monitor.cli.render_png", render_png)
+    assert main(["report", str(healthy), "--output", str(tmp_path / "x.png")]) == 1
+    captured = capsys.readouterr()
+    assert "Verdict:" in captured.out
+    assert "could not draw the report (ValueError: arange: cannot compute length)" in captured.err
