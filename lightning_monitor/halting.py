@@ -1,16 +1,25 @@
-"""The ways to stop: skip one optimizer step, stop gracefully, or raise :class:`TrainingHalted` on every rank."""
+"""The ways to stop: skip one optimizer step exactly, or raise :class:`TrainingHalted` on every rank."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
 from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["TrainingHalted", "skip_optimizer_step"]
+__all__ = ["StepGuard", "TrainingHalted"]
 
 
 class TrainingHalted(RuntimeError):
     """Raised on every rank by :class:`~lightning_monitor.TrainingMonitor` with ``halt_mode="raise"``.
+
+    Under ``strategy="ddp_spawn"`` the error is raised in the worker processes: ``trainer.fit`` in the launching
+    process raises ``torch.multiprocessing.ProcessRaisedException``, whose message holds this error's text
+    (``TrainingHalted: <kind> at step <n>: ...``).
 
     Attributes:
         alert: The alert that halted training.
@@ -27,12 +36,101 @@ class TrainingHalted(RuntimeError):
         self.alert = alert
 
 
-def skip_optimizer_step(optimizer: Optimizer) -> None:
-    """Make the coming ``optimizer.step()`` a no-op by dropping every gradient it would apply.
+class StepGuard:
+    """Skip an optimizer's coming ``step()`` exactly, with its gradients left in place.
 
-    PyTorch optimizers skip parameters whose ``.grad`` is ``None``: weights, momentum and step counts stay exactly
-    as they were. (``trainer.global_step`` and LR schedulers still advance.)
+    :meth:`install` wraps an optimizer's ``step`` once (on the instance). The monitor decides inside the closure
+    that Lightning hands to ``step`` (``on_before_optimizer_step`` runs there), so the wrapper evaluates the closure
+    first, then calls the optimizer's own ``step`` only if the step was not :meth:`skip`-ped. A skipped step changes
+    no weight, no optimizer state and no step count, and every gradient stays a tensor for what runs after the
+    monitor (gradient clipping by value or norm, the module's own hooks, other callbacks). Under fp16 AMP Lightning
+    evaluates the closure itself and calls ``step()`` without one, through the GradScaler; the wrapper then skips the
+    call. A closure evaluated more than once (``LBFGS``) is evaluated again from its second call on.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> guard = StepGuard()
+        >>> guard.install(opt)
+        >>> before = model.weight.detach().clone()
+        >>> def closure():
+        ...     opt.zero_grad()
+        ...     loss = model(torch.ones(1, 2)).sum()
+        ...     loss.backward()
+        ...     guard.skip(opt)  # what the monitor does when the step must not reach the weights
+        ...     return loss
+        >>> _ = opt.step(closure)
+        >>> torch.equal(model.weight, before), model.weight.grad is not None, opt.state[model.weight]
+        (True, True, {})
+        >>> guard.remove()
     """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
+
+    def __init__(self) -> None:
+        # id -> (optimizer, the instance's own `step` it had, or None, and the wrapper)
+        self._installed: dict[int, tuple[Optimizer, Callable[..., Any] | None, Callable[..., Any]]] = {}
+        self._armed: set[int] = set()
+
+    def install(self, optimizer: Optimizer) -> None:
+        """Wrap ``optimizer.step`` so that :meth:`skip` can skip its coming call (once per optimizer)."""
+        if id(optimizer) in self._installed:
+            return
+        original = optimizer.step
+        own = "step" in optimizer.__dict__  # already wrapped on the instance (by an LR scheduler, say)
+        guard = self
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            closure = kwargs.pop("closure", args[0] if args else None)
+            args = args[1:]
+            if closure is None:
+                return None if guard._take(optimizer) else original(*args, **kwargs)
+            with torch.enable_grad():
+                loss = closure()
+            if guard._take(optimizer):
+                return loss
+            evaluated = [loss]
+
+            def again() -> Any:  # the loss just computed, then (LBFGS) the closure itself
+                return evaluated.pop() if evaluated else closure()
+
+            return original(again, *args, **kwargs)
+
+        optimizer.step = step  # type: ignore[method-assign]
+        self._installed[id(optimizer)] = (optimizer, original if own else None, step)
+
+    def install_all(self, optimizers: Iterable[Optimizer]) -> None:
+        """:meth:`install` every optimizer not yet wrapped (cheap when all are)."""
+        for optimizer in optimizers:
+            if id(optimizer) not in self._installed:
+                self.install(optimizer)
+
+    def skip(self, optimizer: Optimizer) -> bool:
+        """Skip the coming ``step()`` of ``optimizer``; ``False`` if it is not wrapped (nothing is skipped then)."""
+        if id(optimizer) not in self._installed:
+            return False
+        self._armed.add(id(optimizer))
+        # An LR scheduler warns when it steps before its optimizer ever did: the skipped step counts as taken.
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return True
+
+    def disarm(self) -> None:
+        """Forget every skip not taken (a GradScaler that found an overflow never calls ``step()``)."""
+        self._armed.clear()
+
+    def remove(self) -> None:
+        """Give every optimizer its own ``step`` back (one whose ``step`` was wrapped again since is left as it is)."""
+        for optimizer, original, step in self._installed.values():
+            if optimizer.__dict__.get("step") is not step:
+                continue
+            if original is None:
+                del optimizer.step
+            else:
+                optimizer.step = original  # type: ignore[method-assign]
+        self._installed.clear()
+        self._armed.clear()
+
+    def _take(self, optimizer: Optimizer) -> bool:
+        if id(optimizer) in self._armed:
+            self._armed.discard(id(optimizer))
+            return True
+        return False

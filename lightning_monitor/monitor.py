@@ -304,7 +304,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close_hooks()  # also on an exception, below
+        self._close_hooks()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -322,11 +322,11 @@ class TrainingMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # A new optimizer step begins after one has been taken. Keep a reference (not a copy) to the micro-batches
-        # of the step under way, for the post-mortem bundle.
+        # A new optimizer step begins after one was taken. Keep the step's micro-batches (references) for the bundle.
         if self._step_closed:
             self._batches = []
         self._step_closed = False
+        self._responder.guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
         if self.config.response.postmortem is not None:
             self._batches.append((batch_idx, batch))
 
@@ -342,6 +342,7 @@ class TrainingMonitor(Callback):
         # Gate: decide on check steps and logging steps; in between keep the worst figures on the device. Counted
         # per optimizer, and never held at a step that may be the run's last: nothing would check it afterwards.
         self._step_closed = True
+        self._responder.guard.disarm()  # a skip the GradScaler never reached (it found an overflow) is void
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
@@ -481,12 +482,13 @@ class TrainingMonitor(Callback):
         self._responder.log_figures(trainer, {key: correct / total}, step)
         return correct / total
 
-    def _close_hooks(self) -> None:
+    def _close_hooks(self) -> None:  # at the end of training, or on an exception
         for hooks in (self._checks.order, self._activations):
             if hooks is not None:
                 hooks.close()
         self._checks.order, self._activations = None, None
         self._batches = []
+        self._responder.guard.remove()
 
 
 def _may_be_last_step(trainer: pl.Trainer) -> bool:

@@ -24,7 +24,7 @@ from lightning_monitor._host import gather_ranks
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.checks import OptimizerCheck, StepFigures
-from lightning_monitor.halting import TrainingHalted, skip_optimizer_step
+from lightning_monitor.halting import StepGuard, TrainingHalted
 from lightning_monitor.postmortem import write_bundle
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -74,6 +74,7 @@ class Responder:
         stopping_reason: The kind of the alert that halted this run, or ``None``.
         stopping_reason_message: That alert's message, or ``None``.
         skipped_steps: Optimizer steps skipped so far (by the monitor, or by the GradScaler under fp16 AMP).
+        guard: What skips an optimizer step: the monitor installs it on every optimizer at each batch's start.
         history: ``(step, epoch, figures)`` of the last checks, for the bundle.
     """
 
@@ -89,6 +90,7 @@ class Responder:
         self._loggers = LoggerSink([])
         self._jsonl: JsonlSink | None = None
         self._warned: set[str] = set()
+        self.guard = StepGuard()  # skips an optimizer step exactly, its gradients left in place
 
     # ------------------------------------------------------------------------------------------------ a run
 
@@ -153,8 +155,11 @@ class Responder:
         bundle = self._bundle_folder(trainer, detections) if detections else None
         alerts = [self._alert(trainer, d, step, bundle, skip) for d in detections] if detections else []
         halting = [a for a in alerts if a.halted]
+        if skip and not self.guard.skip(step.optimizer):
+            for group in step.optimizer.param_groups:  # not wrapped (replaced mid-step): drop what it would apply
+                for param in group["params"]:
+                    param.grad = None
         if skip:
-            skip_optimizer_step(step.optimizer)
             overflowed = found.amp and found.grad_norm is not None and not math.isfinite(found.grad_norm)
             self.skipped_steps += 0 if overflowed else 1  # an overflowing step is counted below, once
         self.skipped_steps += found.overflow_steps  # the GradScaler skips these itself
