@@ -10,6 +10,7 @@ Where each figure is taken, and how the ranks agree, is in ``docs/design.md``.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
@@ -18,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -227,17 +229,13 @@ class TrainingMonitor(Callback):
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.config = MonitorSettings.from_arguments(arguments)
-        tokens, validation = self.config.tokens, self.config.validation
-        # Lightning reads it at every hook it dispatches: build it once.
-        self._state_key = self._generate_state_key(
-            val_loss_key=validation.val_loss_key, halt_on=sorted(k.value for k in self.config.response.halt_on)
-        )
+        # Lightning reads it at every hook it dispatches: build it once. Two monitors of one trainer watch different
+        # validation keys; any other setting may change between a run and its resume (see `on_load_checkpoint`).
+        self._state_key = self._generate_state_key(val_loss_key=self.config.validation.val_loss_key)
         self.latest: dict[str, float] = {}
-        self._checks = OptimizerChecks(self.config.step, self.config.spikes)
-        self._responder = Responder(self.config.response)
-        self._tokens = TokenAccuracyTracker.from_settings(tokens)
-        self._validation = ValidationCheck(validation)
-        self._loss = TrainingLoss()
+        self._start_afresh()
+        self._fitted: weakref.ref[pl.Trainer] | None = None  # the trainer of the last fit
+        self._fresh = True  # this fit started afresh (not the same trainer's again)
         self._resumed = False  # whether a checkpoint restored the monitor in this run
         # Fixed for a run, found at its start: the fp16 GradScaler, the ranks, how often Lightning logs.
         self._scaler: torch.amp.GradScaler | None = None
@@ -245,6 +243,17 @@ class TrainingMonitor(Callback):
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
+
+    def _start_afresh(self) -> None:
+        """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
+        self._checks = OptimizerChecks(self.config.step, self.config.spikes)
+        self._responder = Responder(self.config.response)
+        self._tokens = TokenAccuracyTracker.from_settings(self.config.tokens)
+        self._validation = ValidationCheck(self.config.validation)
+        self._loss = TrainingLoss()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
 
     def __getattr__(self, name: str) -> Any:
         # A setting reads as an attribute of its argument's name (`monitor.halt_on`); no `config` while unpickling.
@@ -279,10 +288,13 @@ class TrainingMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING:
             return
-        # `trainer.log_dir` broadcasts from rank 0, so every rank must ask for it.
-        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        self._responder.begin(trainer, log_dir, self.settings())
-        self._checks.reset()
+        # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint, if any,
+        # restores the state after this hook). `trainer.log_dir` broadcasts from rank 0: every rank must ask.
+        self._fresh = self._fitted is None or self._fitted() is not trainer
+        if self._fresh:
+            self._start_afresh()
+        self._fitted = weakref.ref(trainer)
+        self._responder.begin(trainer, Path(trainer.log_dir or trainer.default_root_dir), self.settings())
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -296,8 +308,8 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
-        # After a resume the alerts come from the checkpoint (restored after `setup`): append to the alerts file.
-        if not self._resumed:
+        # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
+        if self._fresh and not self._resumed:
             self._responder.set_earlier_alerts_aside(trainer)
         if self.config.tokens.token_accuracy:  # before the first mark, which copies the counts where they are
             self._tokens.to(pl_module.device)
@@ -449,22 +461,28 @@ class TrainingMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "alerts": [a.to_dict() for a in self.alerts],
-            "skipped_steps": self.skipped_steps,
-            "stopping_reason": None if self.stopping_reason is None else self.stopping_reason.value,
-            "stopping_reason_message": self.stopping_reason_message,
-            **self._validation.state_dict(),
-            "watches": self._checks.state_dict(),
-        }
+        return {**self._responder.state_dict(), **self._validation.state_dict(), "watches": self._checks.state_dict()}
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning restores a callback's state only under its own key: a checkpoint saved by this monitor with
+        # another `val_loss_key` (or, before 0.2, another `halt_on`) would be skipped without a word. Take it.
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        mine = [key for key in states if isinstance(key, str) and key.startswith(type(self).__qualname__ + "{")]
+        if len(mine) == 1:
+            self.load_state_dict(states[mine[0]])
+            rank_zero_info(f"TrainingMonitor restored its state from the checkpoint's {mine[0]!r}.")
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed = True
-        self._responder.alerts = [Alert.from_dict(a) for a in state_dict.get("alerts", [])]
-        self._responder.skipped_steps = int(state_dict.get("skipped_steps", 0))
         # Not the stopping reason: a resumed run has not halted. Nor any alert episode under way: a problem still
         # there after the resume (say, from a post-mortem checkpoint taken before the bad step) fires again.
+        self._responder.load_state_dict(state_dict)
         self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))
 

@@ -21,9 +21,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from lightning_monitor._host import gather_ranks
 from lightning_monitor.alerts import Alert, json_float
 
-__all__ = ["write_bundle"]
+__all__ = ["NO_CHECKPOINT", "write_bundle"]
+
+#: What a bundle says when it keeps no checkpoint because the weights were no longer finite.
+NO_CHECKPOINT = "`last_good.ckpt`: the weights were no longer finite when the alert came, so none is kept"
 
 _README = """# Post-mortem: {kinds} at step {step}
 
@@ -86,26 +90,46 @@ def write_bundle(
     halted: bool,
     skipped: bool | None,
     covered: int = 1,
-) -> None:
+    weights_ok: bool = True,
+) -> list[str]:
     """Write the bundle into ``folder``. Every rank must call this at the same step.
 
     ``skipped`` says whether the optimizer step under way will be skipped (``None``: no step is under way, the
-    alert came from validation); ``covered`` how many optimizer steps the check covered (``check_every_n_steps``).
-    Every rank writes its own batches; the checkpoint is written through
-    ``trainer.save_checkpoint`` (which all ranks join); rank zero writes the rest.
+    alert came from validation); ``covered`` how many optimizer steps the check covered (``check_every_n_steps``);
+    ``weights_ok`` whether every rank's weights are finite: if not, no checkpoint is written (a checkpoint kept as
+    good must be good). Every rank writes its own batches; the checkpoint is written through
+    ``trainer.save_checkpoint`` (which all ranks join); rank zero writes the rest. A batch that cannot be saved (it
+    does not pickle) is left out, its error written beside it, and the others are kept.
+
+    Returns:
+        What the bundle could not hold, in words (empty when it holds everything).
 
     Raises:
         OSError: If the folder cannot be written.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        [(index, move_data_to_device(batch, "cpu")) for index, batch in batches],
-        folder / f"batch_rank{trainer.global_rank}.pt",
+    rank = trainer.global_rank
+    path = folder / f"batch_rank{rank}.pt"
+    try:
+        torch.save([(index, move_data_to_device(batch, "cpu")) for index, batch in batches], path)
+        saved = 1.0
+    except Exception as err:  # a batch of objects that do not pickle (a lambda in it, a custom class)
+        path.unlink(missing_ok=True)
+        (folder / f"batch_rank{rank}.error.txt").write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
+        saved = 0.0
+    # Every rank's outcome, for the README: one gather, on a path taken only when a bundle is written.
+    outcomes = gather_ranks(torch.full((1,), saved, device=trainer.strategy.root_device))
+    unsaved = [r for r, (ok,) in enumerate(outcomes) if not ok]
+    missing = (
+        [f"the batches of rank(s) {unsaved}, which do not pickle (see `batch_rank<r>.error.txt`)"] if unsaved else []
     )
-    trainer.save_checkpoint(folder / "last_good.ckpt", weights_only=False)  # a full checkpoint, to resume from
+    if weights_ok:
+        trainer.save_checkpoint(folder / "last_good.ckpt", weights_only=False)  # a full checkpoint, to resume from
+    else:
+        missing.append(NO_CHECKPOINT)
     if not trainer.is_global_zero:
-        return
+        return missing
     rows = _write_lines(folder / "history.jsonl", history)
     _write_lines(folder / "alerts.jsonl", (a.to_dict() for a in alerts))
     step = cause[0].step
@@ -129,7 +153,10 @@ def write_bundle(
         messages="\n".join(f"- **{a.kind.value}**: {a.message}" for a in cause),
         folder=folder.as_posix(),
     )
+    if missing:
+        readme += "\n## Not in this bundle\n\n" + "".join(f"- {what}.\n" for what in missing)
     (folder / "README.md").write_text(readme, encoding="utf-8")
+    return missing
 
 
 def _write_lines(path: Path, rows: Iterable[Mapping[str, Any]]) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,7 +25,7 @@ from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.checks import OptimizerCheck, StepFigures
 from lightning_monitor.halting import StepGuard, TrainingHalted
-from lightning_monitor.postmortem import write_bundle
+from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 
@@ -116,6 +116,20 @@ class Responder:
                 f"TrainingMonitor moved the alerts of an earlier run in {str(self.log_dir)!r} to {aside.name}."
             )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The alerts, the skipped steps and the stopping reason, as plain values."""
+        return {
+            "alerts": [a.to_dict() for a in self.alerts],
+            "skipped_steps": self.skipped_steps,
+            "stopping_reason": None if self.stopping_reason is None else self.stopping_reason.value,
+            "stopping_reason_message": self.stopping_reason_message,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the alerts and the skipped steps (not the stopping reason: a resumed run has not halted)."""
+        self.alerts = [Alert.from_dict(a) for a in state.get("alerts", [])]
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
     def log_figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
         """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
         mirror_callback_metrics(trainer, figures)
@@ -152,8 +166,14 @@ class Responder:
             or check.beyond(settings.skip_on)
             or self.stopping_reason is not None
         )
-        bundle = self._bundle_folder(trainer, detections) if detections else None
-        alerts = [self._alert(trainer, d, step, bundle, skip) for d in detections] if detections else []
+        bundle, weights_ok = None, True
+        if detections:
+            # A message names a bundle only once its folder exists, and says the weights are unchanged only when they
+            # are: steps held since the last check were applied unchecked, and a bundle must not keep bad weights.
+            bundle = self._open_bundle(trainer, detections)
+            if bundle is not None or found.checked_steps > 1:
+                weights_ok = _weights_finite(trainer)
+        alerts = [self._alert(trainer, d, step, bundle, skip, weights_ok) for d in detections]
         halting = [a for a in alerts if a.halted]
         if skip and not self.guard.skip(step.optimizer):
             for group in step.optimizer.param_groups:  # not wrapped (replaced mid-step): drop what it would apply
@@ -171,7 +191,7 @@ class Responder:
             self.log_figures(trainer, step.logged)
         if bundle is not None:
             batches = step.batches
-            self._write_bundle(trainer, bundle, alerts, bool(halting), skip, batches, found.checked_steps)
+            self._write_bundle(trainer, bundle, alerts, bool(halting), skip, batches, found.checked_steps, weights_ok)
         if halting:
             self._halt(trainer, halting[0])
 
@@ -179,13 +199,14 @@ class Responder:
         """Act on the detections of a validation run: alert, bundle, halt."""
         if not detections:
             return
-        bundle = self._bundle_folder(trainer, detections)
-        alerts = [self._alert(trainer, d, None, bundle, skipped=False) for d in detections]
+        bundle = self._open_bundle(trainer, detections)
+        weights_ok = bundle is None or _weights_finite(trainer)
+        alerts = [self._alert(trainer, d, None, bundle, False, weights_ok) for d in detections]
         for alert in alerts:
             self._emit(trainer, alert)
         halting = [a for a in alerts if a.halted]
         if bundle is not None:
-            self._write_bundle(trainer, bundle, alerts, bool(halting), None, [], 1)
+            self._write_bundle(trainer, bundle, alerts, bool(halting), None, [], 1, weights_ok)
         if halting:
             self._halt(trainer, halting[0])
 
@@ -198,7 +219,13 @@ class Responder:
     # ------------------------------------------------------------------------------------------------ helpers
 
     def _alert(
-        self, trainer: pl.Trainer, detection: Detection, step: StepContext | None, bundle: Path | None, skipped: bool
+        self,
+        trainer: pl.Trainer,
+        detection: Detection,
+        step: StepContext | None,
+        bundle: Path | None,
+        skipped: bool,
+        weights_ok: bool,
     ) -> Alert:
         """Turn a detection into an alert: where and when, what was done about it, and what to try.
 
@@ -219,13 +246,26 @@ class Responder:
         if first_bad is not None and detection.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
             blame += f" The first module whose output was not finite, in forward order: {first_bad}."
         stop = "Training is halting." if self.settings.halt_mode == "stop" else "Raising TrainingHalted."
-        skip = "The optimizer step was skipped, so the weights are unchanged."
-        action = " ".join(part for part, applies in ((skip, skipped), (stop, halted)) if applies)
-        if step is not None and figures is not None and figures.checked_steps > 1:
-            action += (
-                f" This check covers the last {figures.checked_steps} optimizer steps (check_every_n_steps="
-                f"{step.every}): the ones before this step were applied unchecked."
+        covered, every = (1, 1) if step is None else (step.figures.checked_steps, step.every)
+        if skipped and covered > 1:
+            done = (
+                f"This optimizer step was skipped, but the {covered - 1} before it since the last check"
+                f" (check_every_n_steps={every}) were applied unchecked."
             )
+        elif skipped:
+            done = "The optimizer step was skipped, so the weights are unchanged."
+        elif covered > 1:
+            done = (
+                f"This check covers the last {covered} optimizer steps (check_every_n_steps={every}): the ones before"
+                " this step were applied unchecked."
+            )
+        else:
+            done = ""
+        if not weights_ok:
+            done += (
+                " The weights are not finite (a step applied unchecked made them so): no checkpoint of them is kept."
+            )
+        action = " ".join(part for part in (done, stop if halted else "") if part)
         reason = detection.reason[:1].upper() + detection.reason[1:]
         message = f"{reason}{where}.{blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
         if bundle is not None:
@@ -253,15 +293,25 @@ class Responder:
         if self._jsonl is not None:
             self._jsonl.write(alert)
 
-    def _bundle_folder(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
-        """Where this check's post-mortem bundle goes, or ``None`` when it does not call for one."""
+    def _open_bundle(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
+        """Create this check's post-mortem folder on every rank, if it calls for one; ``None`` if any rank cannot.
+
+        Every rank must agree before ``save_checkpoint``, which all ranks join: one rank failing alone would hang.
+        """
         postmortem = self.settings.postmortem
-        if postmortem is None:
-            return None
         cause = [d for d in detections if postmortem == "alert" or d.kind in self.settings.halt_on]
-        if not cause:
+        if postmortem is None or not cause:
             return None
-        return self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
+        folder = self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            writable = 1.0
+        except OSError:
+            writable = 0.0
+        if not all(ok for (ok,) in gather_ranks(torch.full((1,), writable, device=trainer.strategy.root_device))):
+            self.warn_once("postmortem", f"TrainingMonitor could not create the post-mortem folder {str(folder)!r}.")
+            return None
+        return folder
 
     def _write_bundle(
         self,
@@ -272,22 +322,21 @@ class Responder:
         skipped: bool | None,
         batches: Sequence[tuple[int, Any]],
         covered: int,
+        weights_ok: bool,
     ) -> None:
-        """Write the bundle on every rank, or warn once and carry on if any rank cannot write its folder."""
+        """Write the bundle on every rank; what it cannot hold, it says (with one warning), and the run goes on."""
+        history = ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self.history)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            writable = 1.0
-        except OSError:
-            writable = 0.0
-        # Everyone must agree before `save_checkpoint`, which all ranks join: one rank failing alone would hang.
-        if not all(ok for (ok,) in gather_ranks(torch.full((1,), writable, device=trainer.strategy.root_device))):
-            self.warn_once("postmortem", f"TrainingMonitor could not create the post-mortem folder {str(folder)!r}.")
-            return
-        try:
-            history = ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self.history)
-            write_bundle(folder, trainer, batches, history, self.alerts, cause, halted, skipped, covered)
-        except OSError as err:
-            self.warn_once("postmortem", f"TrainingMonitor could not write the post-mortem bundle ({err}).")
+            missing = write_bundle(
+                folder, trainer, batches, history, self.alerts, cause, halted, skipped, covered, weights_ok
+            )
+        except Exception as err:  # the bundle is an aid: nothing in it may stop the halt
+            missing = [f"the rest of it: {type(err).__name__}: {err}"]
+        lacking = [what for what in missing if what != NO_CHECKPOINT]  # that one the alert already says
+        if lacking:
+            self.warn_once(
+                "postmortem", f"TrainingMonitor's post-mortem bundle {str(folder)!r} lacks {'; '.join(lacking)}."
+            )
 
     def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
         """Stop training on this rank; every rank reaches this call at the same step with the same alert."""
@@ -297,3 +346,12 @@ class Responder:
         if self.settings.halt_mode == "raise":
             raise TrainingHalted(alert)
         trainer.should_stop = True
+
+
+def _weights_finite(trainer: pl.Trainer) -> bool:
+    """Whether every rank's parameters are all finite (one gather and one host read: only on an alert's path)."""
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.lightning_module.parameters()]
+    local = torch.ones((), device=trainer.strategy.root_device)
+    if params:
+        local = torch.stack([torch.isfinite(p).all() for p in params if p.numel()] or [local.bool()]).all().float()
+    return all(ok for (ok,) in gather_ranks(local.to(trainer.strategy.root_device).reshape(1)))

@@ -543,10 +543,12 @@ def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tm
     (alert,) = monitor.alerts
     assert (alert.kind, alert.step, alert.halted) == (AlertKind.EXPLODING_GRAD, 8, True)
     assert alert.value == pytest.approx(max(model.after_backward[5:9]), rel=1e-5)  # the worst of the held steps
+    # Step 8 was skipped, but not the held steps 5 to 7 (their weights stayed finite): the message says just that.
     assert (
-        "The optimizer step was skipped, so the weights are unchanged. Training is halting. This check covers the"
-        " last 4 optimizer steps (check_every_n_steps=4): the ones before this step were applied unchecked."
+        "This optimizer step was skipped, but the 3 before it since the last check (check_every_n_steps=4) were"
+        " applied unchecked. Training is halting."
     ) in alert.message
+    assert "the weights are unchanged" not in alert.message
     # The worst norm is held step 5's, whose layers are not kept; step 8's are not named in their place.
     assert max(model.after_backward[5:8]) > model.after_backward[8]
     assert "It came from a step between checks, whose per-layer norms are not kept." in alert.message
