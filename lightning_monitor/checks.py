@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from itertools import chain
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,7 @@ from lightning_monitor.detectors import (
     ThresholdDetector,
 )
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
+from lightning_monitor.halting import StepGuard
 from lightning_monitor.packing import PACK_DTYPE, Layout, Part
 from lightning_monitor.settings import SpikeSettings, StepSettings
 
@@ -252,29 +254,34 @@ class OptimizerCheck:
         # Host-known counts travel with the rest, so every rank decides on the same numbers.
         zero, one, counts_now = self._constants(device, (loss_count, max(self._present, self.norms.present), held))
         scale_now = scale_tensor(scaler, device)
-        values: list[Part] = [
+        head = [
             *counts_now,
             zero if loss_sum is None else loss_sum,  # no loss: 0
             one if scale_now is None else scale_now,  # no scaler: a scale of 1
         ]
-        if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
-            self._reduce_held()
-            values += [self._peak, self._overflows]  # type: ignore[list-item]
-        # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
-        # summed per layer on the device first, so that the host handles two figures per layer and rank rather
-        # than one per parameter and rank.
-        values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
-        values += extras.values()
         layout = self._layout(held > 0, ranks > 1, extras)
-        per_rank = layout.read(gather_ranks(layout.pack(values), ranks))  # the one host sync of this check
+        if layout.single_stack:  # a plain check: every part a 0-d float32, so one `stack` packs them all
+            packed = torch.stack([*head, *norms, *chain.from_iterable(extras.values())])
+        else:
+            values: list[Part] = [*head]
+            if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
+                self._reduce_held()
+                values += [self._peak, self._overflows]  # type: ignore[list-item]
+            # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
+            # summed per layer on the device first, so that the host handles two figures per layer and rank rather
+            # than one per parameter and rank.
+            values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
+            packed = layout.pack([*values, *extras.values()])
+        rows = gather_ranks(packed, ranks)  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 
-        first, where = per_rank.rows[0], layout.slices
+        first, where = rows[0], layout.slices
         scale = first[where["scale"].start] if scaler is not None else 1.0
         if ranks > 1:
-            rows = per_rank["norms"]
-            layer_sq = combine_ranks(rows)
-            rank_sq: list[float] | None = [fsum(row) for row in rows]
+            per_rank = layout.read(rows)
+            norm_rows = per_rank["norms"]
+            layer_sq = combine_ranks(norm_rows)
+            rank_sq: list[float] | None = [fsum(row) for row in norm_rows]
             has_grads = any(v > 0 for v in per_rank.scalars("present"))
             count = fsum(per_rank.scalars("loss_count"))
             loss_total = fsum(per_rank.scalars("loss_sum"))
@@ -291,8 +298,8 @@ class OptimizerCheck:
         norm = math.sqrt(total_sq)
         grad_norm = grad_peak = norm if has_grads else None
         if held and has_grads:
-            held_norm = math.sqrt(combine_ranks(per_rank["held_peak"])[0])  # finite, unscaled
-            held_bad = int(max(per_rank.scalars("held_overflows")))
+            held_norm = math.sqrt(combine_ranks([r[where["held_peak"]] for r in rows])[0])  # finite, unscaled
+            held_bad = int(max(r[where["held_overflows"].start] for r in rows))
             overflow_steps += held_bad
             if scaler is None:  # a non-finite gradient is an alert: it shows in the peak
                 worst = max(held_norm, norm, key=lambda v: math.inf if math.isnan(v) else v)
@@ -309,9 +316,9 @@ class OptimizerCheck:
             checked_steps=held + 1,
             loss_scale=scale if scaler is not None else None,
             amp=scaler is not None,
-            loss_ranks=per_rank.scalars("loss_sum"),
+            loss_ranks=[r[where["loss_sum"].start] for r in rows],
             grad_ranks=[total_sq] if rank_sq is None else rank_sq,
-            extras={name: per_rank[name] for name in extras},
+            extras={name: [list(r[where[name]]) for r in rows] for name in extras},
         )
 
     def _layout(self, held: bool, several: bool, extras: Mapping[str, Part]) -> Layout:
@@ -452,6 +459,7 @@ class OptimizerChecks:
         self.spike_settings = spikes
         self.checks: dict[int, OptimizerCheck] = {}
         self.order: ForwardOrder | None = None  # the layers' forward order, handed to each check for its messages
+        self.guard: StepGuard | None = None  # what skips a step, to install on an optimizer first seen here
         self._last: tuple[Optimizer, OptimizerCheck, int] | None = None  # what `for_optimizer` returned last
         self._measured: dict[int, tuple[Optimizer, int]] = {}  # each check's optimizer and its number of groups
         self._restored: dict[str, Any] = {}
@@ -482,6 +490,8 @@ class OptimizerChecks:
             self.checks[index] = check
         elif self._measured.get(index) != (optimizer, groups):
             check.measure(_layer_norms(trainer, pl_module, optimizer))
+        if self.guard is not None:  # an optimizer made after the run began (its first step is not guarded yet)
+            self.guard.install(optimizer)
         if self.order is not None:
             check.order = self.order
         self._measured[index] = (optimizer, groups)

@@ -70,6 +70,11 @@ class StepGuard:
         self._installed: dict[int, tuple[Optimizer, Callable[..., Any] | None, Callable[..., Any]]] = {}
         self._armed: set[int] = set()
 
+    @property
+    def armed(self) -> bool:
+        """Whether a skip waits for its ``step()``."""
+        return bool(self._armed)
+
     def install(self, optimizer: Optimizer) -> None:
         """Wrap ``optimizer.step`` so that :meth:`skip` can skip its coming call (once per optimizer)."""
         if id(optimizer) in self._installed:

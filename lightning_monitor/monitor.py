@@ -248,6 +248,7 @@ class TrainingMonitor(Callback):
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
         self._checks = OptimizerChecks(self.config.step, self.config.spikes)
         self._responder = Responder(self.config.response)
+        self._checks.guard = self._responder.guard
         self._tokens = TokenAccuracyTracker.from_settings(self.config.tokens)
         self._validation = ValidationCheck(self.config.validation)
         self._loss = TrainingLoss()
@@ -308,6 +309,7 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
+        self._responder.guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
             self._responder.set_earlier_alerts_aside(trainer)
@@ -338,7 +340,6 @@ class TrainingMonitor(Callback):
         if self._step_closed:
             self._batches = []
         self._step_closed = False
-        self._responder.guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
         if self.config.response.postmortem is not None:
             self._batches.append((batch_idx, batch))
 
@@ -354,11 +355,13 @@ class TrainingMonitor(Callback):
         # Gate: decide on check steps and logging steps; in between keep the worst figures on the device. Counted
         # per optimizer, and never held at a step that may be the run's last: nothing would check it afterwards.
         self._step_closed = True
-        self._responder.guard.disarm()  # a skip the GradScaler never reached (it found an overflow) is void
+        guard = self._responder.guard
+        if guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
+            guard.disarm()
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
-        self._tokens.note_step(at if logs else None)
+        self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
         if not (check.count_step(self.config.step.check_every_n_steps) or logs or _may_be_last_step(trainer)):
             check.hold(self._scaler)
             return

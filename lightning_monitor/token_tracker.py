@@ -113,10 +113,11 @@ class TokenAccuracyTracker:
         self._warned: set[tuple[Stage, str]] = set()
         self._mark: tuple[int, Tensor] | None = None
         self._held: dict[Stage, list[Hits]] = {"train": [], "val": []}
-        # The window of training batches of one optimizer step: the steps closed so far tag the marks; whether the
-        # step under way logs, at which step; every batch counted, or only those of marked steps.
+        # The window of training batches of one optimizer step: the steps closed so far tag the marks; the step the
+        # optimizer step under way logs at (`None`: it does not log; set by the monitor); every batch counted, or
+        # only those of marked steps.
         self._window = 0
-        self._logged_at: int | None = None
+        self.logged_at: int | None = None
         self._every_batch = False
         self._pending: tuple[Tensor, int] | None = None  # a step's counts, waiting to be shipped with the next check
         self._no_counts: tuple[Tensor, Tensor] | None = None  # cached zeros standing for "no counts waiting"
@@ -136,7 +137,7 @@ class TokenAccuracyTracker:
         self.disabled = set() if enabled else {"train", "val"}
         self._every_batch = every_batch
         self._warned.clear()
-        self._window, self._logged_at, self._pending = 0, None, None
+        self._window, self.logged_at, self._pending = 0, None, None
 
     # ------------------------------------------------------------------------------------- the step's window
 
@@ -145,10 +146,6 @@ class TokenAccuracyTracker:
         self.reset("train")
         if "train" not in self.disabled:
             self.mark(self._window)
-
-    def note_step(self, logged_at: int | None) -> None:
-        """The optimizer step under way logs at ``logged_at`` (``None``: it does not log)."""
-        self._logged_at = logged_at
 
     def count_train(self, outputs: Any, batch: Any) -> None:
         """Count one training batch, if its step is read (a marked step, or every batch for the epoch's figure)."""
@@ -161,9 +158,9 @@ class TokenAccuracyTracker:
         ``next_may_log``: the next optimizer step may log, so its batches are read and its counts told apart from
         the epoch's by a mark.
         """
-        if self._logged_at is not None:
+        if self.logged_at is not None:
             counts = self.counts_since_mark(self._window)
-            self._pending = None if counts is None else (counts, self._logged_at)
+            self._pending = None if counts is None else (counts, self.logged_at)
         self._window += 1
         if next_may_log and "train" not in self.disabled:
             self.mark(self._window)
