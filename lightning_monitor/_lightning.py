@@ -7,6 +7,7 @@ Two of these read private trainer attributes, exactly as Lightning's own ``Learn
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
+    "state_under_another_key",
 ]
 
 
@@ -71,6 +73,21 @@ def gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
     if "HYBRID" in mode:  # sharded within a node, replicated across nodes
         return True, num_nodes
     return True, 1
+
+
+def state_under_another_key(
+    checkpoint: Mapping[str, Any], key: str, qualname: str
+) -> tuple[str, Mapping[str, Any]] | None:
+    """The one callback state in ``checkpoint`` saved by a ``qualname`` callback under another key than ``key``.
+
+    Lightning keys a callback's state with its ``state_key`` (the class name and some settings) and skips a saved
+    state whose key no callback has. ``None`` when ``key`` is there, or when none or several others are.
+    """
+    states = checkpoint.get("callbacks") or {}
+    if key in states:
+        return None
+    mine = [k for k in states if isinstance(k, str) and k.startswith(qualname + "{")]
+    return (mine[0], states[mine[0]]) if len(mine) == 1 else None
 
 
 def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:

@@ -8,7 +8,7 @@ when the loss goes non-finite, at the price of one extra read of each module's o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +127,12 @@ class ActivationWatch:
         flags = list(flags)
         ran = [i for i in self._order if flags[i]]
         return self.names[ran[0]] if ran else None
+
+    def take_first_nonfinite(self, per_rank: Sequence[Sequence[float]]) -> str | None:
+        """The first module flagged on any rank (gathered :meth:`flags`), in forward order; then start afresh."""
+        first = self.first_nonfinite(map(max, zip(*per_rank, strict=True)))
+        self.reset()
+        return first
 
     def close(self) -> None:
         """Remove every hook."""

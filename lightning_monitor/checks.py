@@ -30,6 +30,8 @@ from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.detectors import (
     AmpOverflowDetector,
+    CollapseDetector,
+    ExplodingDetector,
     NonFiniteDetector,
     SpikeDetector,
     ThresholdDetector,
@@ -108,8 +110,8 @@ class StepDetectors:
     nonfinite_loss: NonFiniteDetector
     nonfinite_grad: NonFiniteDetector
     amp: AmpOverflowDetector
-    exploding: ThresholdDetector | None = None
-    vanishing: ThresholdDetector | None = None
+    exploding: ThresholdDetector | ExplodingDetector | None = None
+    vanishing: ThresholdDetector | CollapseDetector | None = None
     loss_spike: SpikeDetector | None = None
     grad_spike: SpikeDetector | None = None
 
@@ -117,7 +119,11 @@ class StepDetectors:
     def from_settings(cls, step: StepSettings, spikes: SpikeSettings) -> StepDetectors:
         """Fresh detectors, configured from the monitor's settings."""
         gradient = "gradient norm"
-        spike = {"window": spikes.spike_window, "warmup": spikes.spike_warmup, "patience": spikes.spike_patience}
+        spike: dict[str, Any] = {
+            "window": spikes.spike_window,
+            "warmup": spikes.spike_warmup,
+            "patience": spikes.spike_patience,
+        }
         exploding, vanishing = step.exploding_grad_threshold, step.vanishing_grad_threshold
         loss_z, grad_z = spikes.loss_spike_threshold, spikes.grad_spike_threshold
         detectors = cls(
@@ -125,16 +131,21 @@ class StepDetectors:
             nonfinite_grad=NonFiniteDetector(AlertKind.NONFINITE_GRAD, gradient),
             amp=AmpOverflowDetector(step.amp_overflow_patience, step.min_loss_scale),
         )
-        if exploding is not None:
+        patience = step.vanishing_grad_patience
+        if exploding == "auto":  # the run's own scale: see `ExplodingDetector`
+            detectors.exploding = ExplodingDetector(gradient)
+        elif exploding is not None:
             kind = AlertKind.EXPLODING_GRAD
             detectors.exploding = ThresholdDetector(kind, gradient, exploding, "above", 1, "exploding_grad_threshold")
-        if vanishing is not None:
-            patience, kind = step.vanishing_grad_patience, AlertKind.VANISHING_GRAD
+        if vanishing == "auto":  # see `CollapseDetector`
+            detectors.vanishing = CollapseDetector(gradient, patience=patience)
+        elif vanishing is not None:
+            kind = AlertKind.VANISHING_GRAD
             detectors.vanishing = ThresholdDetector(
                 kind, gradient, vanishing, "below", patience, "vanishing_grad_threshold"
             )
-        if loss_z is not None:
-            detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike)
+        if loss_z is not None:  # a loss may be negative (a likelihood, an ELBO): `signed`
+            detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike, signed=True)
         if grad_z is not None:
             detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike)
         return detectors

@@ -15,11 +15,19 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
+from lightning_monitor.learned_rules import DEFAULT_EXPLODING_LIMIT, EARLY_CHECKS, CollapseDetector, ExplodingDetector
+from lightning_monitor.spikes import MIN_SPIKE_WINDOW, SpikeDetector
 
+# The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
+# detectors all the same, re-exported here.
 __all__ = [
+    "DEFAULT_EXPLODING_LIMIT",
+    "EARLY_CHECKS",
     "MIN_SPIKE_WINDOW",
     "AccuracyStallDetector",
     "AmpOverflowDetector",
+    "CollapseDetector",
+    "ExplodingDetector",
     "NonFiniteDetector",
     "RisingDetector",
     "SpikeDetector",
@@ -224,20 +232,33 @@ class RisingDetector:
 class AmpOverflowDetector:
     """Tell a GradScaler calibrating itself from one that cannot recover.
 
-    Under fp16 AMP an overflowing step is normal: the scaler skips it and halves the loss scale, most often in
-    the first steps. This fires only when the scaler skips ``patience`` steps in a row, or when the loss scale
-    falls below ``min_scale``.
+    Under fp16 AMP an overflowing step is normal: the scaler skips it and halves the loss scale. From a large
+    initial scale (``GradScaler(init_scale=2**40)``) it takes one overflow per halving, 25 in a row from ``2**40``,
+    before the first step goes through: that is calibration, not a fault. So a streak of overflows counts only once
+    the scaler has stopped falling: after its first step without an overflow (calibrated), or when an overflow comes
+    with a loss scale no lower than the step before (a scaler that cannot back off any more). It fires when such
+    overflows come ``patience`` steps in a row, or at once when the loss scale falls below ``min_scale``, which a
+    scaler that never finds a working scale reaches too (DeepSpeed and Megatron-LM fail only at their minimum
+    scale).
 
     Args:
-        patience: Consecutive overflowing steps that make an alert.
+        patience: Consecutive overflowing steps, once the scale has stopped falling, that make an alert.
         min_scale: A loss scale below this makes an alert.
 
     Example:
         >>> det = AmpOverflowDetector(patience=3, min_scale=1.0)
-        >>> [det.update(True, s) is not None for s in (65536.0, 32768.0, 16384.0)]
-        [False, False, True]
-        >>> det.update(False, 8192.0) is None
+        >>> calibrating = [det.update(True, 2.0**e) for e in range(40, 20, -1)]  # halving from 2**40: no alert
+        >>> calibrating == [None] * 20
         True
+        >>> det.update(False, 2.0**20) is None  # the first step that goes through: calibrated
+        True
+        >>> [det.update(True, s) is not None for s in (2.0**20, 2.0**19, 2.0**18)]
+        [False, False, True]
+        >>> det.update(True, 0.5) is None  # still the same episode: one alert
+        True
+        >>> det = AmpOverflowDetector(patience=3, min_scale=1.0)
+        >>> print(det.update(True, 0.5).reason)
+        the fp16 loss scale collapsed to 0.5 < min_loss_scale=1
     """
 
     kind = AlertKind.NONFINITE_GRAD
@@ -249,13 +270,22 @@ class AmpOverflowDetector:
         self.min_scale = min_scale
         self.consecutive = 0
         self.active = False
+        self.calibrated = False  # a step has gone through without an overflow
+        self.last_scale: float | None = None
 
     def update(self, overflowed: bool, scale: float) -> Detection | None:
         """Take whether this step overflowed and the loss scale it ran with."""
-        self.consecutive = self.consecutive + 1 if overflowed else 0
+        stalled = self.last_scale is not None and scale >= self.last_scale
+        self.last_scale = scale
+        if not overflowed:
+            self.calibrated = True
+            self.consecutive = 0
+        elif self.calibrated or stalled:
+            self.consecutive += 1
         collapsed = scale < self.min_scale
         if self.consecutive < self.patience and not collapsed:
-            self.active = False
+            if not overflowed:
+                self.active = False
             return None
         if self.active:
             return None
@@ -272,12 +302,21 @@ class AmpOverflowDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"consecutive": self.consecutive, "active": self.active}
+        return {
+            "consecutive": self.consecutive,
+            "active": self.active,
+            "calibrated": self.calibrated,
+            "last_scale": self.last_scale,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.consecutive = int(state.get("consecutive", 0))
         self.active = bool(state.get("active", False))
+        # A checkpoint from before calibration was tracked: a saved streak means the old rule was counting.
+        self.calibrated = bool(state.get("calibrated", "consecutive" in state))
+        last = state.get("last_scale")
+        self.last_scale = None if last is None else float(last)
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
@@ -285,146 +324,6 @@ class AmpOverflowDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.active = False
-
-
-#: The smallest ``window`` of :class:`SpikeDetector`: its level averages over ``window / 4`` values, so at least two.
-MIN_SPIKE_WINDOW = 8
-
-
-class SpikeDetector:
-    """Fire when a positive figure jumps far above its own recent level, for ``patience`` steps in a row.
-
-    The figure is watched in log space, where a loss going from 2 to 4 and a gradient norm going from 0.5 to 1 are
-    the same size of event. Its **level** is an exponential moving average over about ``window / 4`` values, short
-    enough to follow a falling loss curve. Its **spread** is estimated from the differences between successive
-    values, ``std**2 ~ EMA((y[t] - y[t-1])**2) / 2`` over about ``window`` values, which a trend barely touches
-    (the spread of the values around a lagging average would count the trend as noise). A value is an outlier
-    when ``z = (log(x) - level) / std`` exceeds ``threshold``; the spread has a floor of ``min_std`` log units, so
-    a very smooth curve does not make small wiggles look like spikes. No alert is raised during the first
-    ``warmup`` values, while the averages settle.
-
-    The statistics cannot be poisoned: NaN, infinite and non-positive values are ignored, and after warm-up an
-    outlier enters the averages clipped to ``level + threshold * std`` (winsorised), so one spike barely moves
-    them, while a lasting change of level is still learnt within about ``window / 4`` values.
-
-    Compared with the tools it replaces: llm-foundry's ``KillLossSpike`` (2x the window mean for more than 4 steps)
-    misses NaN and decides per rank; OLMo-core flags mean + 6 std over 128 steps on raw values, where a spike also
-    inflates the std it is compared with and a falling curve inflates it too; ZClip's EMA z-score (2.5) on the
-    gradient norm is poisoned for good by one NaN; Megatron-LM compares with 10x the maximum of the first 100
-    steps, which misses spikes once the curve has fallen; Lightning's ``SpikeDetection`` watches the loss only and
-    its ``load_state_dict`` is broken. The decision is made on figures already reduced over ranks, so every rank
-    sees the same spike.
-
-    Args:
-        kind: The alert kind to report.
-        name: What the figure is called in messages.
-        threshold: The z-score above which a value is an outlier.
-        window: The effective number of values the spread remembers (the level remembers a quarter of it); at least 8.
-        warmup: Values to see before judging any.
-        patience: Consecutive outliers that make an alert.
-        min_std: Floor of the spread, in log units (0.05 is about 5%).
-
-    Attributes:
-        outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
-
-    Example:
-        >>> det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5)
-        >>> quiet = [det.update(v) for v in (2.0, 2.1, 1.9, 2.05, 1.95, 2.0, 2.02)]
-        >>> quiet == [None] * 7
-        True
-        >>> print(det.update(6.0).reason)
-        training loss 6 is 22 std above its recent level 2.002 (3x)
-    """
-
-    def __init__(
-        self,
-        kind: AlertKind,
-        name: str,
-        threshold: float = 6.0,
-        window: int = 128,
-        warmup: int = 64,
-        patience: int = 1,
-        min_std: float = 0.05,
-    ) -> None:
-        for argument, value in (("threshold", threshold), ("min_std", min_std)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"Expected argument `{argument}` to be a finite number > 0, but got {value}")
-        for argument, count, least in (
-            ("window", window, MIN_SPIKE_WINDOW),
-            ("warmup", warmup, 1),
-            ("patience", patience, 1),
-        ):
-            if count < least:
-                raise ValueError(f"Expected argument `{argument}` to be at least {least}, but got {count}")
-        self.kind = kind
-        self.name = name
-        self.threshold = threshold
-        self.window = window
-        self.warmup = warmup
-        self.patience = patience
-        self.min_std = min_std
-        self.seen = 0
-        self.level = 0.0
-        self.var = 0.0
-        self.previous = 0.0
-        self.count = 0
-        self.outlier = False
-
-    @property
-    def std(self) -> float:
-        """The spread the next value is judged against, floored at ``min_std``."""
-        return max(math.sqrt(self.var), self.min_std)
-
-    def update(self, value: float) -> Detection | None:
-        """Take one figure; return a detection when the ``patience``-th outlier in a row arrives."""
-        self.outlier = False
-        if not (math.isfinite(value) and value > 0):
-            return None
-        y = math.log(value)
-        if self.seen == 0:
-            self.seen, self.level, self.previous = 1, y, y
-            return None
-        level, std = self.level, self.std
-        z = (y - level) / std
-        judged = self.seen >= self.warmup
-        self.outlier = judged and z > self.threshold
-        clipped = min(y, level + self.threshold * std) if judged else y
-        # Plain averages until the windows fill up, then exponential ones.
-        self.seen += 1
-        rate = max(1.0 / self.window, 1.0 / self.seen)
-        self.level += max(4.0 / self.window, 1.0 / self.seen) * (clipped - level)
-        self.var += rate * ((clipped - self.previous) ** 2 / 2 - self.var)
-        self.previous = clipped
-        self.count = self.count + 1 if self.outlier else 0
-        if self.count != self.patience:
-            return None
-        typical = math.exp(level)
-        reason = (
-            f"{self.name} {format_value(value)} is {z:.2g} std above its recent level {format_value(typical)} "
-            f"({value / typical:.2g}x)"
-        )
-        if self.patience > 1:
-            reason += f" for {self.patience} steps in a row"
-        return Detection(self.kind, value, math.exp(level + self.threshold * std), reason)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the state as plain values."""
-        return {"seen": self.seen, "level": self.level, "var": self.var, "previous": self.previous, "count": self.count}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict`."""
-        self.seen = int(state.get("seen", 0))
-        self.level = float(state.get("level", 0.0))
-        self.var = float(state.get("var", 0.0))
-        self.previous = float(state.get("previous", 0.0))
-        self.count = int(state.get("count", 0))
-
-    def rearm(self) -> None:
-        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
-
-        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
-        """
-        self.count = min(self.count, self.patience - 1)
 
 
 class AccuracyStallDetector:

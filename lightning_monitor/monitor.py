@@ -24,15 +24,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_monitor._host import fsum, world_size
-from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step
+from lightning_monitor._host import world_size
+from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step, state_under_another_key
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.checks import OptimizerChecks, TrainingLoss
 from lightning_monitor.grad_norms import layer_name
 from lightning_monitor.responder import Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
-from lightning_monitor.token_tracker import TokenAccuracyTracker
+from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
@@ -65,11 +65,13 @@ class TrainingMonitor(Callback):
     ========================  =========================================================================
     ``nonfinite_loss``        the training loss of an optimizer step is NaN or ±Inf (on any rank)
     ``nonfinite_grad``        the total gradient norm is NaN or ±Inf. Under fp16 AMP an overflow the
-                              GradScaler skips is normal: it alerts only after ``amp_overflow_patience``
-                              overflows in a row, or when the loss scale falls below ``min_loss_scale``
-    ``exploding_grad``        the total gradient norm is above ``exploding_grad_threshold``
-    ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` for
-                              ``vanishing_grad_patience`` optimizer steps in a row
+                              GradScaler skips is normal: it alerts after ``amp_overflow_patience``
+                              overflows in a row once the scale stopped falling, or when the loss scale
+                              falls below ``min_loss_scale``
+    ``exploding_grad``        the total gradient norm is above ``exploding_grad_threshold`` (by default a
+                              limit learnt from the run's first norms)
+    ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` (by default
+                              1e-5 of its early level) for ``vanishing_grad_patience`` steps in a row
     ``diverging_val_loss``    ``val_loss_key`` rose ``divergence_patience`` times in a row, or is not finite
     ``loss_spike``            the training loss is ``loss_spike_threshold`` standard deviations above its
                               recent level (see :class:`~lightning_monitor.detectors.SpikeDetector`)
@@ -108,10 +110,13 @@ class TrainingMonitor(Callback):
     ``lightning_monitor`` Python logger, to every logger, and to ``alerts.jsonl`` in the trainer's log directory.
 
     Args:
-        exploding_grad_threshold: Total gradient norm above which ``exploding_grad`` fires. ``None`` turns the check
-            off.
+        exploding_grad_threshold: Total gradient norm above which ``exploding_grad`` fires, from the first step.
+            ``"auto"`` learns the run's scale: above 100 in a run whose first norm is at most 100 (a run that starts
+            above gets one warning with the fix), or above 10x the largest norm of the first 100 checks
+            (:class:`~lightning_monitor.detectors.ExplodingDetector`). ``None`` turns the check off.
         vanishing_grad_threshold: Total gradient norm below which a step counts towards ``vanishing_grad``.
-            ``None`` turns the check off.
+            ``"auto"``: below 1e-5 times the median norm of the first 100 checks
+            (:class:`~lightning_monitor.detectors.CollapseDetector`). ``None`` turns the check off.
         vanishing_grad_patience: Consecutive optimizer steps below ``vanishing_grad_threshold`` that make an alert.
         val_loss_key: The logged validation metric to watch for divergence. ``None`` turns the check off.
         divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (the default 4
@@ -149,7 +154,9 @@ class TrainingMonitor(Callback):
             forward pass, so it is off by default.
         summary_on_fit_end: At the end of ``fit``, print the health summary of ``lightning-monitor report`` for the
             run (run length, final and best losses, alerts by kind, why it halted, a verdict).
-        amp_overflow_patience: Under fp16 AMP, consecutive overflowing steps that make ``nonfinite_grad``.
+        amp_overflow_patience: Under fp16 AMP, consecutive overflowing steps that make ``nonfinite_grad``, counted
+            once the loss scale has stopped falling (a GradScaler calibrating from a large ``init_scale`` is left to
+            ``min_loss_scale``).
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
         layer_norms: Log ``grad_norm/<layer>`` as well as the total.
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
@@ -195,8 +202,8 @@ class TrainingMonitor(Callback):
     def __init__(
         self,
         *,
-        exploding_grad_threshold: float | None = 100.0,
-        vanishing_grad_threshold: float | None = 0.1,
+        exploding_grad_threshold: float | Literal["auto"] | None = "auto",
+        vanishing_grad_threshold: float | Literal["auto"] | None = "auto",
         vanishing_grad_patience: int = 50,
         val_loss_key: str | None = "val_loss",
         divergence_patience: int = 4,
@@ -235,11 +242,10 @@ class TrainingMonitor(Callback):
         self.latest: dict[str, float] = {}
         self._start_afresh()
         self._fitted: weakref.ref[pl.Trainer] | None = None  # the trainer of the last fit
-        self._fresh = True  # this fit started afresh (not the same trainer's again)
-        self._resumed = False  # whether a checkpoint restored the monitor in this run
+        self._fresh, self._resumed = True, False  # this fit started afresh; a checkpoint restored the monitor
         # Fixed for a run, found at its start: the fp16 GradScaler, the ranks, how often Lightning logs.
         self._scaler: torch.amp.GradScaler | None = None
-        self._ranks, self._every = 1, 0
+        self._ranks, self._every, self._every_n = 1, 0, self.config.step.check_every_n_steps
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
@@ -275,15 +281,8 @@ class TrainingMonitor(Callback):
         return self._state_key
 
     def settings(self) -> dict[str, Any]:
-        """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory).
-
-        Example:
-            >>> TrainingMonitor(exploding_grad_threshold=50.0).settings()["exploding_grad_threshold"]
-            50.0
-        """
+        """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory)."""
         return self.config.as_dict()
-
-    # ------------------------------------------------------------------------------------------------ set-up
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -313,8 +312,7 @@ class TrainingMonitor(Callback):
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
             self._responder.set_earlier_alerts_aside(trainer)
-        if self.config.tokens.token_accuracy:  # before the first mark, which copies the counts where they are
-            self._tokens.to(pl_module.device)
+        self._tokens.to(pl_module.device)  # before the first mark, which copies the counts where they are
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -326,11 +324,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not (self.config.response.summary_on_fit_end and trainer.is_global_zero):
-            return
-        self._responder.print_summary(trainer)
-
-    # ------------------------------------------------------------------------------------------------ training
+        self._responder.print_summary(trainer)  # with `summary_on_fit_end`, on rank zero
 
     @override
     def on_train_batch_start(
@@ -352,8 +346,8 @@ class TrainingMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        # Gate: decide on check steps and logging steps; in between keep the worst figures on the device. Counted
-        # per optimizer, and never held at a step that may be the run's last: nothing would check it afterwards.
+        # Gate: check on check steps (per optimizer), logging steps and a step that may be the run's last; in between
+        # keep the worst figures on the device.
         self._step_closed = True
         guard = self._responder.guard
         if guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
@@ -362,7 +356,7 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
-        if not (check.count_step(self.config.step.check_every_n_steps) or logs or _may_be_last_step(trainer)):
+        if not (check.count_step(self._every_n) or logs or _may_be_last_step(trainer)):
             check.hold(self._scaler)
             return
 
@@ -374,10 +368,7 @@ class TrainingMonitor(Callback):
         figures = check.read(self._loss.take(), self._scaler, extras, self._ranks)
         first_bad = None
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start
-            first_bad = self._activations.first_nonfinite(
-                map(max, zip(*figures.extras["activation_flags"], strict=True))
-            )
-            self._activations.reset()
+            first_bad = self._activations.take_first_nonfinite(figures.extras["activation_flags"])
         if self._checks.order is not None:
             self._checks.order.close()
         if counted_at is not None:
@@ -386,8 +377,8 @@ class TrainingMonitor(Callback):
         self.latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
 
         # Decide and act: the alerts, the skip, the figures, the bundle, the halt.
-        every = self.config.step.check_every_n_steps
-        context = StepContext(optimizer, check, figures, every, first_bad, self._batches, logged, self.latest, logs, at)
+        every, latest = self._every_n, self.latest
+        context = StepContext(optimizer, check, figures, every, first_bad, self._batches, logged, latest, logs, at)
         self._responder.respond_to_step(trainer, check.detect(figures), context)
 
     @override
@@ -437,8 +428,6 @@ class TrainingMonitor(Callback):
         if not trainer.sanity_checking:
             self._tokens.update("val", outputs, batch)
 
-    # ------------------------------------------------------------------------------------------------ validation
-
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # What validation's forward passes flagged is no training step's.
@@ -460,8 +449,6 @@ class TrainingMonitor(Callback):
         # Decide and act.
         self._responder.respond_to_validation(trainer, self._validation.detect(found.val_loss, val_acc))
 
-    # ------------------------------------------------------------------------------------------------ checkpoints
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {**self._responder.state_dict(), **self._validation.state_dict(), "watches": self._checks.state_dict()}
@@ -472,13 +459,10 @@ class TrainingMonitor(Callback):
     ) -> None:
         # Lightning restores a callback's state only under its own key: a checkpoint saved by this monitor with
         # another `val_loss_key` (or, before 0.2, another `halt_on`) would be skipped without a word. Take it.
-        states = checkpoint.get("callbacks") or {}
-        if self.state_key in states:
-            return
-        mine = [key for key in states if isinstance(key, str) and key.startswith(type(self).__qualname__ + "{")]
-        if len(mine) == 1:
-            self.load_state_dict(states[mine[0]])
-            rank_zero_info(f"TrainingMonitor restored its state from the checkpoint's {mine[0]!r}.")
+        found = state_under_another_key(checkpoint, self.state_key, type(self).__qualname__)
+        if found is not None:
+            self.load_state_dict(dict(found[1]))
+            rank_zero_info(f"TrainingMonitor restored its state from the checkpoint's {found[0]!r}.")
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -489,26 +473,20 @@ class TrainingMonitor(Callback):
         self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))
 
-    # ------------------------------------------------------------------------------------------------ helpers
-
     def _log_accuracy(
         self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
     ) -> float | None:
         """Log ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
-        if step is None:
-            return None
-        correct, total = fsum(r[0] for r in per_rank), fsum(r[1] for r in per_rank)
-        if total <= 0:
-            return None
-        self._responder.log_figures(trainer, {key: correct / total}, step)
-        return correct / total
+        value = None if step is None else token_accuracy(per_rank)
+        if value is not None:
+            self._responder.log_figures(trainer, {key: value}, step)
+        return value
 
     def _close_hooks(self) -> None:  # at the end of training, or on an exception
         for hooks in (self._checks.order, self._activations):
             if hooks is not None:
                 hooks.close()
-        self._checks.order, self._activations = None, None
-        self._batches = []
+        self._checks.order, self._activations, self._batches = None, None, []
         self._responder.guard.remove()
 
 

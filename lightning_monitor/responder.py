@@ -137,7 +137,9 @@ class Responder:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
 
     def print_summary(self, trainer: pl.Trainer) -> None:
-        """Print the health summary of ``lightning-monitor report`` for this run (``summary_on_fit_end``)."""
+        """Print the health summary of ``lightning-monitor report`` for this run, with ``summary_on_fit_end``."""
+        if not (self.settings.summary_on_fit_end and trainer.is_global_zero):
+            return
         from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
 
         for logger in trainer.loggers:  # Lightning finalizes loggers only after `on_fit_end`: flush what they hold
@@ -160,6 +162,9 @@ class Responder:
         """
         settings, check, found = self.settings, step.check, step.figures
         self.history.append((step.at, trainer.current_epoch, step.latest))
+        notice = getattr(check.detectors.exploding, "notice", None)
+        if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
+            self.warn_once("exploding_grad_scale", notice)
         skip = (
             any(d.kind in settings.halt_on for d in detections)
             or found.unsafe

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lightning_monitor.alerts import AlertKind
+from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
 __all__ = [
     "DEFAULT_HALT_ON",
@@ -34,8 +35,6 @@ __all__ = [
 DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
 #: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``).
 STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL}
-#: The smallest ``spike_window``: the spike level averages over ``window / 4`` values, so at least two.
-MIN_SPIKE_WINDOW = 8
 
 TokenAccuracyFn = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 
@@ -44,8 +43,8 @@ TokenAccuracyFn = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 class StepSettings:
     """What each optimizer step is checked for, and how often: the gradient rules and the fp16 AMP rules."""
 
-    exploding_grad_threshold: float | None
-    vanishing_grad_threshold: float | None
+    exploding_grad_threshold: float | Literal["auto"] | None
+    vanishing_grad_threshold: float | Literal["auto"] | None
     vanishing_grad_patience: int
     amp_overflow_patience: int
     min_loss_scale: float
@@ -54,15 +53,15 @@ class StepSettings:
     watch_activations: bool
 
     def __post_init__(self) -> None:
-        _number(self, "exploding_grad_threshold", optional=True)
-        _number(self, "vanishing_grad_threshold", optional=True)
+        _number(self, "exploding_grad_threshold", optional=True, auto=True)
+        _number(self, "vanishing_grad_threshold", optional=True, auto=True)
         _number(self, "min_loss_scale")
         for name in ("vanishing_grad_patience", "amp_overflow_patience", "check_every_n_steps"):
             _count(self, name, 1)
         for name in ("layer_norms", "watch_activations"):
             _flag(self, name)
         low, high = self.vanishing_grad_threshold, self.exploding_grad_threshold
-        if low is not None and high is not None and low >= high:
+        if isinstance(low, float) and isinstance(high, float) and low >= high:
             raise ValueError(
                 f"Expected argument `vanishing_grad_threshold` ({low}) to be below `exploding_grad_threshold` ({high})"
             )
@@ -246,15 +245,17 @@ class MonitorSettings:
 # ----------------------------------------------------------------------------------------------- validation
 
 
-def _number(group: Any, name: str, *, optional: bool = False, positive: bool = False) -> None:
+def _number(group: Any, name: str, *, optional: bool = False, positive: bool = False, auto: bool = False) -> None:
     """A finite real number (of any numeric type: numpy scalars too, not a bool), ``> 0`` or ``>= 0``."""
     value = getattr(group, name)
-    if value is None and optional:
+    if (value is None and optional) or (value == "auto" and auto):
         return
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not (ok and (value > 0 if positive else value >= 0)):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {value!r}")
+        also = " (or 'auto', the default rule, or None, off)" if auto else ""
+        raise ValueError(
+            f"Expected argument `{name}` to be a finite number {'> 0' if positive else '>= 0'}, but got {value!r}{also}"
+        )
     object.__setattr__(group, name, float(value))
 
 

@@ -24,7 +24,7 @@ from lightning_monitor.packing import PACK_DTYPE, Layout
 from lightning_monitor.settings import TokenSettings
 from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
-__all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels"]
+__all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels", "token_accuracy"]
 
 #: A user function ``(outputs, batch) -> (logits, labels)``, or ``None`` to skip the batch (without a warning).
 LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
@@ -59,6 +59,17 @@ def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key
     if isinstance(logits, Tensor) and isinstance(labels, Tensor):
         return logits, labels
     return None
+
+
+def token_accuracy(per_rank: Sequence[Sequence[float]]) -> float | None:
+    """``correct / total`` of gathered ``[correct, total, ...]`` rows, summed over ranks; ``None`` without a token.
+
+    Example:
+        >>> token_accuracy([[3.0, 4.0], [1.0, 4.0]]), token_accuracy([[0.0, 0.0]])
+        (0.5, None)
+    """
+    correct, total = fsum(r[0] for r in per_rank), fsum(r[1] for r in per_rank)
+    return correct / total if total > 0 else None
 
 
 def _lookup(container: Any, key: str) -> Any:
@@ -197,6 +208,8 @@ class TokenAccuracyTracker:
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
+        if self.disabled:
+            return
         for metric in self.metrics.values():
             metric.to(device, non_blocking=copies_without_blocking(device))
 

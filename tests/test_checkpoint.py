@@ -13,7 +13,7 @@ VAL_LOSSES = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
 
 
 def make_monitor():
-    return TrainingMonitor(halt_on=["diverging_val_loss"], divergence_patience=4)
+    return TrainingMonitor(halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0)
 
 
 def fit(tmp_path, monitor, max_steps, ckpt_path=None):

@@ -10,6 +10,8 @@ from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.detectors import (
     AccuracyStallDetector,
     AmpOverflowDetector,
+    CollapseDetector,
+    ExplodingDetector,
     NonFiniteDetector,
     RisingDetector,
     SpikeDetector,
@@ -80,6 +82,20 @@ def test_rising_message_lists_the_values():
     assert (found.value, found.threshold) == (0.7, 0.5)
 
 
+def test_amp_overflow_calibration_from_a_huge_scale_is_not_an_alert():
+    det = AmpOverflowDetector(patience=16, min_scale=1.0)
+    # GradScaler(init_scale=2**40) halves 25 times before its first step goes through, then trains.
+    steps = [(True, 2.0**e) for e in range(40, 15, -1)] + [(False, 2.0**15)] * 50
+    assert [det.update(o, s) for o, s in steps] == [None] * len(steps)
+    # Calibrated: a NaN gradient from now on overflows every step, caught at the 16th.
+    hits = [det.update(True, 2.0 ** (15 - i)) is not None for i in range(20)]
+    assert hits.index(True) == 15 and sum(hits) == 1
+    # A scaler that never finds a working scale is caught at the minimum scale.
+    det = AmpOverflowDetector(patience=16, min_scale=1.0)
+    hits = [det.update(True, 2.0**e) is not None for e in range(40, -5, -1)]
+    assert hits.index(True) == 41  # the scale 0.5
+
+
 def test_amp_overflow_calibration_is_not_an_alert():
     det = AmpOverflowDetector(patience=5, min_scale=1.0)
     # Four overflows in a row (65536 -> 4096), then healthy steps, then an isolated overflow.
@@ -90,7 +106,10 @@ def test_amp_overflow_calibration_is_not_an_alert():
 
 def test_amp_overflow_persistent_and_collapse():
     det = AmpOverflowDetector(patience=3, min_scale=1.0)
-    assert [det.update(True, 8.0) is not None for _ in range(5)] == [False, False, True, False, False]
+    det.update(False, 8.0)  # calibrated
+    assert [det.update(True, 8.0 / 2**i) is not None for i in range(5)] == [False, False, True, False, False]
+    det = AmpOverflowDetector(patience=3, min_scale=1.0)  # a scale that no longer falls counts even uncalibrated
+    assert [det.update(True, 8.0) is not None for _ in range(5)] == [False, False, False, True, False]
     det = AmpOverflowDetector(patience=100, min_scale=1.0)
     found = det.update(False, 0.5)
     assert found.reason.startswith("the fp16 loss scale collapsed to 0.5")
@@ -103,6 +122,11 @@ def test_amp_overflow_persistent_and_collapse():
         lambda: ThresholdDetector(AlertKind.VANISHING_GRAD, "norm", 0.1, "below", 3),
         lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 3),
         lambda: SpikeDetector(AlertKind.LOSS_SPIKE, "loss", threshold=2.0, warmup=2, patience=2, min_std=0.01),
+        lambda: SpikeDetector(
+            AlertKind.LOSS_SPIKE, "loss", threshold=2.0, warmup=2, patience=1, min_std=0.01, signed=True
+        ),
+        lambda: ExplodingDetector("norm", limit=0.035, factor=1.5, early=2),
+        lambda: CollapseDetector("norm", ratio=0.5, patience=2, early=2),
     ],
 )
 def test_state_dict_round_trip_continues_the_streak(make):
@@ -117,6 +141,7 @@ def test_state_dict_round_trip_continues_the_streak(make):
 
 def test_amp_state_round_trip():
     first = AmpOverflowDetector(patience=3, min_scale=1.0)
+    first.update(False, 16.0)
     first.update(True, 8.0)
     first.update(True, 4.0)
     second = AmpOverflowDetector(patience=3, min_scale=1.0)
@@ -170,3 +195,63 @@ def test_spike_detector_learns_a_lasting_level_change():
 def test_spike_detector_rejects_bad_arguments():
     with pytest.raises(ValueError, match="`threshold` to be a finite number > 0, but got -1"):
         SpikeDetector(AlertKind.LOSS_SPIKE, "loss", threshold=-1)
+
+
+def test_exploding_arms_only_below_its_limit_and_warns_once():
+    det = ExplodingDetector("gradient norm", limit=100.0, factor=10.0, early=5)
+    fired_at = fired(det, [3000.0])
+    assert fired_at == [False] and det.notice is not None and "set exploding_grad_threshold" in det.notice
+    assert fired(det, [2000.0, 1500.0, 1200.0, 1000.0, 900.0]) == [False] * 5 and det.notice is None
+    assert not det.armed
+    assert fired(det, [29000.0, 31000.0, 32000.0, 800.0, 40000.0]) == [False, True, False, False, True]
+    assert fired(det, [50.0, 150.0]) == [False, False]  # a dip below the limit does not arm it: the start decides
+    found = ExplodingDetector("gradient norm", early=5)
+    assert fired(found, [2.0, 1.0, 150.0, 1.0]) == [False, False, True, False]  # absolute, armed at once
+
+
+def test_exploding_relative_rule_at_any_scale_and_early_max_not_poisoned():
+    det = ExplodingDetector("gradient norm", limit=100.0, factor=10.0, early=4)
+    # A LoRA-sized run: armed at once; an early explosion fires and stays out of the early maximum.
+    assert fired(det, [0.03, 0.04, 500.0, 0.03, 0.02]) == [False, False, True, False, False]
+    assert det.early_max == 0.04
+    assert fired(det, [0.3, 0.41, 50.0]) == [False, True, False]  # 10x the early max, long before 100
+    assert fired(det, [INF, NAN]) == [False, False]
+
+
+def test_collapse_is_relative_to_the_early_median():
+    det = CollapseDetector("gradient norm", ratio=1e-5, patience=3, early=4)
+    assert fired(det, [0.03, 0.02, 0.04, 0.03] + [0.0003] * 10) == [False] * 14  # a 100-fold fall is healthy
+    assert fired(det, [3e-8, NAN, 3e-8, 3e-8, 3e-8]) == [False, False, False, True, False]
+    found = CollapseDetector("norm", ratio=1e-5, patience=1, early=2)
+    fired(found, [0.02, 0.04])
+    assert found.update(1e-9).reason == "norm 1e-09 < 1e-05 x the median of the first 2 steps (0.03)"
+
+
+@pytest.mark.parametrize("rate", [1.01, 0.99, 1.03])
+def test_a_steady_trend_is_not_a_spike_but_a_jump_is(rate):
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    values = [2.0 * rate**i for i in range(400)]
+    assert not any(fired(det, values))
+    assert fired(det, [values[-1] * rate * 3]) == [True]
+
+
+def test_a_steady_linear_rise_of_the_gradient_norm_is_not_a_spike():
+    det = SpikeDetector(AlertKind.GRAD_SPIKE, "norm")
+    values = [1.0 + 0.02 * i + 0.02 * ((i * 7) % 5 - 2) for i in range(1000)]
+    assert not any(fired(det, values))
+
+
+@pytest.mark.parametrize("offset", [-3.0, -0.5, 0.0, 2.0])
+def test_signed_losses_keep_spike_detection(offset):
+    # A Gaussian NLL falling through zero (or living below it): still judged, spikes still caught.
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss", signed=True)
+    values = [offset + 1.0 / (1 + 0.02 * i) + 0.05 * ((i * 7) % 5 - 2) for i in range(300)]
+    assert not any(fired(det, values))
+    assert det.linear == (min(values) <= 0)
+    found = det.update(values[-1] + 9 * max(abs(values[-1]), 1.0))
+    assert found is not None and found.value > found.threshold
+
+
+def test_unsigned_spike_detector_ignores_non_positive_values():
+    det = SpikeDetector(AlertKind.GRAD_SPIKE, "norm", warmup=2)
+    assert fired(det, [1.0, 0.0, -1.0, 1.0]) == [False] * 4 and not det.linear

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -167,7 +168,9 @@ def test_healthy_run_plan_holds_the_logged_series(healthy: Path) -> None:
     assert (grad.steps, grad.values) == events(healthy, "grad_norm")
     assert grad.steps == tuple(range(3 * BATCHES_PER_EPOCH))
     assert plot.panel("grad_norm").yscale == "log"
-    assert plot.panel("grad_norm").thresholds == (
+    assert plot.panel("grad_norm").thresholds == ()  # the default rules learn the run's scale: no fixed line
+    fixed = dataclasses.replace(run, settings={"exploding_grad_threshold": 100.0, "vanishing_grad_threshold": 0.1})
+    assert plan_run(fixed).panel("grad_norm").thresholds == (
         Threshold("exploding_grad_threshold", 100.0, ALERT_COLOURS["exploding_grad"]),
         Threshold("vanishing_grad_threshold", 0.1, ALERT_COLOURS["vanishing_grad"]),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -49,7 +50,8 @@ def test_a_loss_spike_is_caught_at_its_step_and_named(tmp_path):
     monitor, trainer = fit(tmp_path, SpikyLM({150: 4.0}))
     assert spikes(monitor) == [("loss_spike", 150), ("grad_spike", 150)]
     loss_alert = monitor.alerts[0]
-    assert "Training loss" in loss_alert.message and "(4x)" in loss_alert.message
+    # Judged against the level the falling curve predicts for the step, a little below the last one: about 4x.
+    assert "Training loss" in loss_alert.message and re.search(r"\(4(\.\d)?x\)", loss_alert.message)
     assert "Largest layers" in monitor.alerts[1].message
     assert not loss_alert.halted and trainer.global_step == 240  # spikes only alert unless asked
 

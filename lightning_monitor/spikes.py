@@ -1,0 +1,210 @@
+"""The spike rule: a figure that jumps far above what its recent course predicts, for a loss of any sign.
+
+:class:`SpikeDetector` is one of the detectors (:mod:`lightning_monitor.detectors` re-exports it): pure host-side
+Python, ``update(value)`` in, a :class:`~lightning_monitor.alerts.Detection` or ``None`` out, ``state_dict`` in and
+out. ``docs/design.md`` sets its statistics beside the peers' rules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_monitor.alerts import AlertKind, Detection, format_value
+
+__all__ = ["MIN_SPIKE_WINDOW", "RECENT", "SpikeDetector"]
+
+
+#: The number of last values whose moving average :class:`SpikeDetector` also judges a value against.
+RECENT = 8
+#: The smallest ``window`` of :class:`SpikeDetector`: its level averages over ``window / 4`` values, so at least two.
+MIN_SPIKE_WINDOW = 8
+
+
+class SpikeDetector:
+    """Fire when a figure jumps far above what its recent course predicts, for ``patience`` steps in a row.
+
+    A positive figure is watched in log space, where a loss going from 2 to 4 and a gradient norm going from 0.5 to 1
+    are the same size of event. Its **level** is an exponential moving average over about ``window / 4`` values,
+    short enough to follow a falling loss curve. Its **spread** is estimated from the differences between successive
+    values, ``std**2 ~ EMA((y[t] - y[t-1])**2) / 2`` over about ``window`` values, which a trend barely touches (the
+    spread of the values around a lagging average would count the trend as noise). A value is an outlier when
+    ``z = (log(x) - reference) / std`` exceeds ``threshold``, where the **reference** is a moving average of the last
+    ``RECENT`` (8) values, not the level: a steadily rising figure (a loss rising 1% a step, a gradient norm growing
+    through training) runs ahead of the lagging level, but hardly of its own last few values, so a trend is not a
+    spike while a sudden jump still is; and a steeply falling loss, which the level lags above, does not hide one.
+    The spread has a floor of ``min_std`` log units, so a very smooth curve does not make small wiggles look like
+    spikes. No alert is raised during the first ``warmup`` values, while the averages settle.
+
+    **A figure of any sign** (``signed=True``, for a loss: a Gaussian negative log-likelihood or an ELBO goes below
+    zero) has no logarithm once it reaches zero. From the first value at or below zero the detector works in linear
+    space for good, with the same statistics on the raw values: its state is carried over (``exp`` of the level and
+    of the recent average, the spread multiplied by the level), and the floor of the spread becomes ``min_std``
+    times the mean magnitude of the values (EMA of ``|x|`` over ``window``), so it scales with the figure as the log
+    floor does. Without
+    ``signed`` (a gradient norm, never negative) non-positive values are ignored.
+
+    The statistics cannot be poisoned: NaN and infinite values are ignored, and after warm-up an outlier enters the
+    averages clipped to ``reference + threshold * std`` (winsorised), so one spike barely moves them, while a
+    lasting change of level is still learnt within about ``window / 4`` values.
+
+    Args:
+        kind: The alert kind to report.
+        name: What the figure is called in messages.
+        threshold: The z-score above which a value is an outlier.
+        window: The effective number of values the spread remembers (the level a quarter of it); at least 8.
+        warmup: Values to see before judging any.
+        patience: Consecutive outliers that make an alert.
+        min_std: Floor of the spread, in log units (0.05 is about 5%), or in multiples of the mean magnitude in
+            linear space.
+        signed: The figure may be zero or negative (a loss): switch to linear space at the first such value
+            instead of ignoring it.
+
+    Attributes:
+        outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
+        linear: Whether the detector works on the raw values (after a value at or below zero with ``signed``).
+
+    Example:
+        >>> det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5)
+        >>> quiet = [det.update(v) for v in (2.0, 2.1, 1.9, 2.05, 1.95, 2.0, 2.02)]
+        >>> quiet == [None] * 7
+        True
+        >>> print(det.update(6.0).reason)
+        training loss 6 is 22 std above its recent level 2.002 (3x)
+        >>> nll = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5, signed=True)
+        >>> quiet = [nll.update(v) for v in (-1.0, -1.1, -0.9, -1.05, -0.95, -1.0, -1.02)]
+        >>> quiet == [None] * 7
+        True
+        >>> print(nll.update(2.0).reason)
+        training loss 2 is 38 std above its recent level -1.003 (+3.003)
+    """
+
+    def __init__(
+        self,
+        kind: AlertKind,
+        name: str,
+        threshold: float = 6.0,
+        window: int = 128,
+        warmup: int = 64,
+        patience: int = 1,
+        min_std: float = 0.05,
+        *,
+        signed: bool = False,
+    ) -> None:
+        for argument, value in (("threshold", threshold), ("min_std", min_std)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Expected argument `{argument}` to be a finite number > 0, but got {value}")
+        for argument, count, least in (
+            ("window", window, MIN_SPIKE_WINDOW),
+            ("warmup", warmup, 1),
+            ("patience", patience, 1),
+        ):
+            if count < least:
+                raise ValueError(f"Expected argument `{argument}` to be at least {least}, but got {count}")
+        self.kind = kind
+        self.name = name
+        self.threshold = threshold
+        self.window = window
+        self.warmup = warmup
+        self.patience = patience
+        self.min_std = min_std
+        self.signed = signed
+        self.seen = 0
+        self.level = 0.0
+        self.recent = 0.0  # EMA of the last RECENT values
+        self.var = 0.0
+        self.previous = 0.0
+        self.magnitude = 0.0  # EMA of |x|, in linear space only
+        self.linear = False
+        self.count = 0
+        self.outlier = False
+
+    @property
+    def std(self) -> float:
+        """The spread the next value is judged against, floored at ``min_std`` (times the magnitude if linear)."""
+        floor = self.min_std * self.magnitude if self.linear else self.min_std
+        return max(math.sqrt(self.var), floor, 1e-12)
+
+    def _go_linear(self) -> None:
+        """Carry the log-space state over to linear space (first order: d(exp y) = exp(y) dy)."""
+        self.linear = True
+        if self.seen == 0:
+            return
+        typical = math.exp(self.level)
+        self.level, self.recent, self.var = typical, math.exp(self.recent), typical**2 * self.var
+        self.previous, self.magnitude = math.exp(self.previous), typical
+
+    def update(self, value: float) -> Detection | None:
+        """Take one figure; return a detection when the ``patience``-th outlier in a row arrives."""
+        self.outlier = False
+        if not math.isfinite(value):
+            return None
+        if value <= 0 and not self.linear:
+            if not self.signed:
+                return None
+            self._go_linear()
+        y = value if self.linear else math.log(value)
+        if self.seen == 0:
+            self.seen, self.level, self.recent, self.previous, self.magnitude = 1, y, y, y, abs(y)
+            return None
+        std = self.std
+        predicted = self.recent
+        z = (y - predicted) / std
+        judged = self.seen >= self.warmup
+        self.outlier = judged and z > self.threshold
+        clipped = min(y, predicted + self.threshold * std) if judged else y
+        # Plain averages until the windows fill up, then exponential ones.
+        self.seen += 1
+        rate = max(1.0 / self.window, 1.0 / self.seen)
+        self.level += max(4.0 / self.window, 1.0 / self.seen) * (clipped - self.level)
+        self.recent += max(1.0 / RECENT, 1.0 / self.seen) * (clipped - self.recent)
+        self.var += rate * ((clipped - self.previous) ** 2 / 2 - self.var)
+        self.magnitude += rate * (abs(clipped) - self.magnitude)
+        self.previous = clipped
+        self.count = self.count + 1 if self.outlier else 0
+        if self.count != self.patience:
+            return None
+        if self.linear:
+            typical, limit = predicted, predicted + self.threshold * std
+            jump = f"+{format_value(value - typical)}"
+        else:
+            typical, limit = math.exp(predicted), math.exp(predicted + self.threshold * std)
+            jump = f"{value / typical:.2g}x"
+        reason = (
+            f"{self.name} {format_value(value)} is {z:.2g} std above its recent level {format_value(typical)} ({jump})"
+        )
+        if self.patience > 1:
+            reason += f" for {self.patience} steps in a row"
+        return Detection(self.kind, value, limit, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {
+            "seen": self.seen,
+            "level": self.level,
+            "recent": self.recent,
+            "var": self.var,
+            "previous": self.previous,
+            "magnitude": self.magnitude,
+            "linear": self.linear,
+            "count": self.count,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict` (one saved without ``recent`` starts it at the level)."""
+        self.seen = int(state.get("seen", 0))
+        self.level = float(state.get("level", 0.0))
+        self.recent = float(state.get("recent", self.level))
+        self.var = float(state.get("var", 0.0))
+        self.previous = float(state.get("previous", 0.0))
+        self.magnitude = float(state.get("magnitude", 0.0))
+        self.linear = bool(state.get("linear", False))
+        self.count = int(state.get("count", 0))
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.count = min(self.count, self.patience - 1)
