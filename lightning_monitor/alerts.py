@@ -117,7 +117,9 @@ class Alert:
         threshold: The limit it crossed, or ``None`` when there is none (a NaN has no threshold).
         message: The full text: what happened, the figure against the threshold, what was done, what to try.
         halted: Whether this alert stopped training.
-        rank: The lowest global rank that saw the problem, or ``None`` in a single-process run.
+        rank: The global rank the problem can be traced to: the lowest whose own loss or gradient was not finite, or,
+            for a gradient that exploded or spiked, the one whose loss stood out. ``None`` in a single-process run,
+            or when no rank can be named (DDP all-reduces gradients, so they are alike on every rank).
         time: When it was seen, as an ISO 8601 UTC timestamp.
 
     Example:

@@ -72,6 +72,7 @@ class StepFigures:
     amp: bool
     loss_ranks: list[float]  # each rank's loss sum, for attribution
     grad_ranks: list[float]  # each rank's local squared total, for attribution
+    replicated_ranks: list[float] = field(default_factory=list)  # each rank's replicated part of it (DDP)
     extras: dict[str, list[list[float]]] = field(default_factory=dict)  # each extra part, per rank
 
     @property
@@ -89,17 +90,35 @@ class StepFigures:
         return loss_bad or (self.grad_nonfinite and not self.amp)
 
     def rank_for(self, kind: AlertKind) -> int | None:
-        """The lowest rank whose own figure shows ``kind``; ``None`` in one process, or when no rank stands out."""
+        """The rank an alert of ``kind`` can be traced to (see :meth:`attribution`), or ``None``."""
+        found = self.attribution(kind)
+        return None if found is None else found[0]
+
+    def attribution(self, kind: AlertKind) -> tuple[int, str] | None:
+        """The rank an alert of ``kind`` can be traced to, and how, in words; ``None`` in one process or when none can.
+
+        Only where the ranks disagree. DDP all-reduces the gradients, so a NaN or an explosion from one rank's batch
+        reaches every rank's gradients alike: no rank can be named from the gradient. What can be named is the rank
+        whose own figure is non-finite (a loss, a gradient shard), or, for a gradient that explodes or spikes, the
+        rank whose loss stood out (more than twice the median of the others'), whose batch is the likely cause.
+        """
         if len(self.loss_ranks) < 2:
             return None
-        # Only where the ranks disagree: DDP all-reduces the gradients, so a NaN from one rank reaches every rank's
-        # gradients (and, between checks, every rank's losses); then no rank can be named.
         if kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
             values = self.loss_ranks if kind is AlertKind.NONFINITE_LOSS else self.grad_ranks
             bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
-            return bad[0] if len(bad) < len(values) else None
-        if kind in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE) and len(set(self.grad_ranks)) > 1:
-            return max(range(len(self.grad_ranks)), key=lambda r: self.grad_ranks[r])
+            return (bad[0], f"first seen on rank {bad[0]}") if len(bad) < len(values) else None
+        if kind not in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE):
+            return None
+        if len(set(self.replicated_ranks)) > 1:  # replicated gradients that differ: one rank's own
+            r = max(range(len(self.replicated_ranks)), key=self.replicated_ranks.__getitem__)
+            return r, f"first seen on rank {r}"
+        losses = self.loss_ranks
+        r = max(range(len(losses)), key=lambda i: losses[i] if math.isfinite(losses[i]) else math.inf)
+        others = sorted(v for i, v in enumerate(losses) if i != r)
+        median = others[len(others) // 2]
+        if median > 0 and not losses[r] <= 2 * median:
+            return r, f"the loss stood out on rank {r} ({format_value(losses[r])} against {format_value(median)})"
         return None
 
 
@@ -293,12 +312,14 @@ class OptimizerCheck:
             norm_rows = per_rank["norms"]
             layer_sq = combine_ranks(norm_rows)
             rank_sq: list[float] | None = [fsum(row) for row in norm_rows]
+            layers = len(self.norms.names)
+            replicated = [fsum(row[:layers]) for row in norm_rows]
             has_grads = any(v > 0 for v in per_rank.scalars("present"))
             count = fsum(per_rank.scalars("loss_count"))
             loss_total = fsum(per_rank.scalars("loss_sum"))
         else:  # the same figures, without the loops over ranks
             layer_sq = self.norms.layer_squares(first[where["norms"]])
-            rank_sq = None  # the total below
+            rank_sq, replicated = None, []  # the total below
             has_grads = first[where["present"].start] > 0
             count, loss_total = first[where["loss_count"].start], first[where["loss_sum"].start]
         if self.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
@@ -329,6 +350,7 @@ class OptimizerCheck:
             amp=scaler is not None,
             loss_ranks=[r[where["loss_sum"].start] for r in rows],
             grad_ranks=[total_sq] if rank_sq is None else rank_sq,
+            replicated_ranks=replicated,
             extras={name: [list(r[where[name]]) for r in rows] for name in extras},
         )
 
@@ -592,4 +614,10 @@ def _layer_norms(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: 
             known.add(id(p))
             named.append((f"param_group_{g}.{len(named)}", p))
     sharded, replicas = gradient_sharding(trainer.strategy, trainer.num_nodes)
-    return LayerGradNorms(named, sharded=sharded, replicas=replicas)
+    if not named:  # `configure_optimizers` returned None: Lightning steps a stand-in optimizer without parameters
+        rank_zero_warn(
+            f"TrainingMonitor found no parameter in optimizer {type(optimizer).__name__} (did `configure_optimizers`"
+            " return None?): its gradients are not measured, its training loss still is.",
+            category=RuntimeWarning,
+        )
+    return LayerGradNorms(named, sharded=sharded, replicas=replicas, device=pl_module.device)

@@ -83,6 +83,8 @@ class LayerGradNorms:
             with ``use_orig_params``). ``DTensor`` gradients are recognised on their own, whatever this says.
         replicas: With ``sharded``, how many ranks hold each shard (the number of nodes under FSDP
             ``HYBRID_SHARD``); their contributions are divided by it.
+        device: Where the norms go when there is no parameter to measure (an optimizer that holds none); without
+            parameters and without it, a ``ValueError``.
 
     Attributes:
         names: The layer names, one per row entry of :meth:`squared`.
@@ -112,17 +114,18 @@ class LayerGradNorms:
         by_layer: bool = True,
         sharded: bool = False,
         replicas: int = 1,
+        device: torch.device | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"Expected argument `replicas` to be at least 1, but got {replicas}")
         named = list(named_parameters)
-        if not named:
+        if not named and device is None:
             raise ValueError("Expected argument `named_parameters` to hold at least one parameter, but got none")
         self.params: list[Tensor] = [p for _, p in named]
         layers = [layer_name(n) if by_layer else "total" for n, _ in named]
         self.names: tuple[str, ...] = tuple(dict.fromkeys(layers))
         position = {name: i for i, name in enumerate(self.names)}
-        self.device = self.params[0].device
+        self.device = self.params[0].device if self.params else torch.device(device)  # type: ignore[arg-type]
 
         # Where each parameter's square goes in the flattened [2, num_layers] rows: row 0 for replicated gradients,
         # row 1 for sharded ones; and a weight that undoes a DTensor's replication over mesh dims.

@@ -239,13 +239,14 @@ class Responder:
         """
         halted = detection.kind in self.settings.halt_on
         figures = None if step is None else step.figures
-        rank = None if figures is None else figures.rank_for(detection.kind)
+        traced = None if figures is None else figures.attribution(detection.kind)
+        rank = None if traced is None else traced[0]
         at = logging_step(trainer)
         where = f" at step {at} (epoch {trainer.current_epoch})"
         if step is not None and step.check.suffix:
             where += f" for optimizer {step.check.index}"
-        if rank is not None:
-            where += f", first seen on rank {rank}"
+        if traced is not None:
+            where += f", {traced[1]}"
         blame = "" if step is None or figures is None else step.check.blame(detection.kind, figures)
         first_bad = None if step is None else step.first_bad_activation
         if first_bad is not None and detection.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
