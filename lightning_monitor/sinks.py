@@ -26,7 +26,8 @@ SETTINGS_FILE = "monitor_settings.json"
 #: TensorBoard's custom-scalars layout: each chart overlays every tag its regular expressions match.
 TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
     "lightning-monitor": {
-        "loss (train and val)": ["Multiline", [r"^(?!.*scale).*loss.*$"]],
+        # The user's own loss keys, but not the loss scale nor the alert counters (`alerts/nonfinite_loss`).
+        "loss (train and val)": ["Multiline", [r"^(?!alerts/)(?!.*scale).*loss.*$"]],
         "token accuracy (train and val)": ["Multiline", [r"^(train|val)_token_acc$"]],
         "gradient norm": ["Multiline", [r"^grad_norm(_opt\d+)?$"]],
         "gradient norm per layer": ["Multiline", [r"^grad_norm(_opt\d+)?/.*$"]],

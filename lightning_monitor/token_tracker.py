@@ -234,7 +234,17 @@ class TokenAccuracyTracker:
             if found is None:  # the function's way of skipping a batch
                 return
         elif outputs is None or (isinstance(outputs, Mapping) and not outputs):
-            return  # `training_step` returned None: Lightning skipped the batch, and there is nothing to count
+            # `training_step` returned None: Lightning skipped the batch, and there is nothing to count. A
+            # `validation_step` that returns nothing (the usual pattern) leaves no val_token_acc: say so, once.
+            if stage == "val":
+                self._skip(
+                    stage,
+                    "nothing",
+                    "`validation_step` returned nothing, so there is no val_token_acc (and `token_acc_stall` cannot"
+                    f" fire). Return the logits and labels, e.g. `return {{{self.logits_key!r}: logits.detach(),"
+                    f" {self.labels_key!r}: labels}}`.",
+                )
+            return
         else:
             found = self._find(outputs, batch)
             if found is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import typing
 import weakref
 from collections import defaultdict
@@ -437,6 +438,13 @@ def test_tensorboard_gets_a_custom_scalars_layout(tmp_path):
     layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
     charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
     assert charts["token accuracy (train and val)"] == ["^(train|val)_token_acc$"]
+    (loss,) = charts["loss (train and val)"]  # the user's losses, not the alert counters nor the loss scale
+    assert [bool(re.match(loss, tag)) for tag in ("train_loss", "val/loss", "alerts/nonfinite_loss", "loss_scale")] == [
+        True,
+        True,
+        False,
+        False,
+    ]
     assert "train_token_acc" in tb_scalars(tb.log_dir)
 
 
@@ -489,3 +497,19 @@ def test_stall_alert_is_off_by_default(tmp_path):
     monitor = TrainingMonitor(divergence_patience=10)
     fit(tmp_path, model, monitor, max_steps=20, val_check_interval=4, limit_val_batches=1)
     assert monitor.alerts == []
+
+
+class ValidationReturnsNothing(TinyLM):
+    """The usual Lightning pattern: `validation_step` logs its loss and returns nothing."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", super().validation_step(batch, batch_idx)["loss"])
+
+
+def test_a_validation_step_that_returns_nothing_says_so_once(tmp_path):
+    monitor = TrainingMonitor(token_acc_patience=2)
+    with pytest.warns(RuntimeWarning, match="`validation_step` returned nothing") as record:
+        fit(tmp_path, ValidationReturnsNothing(), monitor, max_steps=12, val_check_interval=4)
+    assert len([w for w in record if "returned nothing" in str(w.message)]) == 1  # three validation runs, one word
+    message = next(str(w.message) for w in record if "returned nothing" in str(w.message))
+    assert "no val_token_acc" in message and "token_acc_stall" in message and "'logits': logits.detach()" in message
