@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from helpers import ScriptedModel, all_finite, loader, make_trainer, same_weights
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.boring_classes import RandomDataset
 from test_distributed import TensorBatchModel, reports
 from test_distributed import fit as fit_ddp
+from torch.utils.data import DataLoader
 
-from lightning_monitor import AlertKind, TrainingMonitor
+from lightning_monitor import AlertKind, TrainingHalted, TrainingMonitor
 
 
 def ddp(test: Any) -> Any:
@@ -127,3 +130,123 @@ def test_a_skipped_step_with_clipping_by_value_under_ddp(tmp_path):
     for report in reports(tmp_path):
         assert report["global_step"] == 8 and report["finite"]  # both ranks ran on, the NaN step skipped
         assert [(a["kind"], a["step"]) for a in report["alerts"]] == [("nonfinite_loss", 3)]
+
+
+# ----------------------------------------------------------------- 2. a batch that does not pickle, in the bundle
+
+
+class DictBatchModel(ScriptedModel):
+    """Batches are ``{"x": tensor, "fn": lambda}`` dicts: the lambda makes them impossible to pickle."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return super().training_step(batch["x"], batch_idx)
+
+
+def unpicklable_batches() -> DataLoader:
+    def collate(rows: list[torch.Tensor]) -> dict[str, Any]:
+        return {"x": torch.stack(rows), "fn": lambda: 0}
+
+    return DataLoader(RandomDataset(32, 64), batch_size=2, collate_fn=collate)
+
+
+def test_a_batch_that_does_not_pickle_is_left_out_of_the_bundle_with_one_warning(tmp_path):
+    k = 3
+    model = DictBatchModel(loss_factor={k: float("nan")})
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10)
+    with pytest.warns(RuntimeWarning, match="post-mortem bundle") as record:
+        trainer.fit(model, train_dataloaders=unpicklable_batches())
+    (warning,) = [w for w in record if issubclass(w.category, RuntimeWarning)]
+    assert "lacks the batches of rank(s) [0], which do not pickle" in str(warning.message)
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == k + 1
+    folder = tmp_path / "postmortem" / f"step{k:07d}_nonfinite_loss"
+    assert f"Post-mortem bundle: {folder}" in monitor.alerts[0].message
+    names = {p.name for p in folder.iterdir()}
+    assert {"last_good.ckpt", "README.md", "batch_rank0.error.txt"} <= names and "batch_rank0.pt" not in names
+    assert "pickle" in (folder / "batch_rank0.error.txt").read_text().lower()
+    readme = words(folder / "README.md")
+    assert "## Not in this bundle - the batches of rank(s) [0], which do not pickle" in readme
+    # The checkpoint is whole: it holds the weights from before the skipped step.
+    restored = DictBatchModel.load_from_checkpoint(folder / "last_good.ckpt")
+    assert same_weights(list(restored.parameters()), model.weights_before[k])
+
+
+def test_a_batch_that_does_not_pickle_does_not_kill_a_run_that_bundles_every_alert(tmp_path):
+    monitor = TrainingMonitor(
+        val_loss_key=None, postmortem="alert", vanishing_grad_threshold=1e9, vanishing_grad_patience=1, halt_on=[]
+    )
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6)
+    with pytest.warns(RuntimeWarning, match="post-mortem bundle") as record:
+        trainer.fit(DictBatchModel(), train_dataloaders=unpicklable_batches())
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1  # once, not at every alert
+    assert trainer.global_step == 6 and monitor.stopping_reason is None
+    assert monitor.alerts and {a.kind for a in monitor.alerts} == {AlertKind.VANISHING_GRAD}
+    first = tmp_path / "postmortem" / f"step{monitor.alerts[0].step:07d}_vanishing_grad"
+    assert (first / "batch_rank0.error.txt").exists() and not (first / "batch_rank0.pt").exists()
+
+
+# ----------------------------------------------------------- 5. a NaN at a step between checks, caught at the next
+
+
+def test_a_nan_between_checks_is_reported_as_applied_and_no_bad_checkpoint_is_kept(tmp_path):
+    # Checks at steps 0, 5, 10: the NaN loss of step 2 reached the weights unchecked; step 5 finds them NaN.
+    model = ScriptedModel(loss_factor={2: float("nan")})
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=5)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20)
+    trainer.fit(model, train_dataloaders=loader())
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.NONFINITE_LOSS, 5, True)
+    assert trainer.global_step == 6 and not all_finite(model)
+    assert "the weights are unchanged" not in alert.message
+    assert "were applied unchecked" in alert.message
+    assert "The weights are not finite" in alert.message
+    folder = tmp_path / "postmortem" / "step0000005_nonfinite_loss"
+    assert f"Post-mortem bundle: {folder}" in alert.message
+    names = {p.name for p in folder.iterdir()}
+    assert "last_good.ckpt" not in names and "README.md" in names
+    readme = words(folder / "README.md")
+    assert (
+        "## Not in this bundle - `last_good.ckpt`: the weights were no longer finite when the alert came, so none is"
+        " kept." in readme
+    )
+
+
+# ------------------------------------------------------------------ 6. a bundle folder that cannot be created
+
+
+def test_a_bundle_folder_that_cannot_be_created_is_not_named_and_the_halt_happens(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the log directory should be")
+    model = ScriptedModel(loss_factor={3: float("nan")})
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(blocker / "sub", [monitor], max_steps=10)
+    with pytest.warns(RuntimeWarning) as record:
+        trainer.fit(model, train_dataloaders=loader())
+    assert len([w for w in record if "could not create" in str(w.message)]) == 1
+    (alert,) = monitor.alerts
+    assert "Post-mortem bundle:" not in alert.message
+    assert alert.halted and monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+    assert trainer.global_step == 4 and all_finite(model)
+    assert same_weights(list(model.parameters()), model.weights_before[3])
+
+
+# -------------------------------------------------------------------------------- 7. halt_mode="raise" and DDP
+
+
+@ddp
+def test_raise_mode_under_ddp_spawn_raises_process_raised_exception(tmp_path):
+    """Under ``ddp_spawn`` the ``TrainingHalted`` is raised in the workers; ``trainer.fit`` in the launching process
+    raises ``torch.multiprocessing.ProcessRaisedException``, whose message contains
+    ``TrainingHalted: nonfinite_loss at step``."""
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(val_loss_key=None, halt_mode="raise")
+    with pytest.raises(mp.ProcessRaisedException, match="TrainingHalted: nonfinite_loss at step 3"):
+        fit_ddp(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, monitor=monitor)
+
+
+def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None, halt_mode="raise")
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10)
+    with pytest.raises(TrainingHalted, match="nonfinite_loss at step 3") as err:
+        trainer.fit(ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader())
+    assert err.value.alert is monitor.alerts[0]
