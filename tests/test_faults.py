@@ -15,14 +15,16 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import ScriptedModel, all_finite, loader, make_trainer, same_weights
+from helpers import ScriptedModel, all_finite, csv_column, jsonl, loader, make_trainer, same_weights
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import RandomDataset
+from lightning.pytorch.loggers import CSVLogger
 from test_distributed import TensorBatchModel, reports
 from test_distributed import fit as fit_ddp
 from torch.utils.data import DataLoader
 
 from lightning_monitor import AlertKind, TrainingHalted, TrainingMonitor
+from lightning_monitor.report import load_run, summarize_run
 
 
 def ddp(test: Any) -> Any:
@@ -250,3 +252,102 @@ def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
     with pytest.raises(TrainingHalted, match="nonfinite_loss at step 3") as err:
         trainer.fit(ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader())
     assert err.value.alert is monitor.alerts[0]
+
+
+# ------------------------------------------------- 3. a new fit starts afresh; the same trainer's again carries on
+
+
+def divergence_monitor(**kwargs: Any) -> TrainingMonitor:
+    return TrainingMonitor(
+        halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0, **kwargs
+    )
+
+
+def test_a_monitor_reused_for_a_new_fit_starts_afresh(tmp_path):
+    monitor = divergence_monitor()
+    first = make_trainer(tmp_path, [monitor], max_steps=16, val_check_interval=4, logger=CSVLogger(tmp_path / "a"))
+    model = ScriptedModel(loss_factor={2: 1e5}, val_losses=[1.0, 1.1, 1.2, 1.3])
+    first.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
+    assert first.global_step == 16 and monitor.stopping_reason is None  # three rises: one short of the patience
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.EXPLODING_GRAD, 2)]
+
+    # A new trainer and model: a rise at its first validation would be the fourth in a row if fit 1's count carried.
+    second = make_trainer(tmp_path, [monitor], max_steps=8, val_check_interval=4, logger=CSVLogger(tmp_path / "b"))
+    model = ScriptedModel(loss_factor={5: 1e5}, val_losses=[1.4, 1.5])
+    second.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
+    assert second.global_step == 8 and monitor.stopping_reason is None and model.val_runs == 2
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.EXPLODING_GRAD, 5)]  # none of fit 1's
+    assert csv_column(f"{second.log_dir}/metrics.csv", "alerts/exploding_grad") == [(5, 1.0)]  # counted from 1
+    assert [a["step"] for a in jsonl(f"{second.log_dir}/alerts.jsonl")] == [5]
+
+
+def test_the_same_trainer_fitted_again_carries_on_its_run(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None, halt_on=[])
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=CSVLogger(tmp_path, name="csv", version=0))
+    model = ScriptedModel(loss_factor={2: float("nan"), 8: float("nan")})
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 6
+    trainer.fit_loop.epoch_loop.max_steps = 12  # what `Trainer(max_steps=...)` sets; `fit_loop.max_steps` reads it
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 12  # carried on from step 6
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 2), (AlertKind.NONFINITE_LOSS, 8)]
+    assert monitor.skipped_steps == 2
+    log_dir = Path(trainer.log_dir)
+    assert [a["step"] for a in jsonl(log_dir / "alerts.jsonl")] == [2, 8]  # appended to, not set aside
+    assert not (log_dir / "alerts.jsonl.1").exists()
+    assert csv_column(log_dir / "metrics.csv", "alerts/nonfinite_loss") == [(2, 1.0), (8, 2.0)]
+    summary = " ".join(summarize_run(load_run(log_dir)).split())
+    assert "Halted: unknown" not in summary
+    assert "Alerts: 2 (nonfinite_loss 2)" in summary
+
+
+# ------------------------------------------------------ 4. resuming with changed settings keeps the monitor's state
+
+
+class KeyedModel(ScriptedModel):
+    """Logs its scripted validation loss under ``key``."""
+
+    def __init__(self, key: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.key = key
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_losses is None or self.trainer.sanity_checking:
+            return
+        self.log(self.key, self.val_losses[min(self.val_runs, len(self.val_losses) - 1)])
+        self.val_runs += 1
+
+
+def fit_keyed(tmp_path, monitor, key, max_steps, ckpt_path=None):
+    model = KeyedModel(key, loss_factor={2: 1e5}, val_losses=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5])
+    trainer = make_trainer(tmp_path, [monitor], max_steps=max_steps, limit_train_batches=4)
+    trainer.fit(model, train_dataloaders=loader(200), val_dataloaders=loader(8), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{"halt_on": ["diverging_val_loss", "nonfinite_loss"]}, {"val_loss_key": "val/loss"}],
+    ids=["halt_on", "val_loss_key"],
+)
+def test_resuming_with_changed_settings_keeps_the_state(tmp_path, changed):
+    first = divergence_monitor()
+    trainer, _ = fit_keyed(tmp_path, first, "val_loss", max_steps=12)  # 1.0, 1.1, 1.2: two rises so far
+    assert [a.kind for a in first.alerts] == [AlertKind.EXPLODING_GRAD]
+    path = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(path)
+
+    resumed = TrainingMonitor(**{**first.settings(), "token_accuracy_fn": None, **changed})
+    assert resumed.config.response.halt_on != first.config.response.halt_on or resumed.state_key != first.state_key
+    key = changed.get("val_loss_key", "val_loss")
+    if key == "val_loss":
+        trainer, model = fit_keyed(tmp_path, resumed, key, max_steps=40, ckpt_path=path)
+    else:  # Lightning's own word on a state under a key no callback has; the monitor takes that state
+        with pytest.warns(UserWarning, match="callbacks used to create the checkpoint need to be provided"):
+            trainer, model = fit_keyed(tmp_path, resumed, key, max_steps=40, ckpt_path=path)
+    assert resumed.alerts[0] == first.alerts[0]  # the history restored
+    diverging = [a for a in resumed.alerts if a.kind is AlertKind.DIVERGING_VAL_LOSS]
+    (alert,) = diverging  # not at the third rise (step 16): at the fourth
+    assert alert.step == 20 and model.val_runs == 5
+    assert "1 -> 1.1 -> 1.2 -> 1.3 -> 1.4" in alert.message
+    assert resumed.stopping_reason is AlertKind.DIVERGING_VAL_LOSS and trainer.global_step == 20
