@@ -9,9 +9,11 @@ a new fit and carries on for the same trainer's or a resumed one; bad arguments 
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -351,3 +353,56 @@ def test_resuming_with_changed_settings_keeps_the_state(tmp_path, changed):
     assert alert.step == 20 and model.val_runs == 5
     assert "1 -> 1.1 -> 1.2 -> 1.3 -> 1.4" in alert.message
     assert resumed.stopping_reason is AlertKind.DIVERGING_VAL_LOSS and trainer.global_step == 20
+
+
+# --------------------------------------------------------------------------------------------- 8. bad arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"exploding_grad_threshold": np.float32(100.0)},
+        {"vanishing_grad_threshold": np.float64(1e-3), "exploding_grad_threshold": np.float32(100.0)},
+        {"divergence_patience": np.int64(3)},
+        {"vanishing_grad_patience": np.int32(5), "spike_window": np.int64(32)},
+        {"min_loss_scale": np.float64(2.0)},
+        {"divergence_min_delta": np.float32(0.5), "loss_spike_threshold": np.float64(4.0)},
+        {"ignore_index": np.int64(-1), "top_k": np.int16(2)},
+    ],
+    ids=lambda kwargs: ",".join(kwargs),
+)
+def test_numpy_numbers_are_accepted_as_plain_numbers(kwargs):
+    settings = TrainingMonitor(**kwargs).config
+    for name, value in kwargs.items():
+        got = settings.get(name)
+        assert got == value and type(got) is (float if isinstance(value, np.floating) else int)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("alerts_file", 3, "a non-empty string or None"),
+        ("alerts_file", "", "a non-empty string or None"),
+        ("val_loss_key", 3, "a non-empty string or None"),
+        ("val_loss_key", "", "a non-empty string or None"),
+        ("logits_key", None, "a non-empty string"),
+        ("labels_key", 3, "a non-empty string"),
+        ("layer_norms", "no", "True or False"),
+        ("token_accuracy", "yes", "True or False"),
+        ("token_accuracy_fn", 3, "a function"),
+        ("halt_on", {"a": 1}, "a collection of alert kinds"),
+        ("skip_on", {"loss_spike": 1}, "a collection of alert kinds"),
+        ("divergence_patience", True, "an integer"),
+        ("divergence_patience", 2.0, "an integer"),
+        ("ignore_index", 1.5, "an integer"),
+        ("halt_mode", "x", "'stop' or 'raise'"),
+        ("postmortem", "x", "'halt', 'alert' or None"),
+        ("exploding_grad_threshold", "100", "a finite number"),
+        ("exploding_grad_threshold", float("inf"), "a finite number"),
+    ],
+)
+def test_a_bad_argument_fails_at_construction_naming_it_and_its_value(name, value, expected):
+    with pytest.raises(ValueError, match=re.escape(f"Expected argument `{name}`")) as err:
+        TrainingMonitor(**{name: value})
+    message = str(err.value)
+    assert f"argument `{name}`" in message and f"but got {value!r}" in message and expected in message
