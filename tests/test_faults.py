@@ -9,6 +9,7 @@ a new fit and carries on for the same trainer's or a resumed one; bad arguments 
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -332,7 +333,7 @@ def fit_keyed(tmp_path, monitor, key, max_steps, ckpt_path=None):
     [{"halt_on": ["diverging_val_loss", "nonfinite_loss"]}, {"val_loss_key": "val/loss"}],
     ids=["halt_on", "val_loss_key"],
 )
-def test_resuming_with_changed_settings_keeps_the_state(tmp_path, changed):
+def test_resuming_with_changed_settings_keeps_the_state(tmp_path, caplog, changed):
     first = divergence_monitor()
     trainer, _ = fit_keyed(tmp_path, first, "val_loss", max_steps=12)  # 1.0, 1.1, 1.2: two rises so far
     assert [a.kind for a in first.alerts] == [AlertKind.EXPLODING_GRAD]
@@ -345,8 +346,10 @@ def test_resuming_with_changed_settings_keeps_the_state(tmp_path, changed):
     if key == "val_loss":
         trainer, model = fit_keyed(tmp_path, resumed, key, max_steps=40, ckpt_path=path)
     else:  # Lightning's own word on a state under a key no callback has; the monitor takes that state
+        caplog.set_level(logging.INFO)
         with pytest.warns(UserWarning, match="callbacks used to create the checkpoint need to be provided"):
             trainer, model = fit_keyed(tmp_path, resumed, key, max_steps=40, ckpt_path=path)
+        assert f"TrainingMonitor restored its state from the checkpoint's {first.state_key!r}" in caplog.text
     assert resumed.alerts[0] == first.alerts[0]  # the history restored
     diverging = [a for a in resumed.alerts if a.kind is AlertKind.DIVERGING_VAL_LOSS]
     (alert,) = diverging  # not at the third rise (step 16): at the fourth
