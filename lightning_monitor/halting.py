@@ -85,8 +85,12 @@ class StepGuard:
 
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
-            closure = kwargs.pop("closure", args[0] if args else None)
-            args = args[1:]
+            if "closure" in kwargs:
+                closure = kwargs.pop("closure")
+            elif args:
+                closure, args = args[0], args[1:]
+            else:
+                closure = None
             if closure is None:
                 return None if guard._take(optimizer) else original(*args, **kwargs)
             with torch.enable_grad():

@@ -11,6 +11,7 @@ When training halts (or, if asked, on any alert) :class:`~lightning_monitor.Trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -115,9 +116,10 @@ def write_bundle(
         torch.save([(index, move_data_to_device(batch, "cpu")) for index, batch in batches], path)
         saved = 1.0
     except Exception as err:  # a batch of objects that do not pickle (a lambda in it, a custom class)
-        path.unlink(missing_ok=True)
-        (folder / f"batch_rank{rank}.error.txt").write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
         saved = 0.0
+        with contextlib.suppress(OSError):  # no rank may fail alone before the gather below: the others would wait
+            path.unlink(missing_ok=True)
+            (folder / f"batch_rank{rank}.error.txt").write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
     # Every rank's outcome, for the README: one gather, on a path taken only when a bundle is written.
     outcomes = gather_ranks(torch.full((1,), saved, device=trainer.strategy.root_device))
     unsaved = [r for r, (ok,) in enumerate(outcomes) if not ok]

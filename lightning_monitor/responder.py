@@ -356,8 +356,8 @@ class Responder:
 
 def _weights_finite(trainer: pl.Trainer) -> bool:
     """Whether every rank's parameters are all finite (one gather and one host read: only on an alert's path)."""
+    device = trainer.strategy.root_device
     params = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.lightning_module.parameters()]
-    local = torch.ones((), device=trainer.strategy.root_device)
-    if params:
-        local = torch.stack([torch.isfinite(p).all() for p in params if p.numel()] or [local.bool()]).all().float()
-    return all(ok for (ok,) in gather_ranks(local.to(trainer.strategy.root_device).reshape(1)))
+    flags = [torch.isfinite(p).all().to(device) for p in params if p.numel()]
+    local = torch.stack(flags).all().float() if flags else torch.ones((), device=device)
+    return all(ok for (ok,) in gather_ranks(local.reshape(1)))
