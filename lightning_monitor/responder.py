@@ -23,11 +23,12 @@ from torch.optim import Optimizer
 from lightning_monitor._host import gather_ranks
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
-from lightning_monitor.checks import OptimizerCheck, StepFigures
+from lightning_monitor.checks import OptimizerCheck
 from lightning_monitor.halting import StepGuard, TrainingHalted
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
+from lightning_monitor.step_figures import StepFigures
 
 __all__ = ["Responder", "StepContext"]
 
