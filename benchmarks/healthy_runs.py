@@ -24,8 +24,12 @@ before it, halting where its kind halts. Run::
 
     python benchmarks/healthy_runs.py                       # 3000 healthy steps per run, then the faults
     python benchmarks/healthy_runs.py --steps 500 --runs lora fp16
-    git archive 305eedc | tar -x -C /tmp/old                # the revision before, for comparison:
+    python benchmarks/healthy_runs.py --seed 1 --alerts     # another seed; every healthy run's alert messages
+    git archive a429eee lightning_monitor | tar -x -C /tmp/old   # the old defaults, for comparison:
     LIGHTNING_MONITOR_ROOT=/tmp/old python benchmarks/healthy_runs.py
+
+``--seed`` (0 by default) seeds the weights, the shuffling and the data drawn, but not the fixed teachers that make
+the targets, so each seed is the same task trained afresh.
 
 The table gives false alarms per 10,000 healthy steps per run, and for each fault the delay from ``at`` to its
 alert (``-`` when missed, ``early`` when an alert came before the fault).
@@ -43,7 +47,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +108,17 @@ class Faulty:
 # ---------------------------------------------------------------------------------------------------- data
 
 
-class Tensors(Dataset):
-    """Endless (``n`` per epoch) samples drawn by ``make(generator)`` once, seeded."""
+#: The seed of the weights, the shuffling and the data (``--seed``); the teachers behind the targets stay fixed.
+SEED = 0
 
-    def __init__(self, make: Callable[[torch.Generator, int], tuple[Tensor, ...]], n: int, seed: int = 0) -> None:
-        self.data = make(torch.Generator().manual_seed(seed), n)
+
+class Tensors(Dataset):
+    """Endless (``n`` per epoch) samples drawn by ``make(generator)`` once, seeded (by :data:`SEED` by default)."""
+
+    def __init__(
+        self, make: Callable[[torch.Generator, int], tuple[Tensor, ...]], n: int, seed: int | None = None
+    ) -> None:
+        self.data = make(torch.Generator().manual_seed(SEED if seed is None else seed), n)
 
     def __len__(self) -> int:
         return len(self.data[0])
@@ -305,6 +315,7 @@ class Outcome:
     seconds: float
     norms: list[float]  # the monitor's total gradient norm at each check
     losses: list[float]  # and its training loss
+    messages: list[str] = field(default_factory=list)  # each alert's full message, in the order of ``alerts``
 
 
 class Recorder(pl.Callback):
@@ -324,7 +335,7 @@ def fit(run: str, steps: int, fault: str | None = None, at: int = 0, notice: boo
     The warning for a run that starts above the default exploding limit is silenced unless ``notice``.
     """
     spec = RUNS[run]
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     model = spec.make()
     model.fault, model.at = fault, at  # type: ignore[assignment]
     kwargs: dict[str, Any] = {"val_loss_key": None, "postmortem": None, "alerts_file": None, "token_accuracy": False}
@@ -358,7 +369,9 @@ def fit(run: str, steps: int, fault: str | None = None, at: int = 0, notice: boo
             warnings.filterwarnings("ignore", message=".*exploding_grad_threshold.*", category=RuntimeWarning)
         trainer.fit(model, train_dataloaders=data)
     alerts = [(a.step, a.kind.value, a.halted) for a in monitor.alerts]
-    return Outcome(alerts, trainer.global_step, time.perf_counter() - start, recorder.norms, recorder.losses)
+    seconds = time.perf_counter() - start
+    messages = [a.message for a in monitor.alerts]
+    return Outcome(alerts, trainer.global_step, seconds, recorder.norms, recorder.losses, messages)
 
 
 def delay(outcome: Outcome, fault: str, at: int) -> str:
@@ -375,16 +388,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3000, help="healthy steps per run")
     parser.add_argument("--at", type=int, default=150, help="the step each fault is injected at")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the shuffling and the data")
+    parser.add_argument("--alerts", action="store_true", help="print each healthy run's alerts in full")
     args = parser.parse_args(argv)
-    pl.seed_everything(0, verbose=False)
+    global SEED
+    SEED = args.seed
+    pl.seed_everything(args.seed, verbose=False)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_monitor"):
         logging.getLogger(name).setLevel(logging.ERROR)
     root = os.environ.get("LIGHTNING_MONITOR_ROOT", "this checkout")
-    print(f"lightning_monitor from {root}; {args.steps} healthy steps per run; faults at step {args.at}")
+    print(f"lightning_monitor from {root}; {args.steps} healthy steps per run; faults at step {args.at}; seed {SEED}")
     print("| run | false alarms / 10k steps | healthy steps | first alerts | " + " | ".join(FAULTS) + " |")
     print("|---" * (4 + len(FAULTS)) + "|")
+    details: list[str] = []
     for run in args.runs:
         healthy = fit(run, args.steps)
+        details += [
+            f"{run} step {s} {k}{' (halted)' if h else ''}: {m}"
+            for (s, k, h), m in zip(healthy.alerts, healthy.messages, strict=True)
+        ]
         rate = 1e4 * len(healthy.alerts) / max(healthy.steps, 1)
         first = ", ".join(f"{k}@{s}" for s, k, _ in healthy.alerts[:2]) or "none"
         delays = []
@@ -393,6 +415,10 @@ def main(argv: list[str] | None = None) -> None:
             delays.append(delay(outcome, fault, args.at))
         row = [run, f"{rate:.1f}", str(healthy.steps), first, *delays]
         print("| " + " | ".join(row) + " |", flush=True)
+    if args.alerts:
+        print("\nAlerts of the healthy runs:" if details else "\nNo alert in the healthy runs.")
+        for line in details:
+            print("- " + line)
 
 
 if __name__ == "__main__":
