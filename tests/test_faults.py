@@ -439,6 +439,7 @@ class LossStandsOutOnRankOne(TensorBatchModel):
         return out
 
 
+@ddp
 def test_an_explosion_names_the_rank_whose_loss_stood_out(tmp_path):
     """All-reduced gradients are the same on every rank: the alert names the rank whose loss stood out, not "first
     seen", which the gradient cannot tell."""
