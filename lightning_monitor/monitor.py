@@ -140,8 +140,8 @@ class TrainingMonitor(Callback):
             those of the steps that log.
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
-        shift_labels: The labels are the input ids, not yet shifted: score the logits at position ``t`` against the
-            label at ``t + 1``, as a causal LM's loss does.
+        shift_labels: Score the logits at ``t`` against the label at ``t + 1`` (labels that are the input ids, as a
+            causal LM's loss shifts them). ``"auto"``: for a Hugging Face causal-LM output, else as they are (said).
         top_k: Count a token correct when its label is among the ``top_k`` largest logits.
         logits_key: Where to find the logits in the step's output.
         labels_key: Where to find the labels in the step's output, then in the batch.
@@ -220,7 +220,7 @@ class TrainingMonitor(Callback):
         token_accuracy: bool = True,
         epoch_token_accuracy: bool = False,
         ignore_index: int = -100,
-        shift_labels: bool = False,
+        shift_labels: bool | Literal["auto"] = "auto",
         top_k: int = 1,
         logits_key: str = "logits",
         labels_key: str = "labels",
@@ -312,7 +312,7 @@ class TrainingMonitor(Callback):
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
             self._responder.set_earlier_alerts_aside(trainer)
-        self._tokens.to(pl_module.device)  # before the first mark, which copies the counts where they are
+        self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

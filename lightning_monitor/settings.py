@@ -109,15 +109,19 @@ class TokenSettings:
     token_accuracy: bool
     epoch_token_accuracy: bool
     ignore_index: int
-    shift_labels: bool
+    shift_labels: bool | Literal["auto"]
     top_k: int
     logits_key: str
     labels_key: str
     token_accuracy_fn: TokenAccuracyFn | None
 
     def __post_init__(self) -> None:
-        for name in ("token_accuracy", "epoch_token_accuracy", "shift_labels"):
+        for name in ("token_accuracy", "epoch_token_accuracy"):
             _flag(self, name)
+        if self.shift_labels != "auto" and not isinstance(self.shift_labels, bool):
+            raise ValueError(
+                f"Expected argument `shift_labels` to be True, False or 'auto', but got {self.shift_labels!r}"
+            )
         _integer(self, "ignore_index")
         _count(self, "top_k", 1)
         _text(self, "logits_key")

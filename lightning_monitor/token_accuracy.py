@@ -176,14 +176,16 @@ class TokenAccuracy(Metric):
         """Add the counts of one batch to the states."""
         self._add_hits([self._hits(preds, target)])
 
-    def _hits(self, preds: Tensor, target: Tensor) -> Hits:
+    def _hits(self, preds: Tensor, target: Tensor, shift: bool | None = None) -> Hits:
         """Read one batch into its masks; the states are unchanged until :meth:`_add_hits` sums them.
 
         With :meth:`_add_hits`, ``update`` without torchmetrics' wrapper, whose bookkeeping a caller that reads the
         states and never calls ``compute()`` does not need (``TokenAccuracyTracker``, which holds the masks of several
-        batches). The update count is not kept. No grad mode is set: the counting reads the logits detached.
+        batches). The update count is not kept. No grad mode is set: the counting reads the logits detached. ``shift``
+        overrides the metric's own for this batch.
         """
-        return _hits(preds, target, self.ignore_index, self.top_k, self.shift, self.validate_args)
+        shift = self.shift if shift is None else shift
+        return _hits(preds, target, self.ignore_index, self.top_k, shift, self.validate_args)
 
     def _add_hits(self, held: list[Hits]) -> None:
         """Add the counts of the masks of one or more batches to the states, in one pass over them all."""

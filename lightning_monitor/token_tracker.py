@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor._host import copies_without_blocking, fsum, gather_ranks, host_dtype
@@ -24,7 +24,7 @@ from lightning_monitor.packing import PACK_DTYPE, Layout
 from lightning_monitor.settings import TokenSettings
 from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
-__all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels", "token_accuracy"]
+__all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels", "holds_causal_lm", "token_accuracy"]
 
 #: A user function ``(outputs, batch) -> (logits, labels)``, or ``None`` to skip the batch (without a warning).
 LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
@@ -61,6 +61,17 @@ def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key
     return None
 
 
+def holds_causal_lm(module: Any) -> bool:
+    """Whether ``module`` holds a Hugging Face causal LM (``...ForCausalLM``, ``...LMHeadModel``): it shifts labels.
+
+    Example:
+        >>> class GPT2LMHeadModel(torch.nn.Module): ...
+        >>> holds_causal_lm(torch.nn.Sequential(GPT2LMHeadModel())), holds_causal_lm(torch.nn.Linear(2, 2))
+        (True, False)
+    """
+    return any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) for m in module.modules())
+
+
 def token_accuracy(per_rank: Sequence[Sequence[float]]) -> float | None:
     """``correct / total`` of gathered ``[correct, total, ...]`` rows, summed over ranks; ``None`` without a token.
 
@@ -85,6 +96,8 @@ class TokenAccuracyTracker:
         ignore_index: Label value of positions to leave out.
         top_k: Count a position correct when its label is among the ``top_k`` largest logits.
         shift: Score the logits at position ``t`` against the label at ``t + 1`` (labels not shifted yet).
+            ``"auto"`` shifts the batch's labels when :attr:`causal_lm` is set (a Hugging Face causal LM, which shifts
+            inside its loss) and nothing else, saying once where it cannot tell.
         logits_key: Where to look for the logits in the step's output.
         labels_key: Where to look for the labels in the step's output, then in the batch.
         find: A function ``(outputs, batch) -> (logits, labels)`` that replaces the look-up.
@@ -108,7 +121,7 @@ class TokenAccuracyTracker:
         self,
         ignore_index: int = -100,
         top_k: int = 1,
-        shift: bool = False,
+        shift: bool | Literal["auto"] = False,
         logits_key: str = "logits",
         labels_key: str = "labels",
         find: LogitsAndLabels | None = None,
@@ -116,8 +129,11 @@ class TokenAccuracyTracker:
         self.logits_key = logits_key
         self.labels_key = labels_key
         self.find = find
+        self.shift = shift
+        self.causal_lm = False  # the module holds a Hugging Face causal LM (set at the start of training)
+        self._told_shift = False
         self.metrics: dict[Stage, TokenAccuracy] = {
-            stage: TokenAccuracy(ignore_index=ignore_index, top_k=top_k, shift=shift, validate_args=False)
+            stage: TokenAccuracy(ignore_index=ignore_index, top_k=top_k, shift=shift is True, validate_args=False)
             for stage in ("train", "val")
         }
         self.disabled: set[Stage] = set()
@@ -149,6 +165,7 @@ class TokenAccuracyTracker:
         self._every_batch = every_batch
         self._warned.clear()
         self._window, self.logged_at, self._pending = 0, None, None
+        self._told_shift = False
 
     # ------------------------------------------------------------------------------------- the step's window
 
@@ -205,6 +222,11 @@ class TokenAccuracyTracker:
         return rows["step_token_counts"], rows["epoch_token_counts"], step
 
     # ------------------------------------------------------------------------------------- counting
+
+    def attach(self, module: torch.nn.Module, device: torch.device) -> None:
+        """At the start of training: the counts on ``device``; whether ``module`` holds a causal LM (for ``auto``)."""
+        self.to(device)
+        self.causal_lm = holds_causal_lm(module)
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
@@ -264,8 +286,9 @@ class TokenAccuracyTracker:
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
             self._add_held(stage)  # (none are held then; a later move counts those held first, where they are)
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
+        shift = self._auto_shift(outputs, batch) if self.shift == "auto" and self.find is None else None
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
-            hits = metric._hits(logits, labels)
+            hits = metric._hits(logits, labels, shift)
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
             return
@@ -314,6 +337,25 @@ class TokenAccuracyTracker:
             " the labels come from the model's vocabulary, or set `ignore_index` to your padding id.",
             category=RuntimeWarning,
         )
+
+    def _auto_shift(self, outputs: Any, batch: Any) -> bool:
+        """``shift_labels="auto"``: shift labels taken from the batch when the module holds a Hugging Face causal LM.
+
+        Such a model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, a PEFT ``PeftModelForCausalLM``...) takes the input
+        ids as labels and shifts them inside its own loss. Labels the step returned itself are aligned with its
+        logits already, and so are those of any other model as far as the monitor can tell: it says so once.
+        """
+        if self.causal_lm and not isinstance(_lookup(outputs, self.labels_key), Tensor):
+            return isinstance(_lookup(batch, self.labels_key), Tensor)
+        if not self._told_shift:
+            self._told_shift = True
+            rank_zero_info(
+                "TrainingMonitor scores the logits at position t against the labels at t: with `shift_labels='auto'`"
+                " it shifts only the batch's labels of a Hugging Face causal LM. If your labels are the input ids (a"
+                " causal LM that shifts inside its loss), pass `shift_labels=True`; if they are aligned with the"
+                " logits, pass `shift_labels=False`."
+            )
+        return False
 
     def _add_held(self, stage: Stage) -> TokenAccuracy:
         """Count the held batches of ``stage`` into its metric, and return the metric."""

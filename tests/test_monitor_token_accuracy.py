@@ -513,3 +513,43 @@ def test_a_validation_step_that_returns_nothing_says_so_once(tmp_path):
     assert len([w for w in record if "returned nothing" in str(w.message)]) == 1  # three validation runs, one word
     message = next(str(w.message) for w in record if "returned nothing" in str(w.message))
     assert "no val_token_acc" in message and "token_acc_stall" in message and "'logits': logits.detach()" in message
+
+
+class Gpt2CausalLM(pl.LightningModule):
+    """A Hugging Face GPT-2 built from a config; `training_step` returns the model's output, labels = input ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V, n_positions=16)
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.scored: list[tuple[int, int]] = []  # the reference: (correct, total) of next-token predictions
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        predicted = out.logits[:, :-1].detach().argmax(-1)
+        self.scored.append((int((predicted == batch["labels"][:, 1:]).sum()), predicted.numel()))
+        return out
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RepeatingTokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i):
+        ids = (torch.arange(12) + i) % V  # a learnable pattern: each token is the previous one plus one
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_a_hugging_face_causal_lm_gets_next_token_accuracy_without_configuration(tmp_path):
+    model = Gpt2CausalLM()
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=CSVLogger(tmp_path, name="csv"))
+    trainer.fit(model, train_dataloaders=DataLoader(RepeatingTokens(), batch_size=4))
+    logged = csv_column(f"{trainer.log_dir}/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == list(range(6))
+    for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)  # scored against the next token, as HF's loss is
