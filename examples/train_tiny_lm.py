@@ -312,8 +312,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     provoke.add_argument("--spike-steps", type=int, default=1, help="how many steps the spike lasts")
 
     monitor = parser.add_argument_group("monitor")
-    monitor.add_argument("--exploding-grad-threshold", type=float, default=100.0)
-    monitor.add_argument("--vanishing-grad-threshold", type=float, default=0.1)
+    monitor.add_argument(
+        "--exploding-grad-threshold", type=threshold, default="auto", help="a number, 'auto' (learnt) or 'none'"
+    )
+    monitor.add_argument(
+        "--vanishing-grad-threshold", type=threshold, default="auto", help="a number, 'auto' (learnt) or 'none'"
+    )
     monitor.add_argument("--divergence-patience", type=int, default=4)
     monitor.add_argument("--loss-spike-threshold", type=float, default=6.0, help="z-score of a loss spike")
     monitor.add_argument("--grad-spike-threshold", type=float, default=6.0, help="z-score of a gradient-norm spike")
@@ -329,6 +333,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     monitor.add_argument("--observe-only", action="store_true", help="report alerts but never halt (halt_on=[])")
     monitor.add_argument("--no-layer-norms", action="store_true", help="log only the total gradient norm")
     return parser.parse_args(argv)
+
+
+def threshold(text: str) -> float | str | None:
+    """A gradient threshold on the command line: a number, ``auto`` or ``none``."""
+    if text.lower() == "none":
+        return None
+    return "auto" if text.lower() == "auto" else float(text)
 
 
 def main(argv: list[str] | None = None) -> TrainingMonitor:
@@ -364,6 +375,7 @@ def main(argv: list[str] | None = None) -> TrainingMonitor:
         check_every_n_steps=args.check_every,
         halt_mode=args.halt_mode,
         layer_norms=not args.no_layer_norms,
+        shift_labels=False,  # the targets are the next characters already, aligned with the logits
         halt_on=[] if args.observe_only else DEFAULT_HALT_ON,
     )
 
