@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["copies_without_blocking", "fsum", "gather_ranks", "host_dtype", "to_device", "world_size"]
+__all__ = ["copies_without_blocking", "fsum", "gather_ranks", "host_dtype", "ranks_where", "to_device", "world_size"]
 
 
 def gather_ranks(local: Tensor, ranks: int | None = None) -> list[list[float]]:
@@ -37,6 +37,24 @@ def gather_ranks(local: Tensor, ranks: int | None = None) -> list[list[float]]:
     world = [torch.empty_like(local) for _ in range(world_ranks)]
     dist.all_gather(world, local.detach().contiguous())
     return torch.stack(world).tolist()  # the host sync
+
+
+def ranks_where(ok: bool | Tensor, device: torch.device) -> list[bool]:
+    """Every rank's answer to one yes-or-no question, in rank order: one gather and one host read.
+
+    For decisions every rank must take alike before a collective (a folder each can write, before
+    ``save_checkpoint``); ``ok`` may be a 0-d device tensor, read only with the others.
+
+    Example:
+        >>> ranks_where(True, torch.device("cpu"))
+        [True]
+    """
+    flag = (
+        ok.reshape(1).to(device, torch.float32)
+        if isinstance(ok, Tensor)
+        else torch.full((1,), float(ok), device=device)
+    )
+    return [bool(row[0]) for row in gather_ranks(flag)]
 
 
 def world_size() -> int:

@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from lightning_monitor._host import gather_ranks
+from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import Alert, json_float
 
 __all__ = ["NO_CHECKPOINT", "write_bundle"]
@@ -114,15 +114,14 @@ def write_bundle(
     path = folder / f"batch_rank{rank}.pt"
     try:
         torch.save([(index, move_data_to_device(batch, "cpu")) for index, batch in batches], path)
-        saved = 1.0
+        saved = True
     except Exception as err:  # a batch of objects that do not pickle (a lambda in it, a custom class)
-        saved = 0.0
+        saved = False
         with contextlib.suppress(OSError):  # no rank may fail alone before the gather below: the others would wait
             path.unlink(missing_ok=True)
             (folder / f"batch_rank{rank}.error.txt").write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
     # Every rank's outcome, for the README: one gather, on a path taken only when a bundle is written.
-    outcomes = gather_ranks(torch.full((1,), saved, device=trainer.strategy.root_device))
-    unsaved = [r for r, (ok,) in enumerate(outcomes) if not ok]
+    unsaved = [r for r, ok in enumerate(ranks_where(saved, trainer.strategy.root_device)) if not ok]
     missing = (
         [f"the batches of rank(s) {unsaved}, which do not pickle (see `batch_rank<r>.error.txt`)"] if unsaved else []
     )

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_monitor._host import gather_ranks
+from lightning_monitor._host import ranks_where
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.checks import OptimizerCheck
@@ -312,10 +312,10 @@ class Responder:
         folder = self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            writable = 1.0
+            writable = True
         except OSError:
-            writable = 0.0
-        if not all(ok for (ok,) in gather_ranks(torch.full((1,), writable, device=trainer.strategy.root_device))):
+            writable = False
+        if not all(ranks_where(writable, trainer.strategy.root_device)):
             self.warn_once("postmortem", f"TrainingMonitor could not create the post-mortem folder {str(folder)!r}.")
             return None
         return folder
@@ -360,5 +360,4 @@ def _weights_finite(trainer: pl.Trainer) -> bool:
     device = trainer.strategy.root_device
     params = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.lightning_module.parameters()]
     flags = [torch.isfinite(p).all().to(device) for p in params if p.numel()]
-    local = torch.stack(flags).all().float() if flags else torch.ones((), device=device)
-    return all(ok for (ok,) in gather_ranks(local.reshape(1)))
+    return all(ranks_where(torch.stack(flags).all() if flags else True, device))
