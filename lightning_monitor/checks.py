@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from itertools import chain
 from typing import Any
 
 import lightning.pytorch as pl
@@ -226,19 +225,16 @@ class OptimizerCheck:
             zero if loss_sum is None else loss_sum,  # no loss: 0
             one if scale_now is None else scale_now,  # no scaler: a scale of 1
         ]
+        values: list[Part] = [*head]
+        if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
+            self._reduce_held()
+            values += [self._peak, self._overflows]  # type: ignore[list-item]
+        # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
+        # summed per layer on the device first, so that the host handles two figures per layer and rank rather than
+        # one per parameter and rank. A plain check (every part a 0-d float32) packs in one `stack`.
+        values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
         layout = self._layout(held > 0, ranks > 1, extras)
-        if layout.single_stack:  # a plain check: every part a 0-d float32, so one `stack` packs them all
-            packed = torch.stack([*head, *norms, *chain.from_iterable(extras.values())])
-        else:
-            values: list[Part] = [*head]
-            if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
-                self._reduce_held()
-                values += [self._peak, self._overflows]  # type: ignore[list-item]
-            # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
-            # summed per layer on the device first, so that the host handles two figures per layer and rank rather
-            # than one per parameter and rank.
-            values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
-            packed = layout.pack([*values, *extras.values()])
+        packed = layout.pack([*values, *extras.values()])
         rows = gather_ranks(packed, ranks)  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
 

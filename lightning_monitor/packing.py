@@ -12,6 +12,7 @@ Every rank packs the same layout in the same dtype: an ``all_gather`` of mismatc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -60,8 +61,8 @@ class Layout:
 
     def pack(self, values: Sequence[Part]) -> Tensor:
         """Pack one value per part, in the layout's order, into one 1-D tensor on the values' device."""
-        if self.single_stack:
-            return torch.stack([t for v in values for t in ((v,) if isinstance(v, Tensor) else v)])
+        if self.single_stack:  # the sequences are joined in C, not element by element in Python
+            return torch.stack(list(chain.from_iterable((v,) if isinstance(v, Tensor) else v for v in values)))
         # A `stack` of 0-d parts would unsqueeze and widen every one of them in turn: several times slower than
         # stacking the 0-d runs as they are and joining them to the 1-D parts in one `cat`.
         pieces: list[Tensor] = []
