@@ -8,7 +8,8 @@ Like every detector (:mod:`lightning_monitor.detectors` re-exports them) they ar
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
@@ -148,25 +149,28 @@ class ExplodingDetector:
 class CollapseDetector:
     """Fire when the gradient norm collapses far below the run's own early level (the default ``vanishing_grad``).
 
-    The reference is the median of the first ``early`` finite norms; afterwards a norm below ``ratio`` times it
-    counts, and ``patience`` such norms in a row make an alert. Healthy runs differ by orders of magnitude in their
-    norms (a LoRA adapter at 0.03, a summed loss in the thousands), and a healthy norm falls by one or two orders
-    over a run; a dead network's falls by many more. The default ratio 1e-5 leaves room for both: a million-fold
-    collapse is caught even from a norm ten times its early median.
+    The reference is the median of the first ``early`` finite norms; afterwards the detector fires when the median
+    of the last ``patience`` norms is below ``ratio`` times it, once per episode. Healthy runs differ by orders of
+    magnitude in their norms (a LoRA adapter at 0.03, a summed loss in the thousands), and a healthy norm falls by
+    one or two orders over a run; a dead network's falls by many more. The default ratio 1e-5 leaves room for both: a
+    million-fold collapse is caught even from a norm ten times its early median. A median, not a streak: one batch
+    whose norm stands out (a heavy-tailed loss) does not restart the count, and the alert comes about
+    ``patience / 2`` checks after the collapse began.
 
     Args:
         name: What the figure is called in messages.
         ratio: The collapse that counts, as a fraction of the early median.
-        patience: Consecutive collapsed figures that make an alert.
+        patience: How many last norms the median is taken over.
         early: How many checks make the early median.
 
     Attributes:
-        count: Consecutive collapsed figures so far.
+        collapsed: Whether the collapse has been reported and goes on (no second alert until it ends).
+        count: Consecutive figures below the limit, as :class:`ThresholdDetector` counts them (for ``skip_on``).
 
     Example:
-        >>> det = CollapseDetector("gradient norm", patience=2, early=3)
-        >>> [det.update(v) is not None for v in (0.03, 0.02, 0.04, 0.001, 1e-8, 1e-8, 1e-8)]
-        [False, False, False, False, False, True, False]
+        >>> det = CollapseDetector("gradient norm", patience=3, early=3)
+        >>> [det.update(v) is not None for v in (0.03, 0.02, 0.04, 0.001, 1e-8, 5.0, 1e-8, 1e-8)]
+        [False, False, False, False, False, False, True, False]
         >>> print(CollapseDetector("gradient norm", patience=1, early=1).update(1.0))
         None
     """
@@ -182,6 +186,8 @@ class CollapseDetector:
         self.patience = patience
         self.early = early
         self.values: list[float] = []  # the first `early` finite norms
+        self.recent: deque[float] = deque(maxlen=patience)  # the last `patience` finite norms after them
+        self.collapsed = False
         self.count = 0
         self._reference: float | None = None
 
@@ -189,41 +195,42 @@ class CollapseDetector:
     def reference(self) -> float | None:
         """The median of the early norms, once there are ``early`` of them (computed once)."""
         if self._reference is None and len(self.values) >= self.early:
-            ordered = sorted(self.values)
-            mid = len(ordered) // 2
-            self._reference = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            self._reference = _median(self.values)
         return self._reference
 
     def update(self, value: float) -> Detection | None:
-        """Take one figure; return a detection when the streak of collapsed figures reaches ``patience``."""
+        """Take one figure; return a detection when the median of the last ``patience`` falls below the limit."""
         if not math.isfinite(value):
             return None
         reference = self.reference
         if reference is None:
             self.values.append(value)
             return None
-        if not value < self.ratio * reference:
-            self.count = 0
+        self.recent.append(value)
+        self.count = self.count + 1 if value < self.ratio * reference else 0
+        typical = _median(self.recent) if len(self.recent) == self.patience else math.inf
+        if not typical < self.ratio * reference:
+            self.collapsed = False
             return None
-        self.count += 1
-        if self.count != self.patience:
+        if self.collapsed:
             return None
+        self.collapsed = True
+        median = f" (the median of the last {self.patience} steps)" if self.patience > 1 else ""
         reason = (
-            f"{self.name} {format_value(value)} < {self.ratio:g} x the median of the first {self.early} steps "
-            f"({format_value(reference)})"
+            f"{self.name} {format_value(typical)}{median} < {self.ratio:g} x the median of the first {self.early}"
+            f" steps ({format_value(reference)})"
         )
-        if self.patience > 1:
-            reason += f" for {self.patience} consecutive steps"
-        return Detection(self.kind, value, self.ratio * reference, reason)
+        return Detection(self.kind, typical, self.ratio * reference, reason)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"values": list(self.values), "count": self.count}
+        return {"values": list(self.values), "recent": list(self.recent), "collapsed": self.collapsed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.values = [float(v) for v in state.get("values", [])]
-        self.count = int(state.get("count", 0))
+        self.recent = deque((float(v) for v in state.get("recent", [])), maxlen=self.patience)
+        self.collapsed = bool(state.get("collapsed", False))
         self._reference = None
 
     def rearm(self) -> None:
@@ -231,4 +238,10 @@ class CollapseDetector:
 
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
-        self.count = min(self.count, self.patience - 1)
+        self.collapsed = False
+
+
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

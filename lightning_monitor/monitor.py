@@ -133,8 +133,9 @@ class TrainingMonitor(Callback):
         skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
             halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
-        token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``. A batch without logits and labels is left
-            out, with one warning (none for a batch ``training_step`` skipped by returning ``None``).
+        token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``; a batch without logits and labels is left
+            out, with one warning. ``"auto"``: the same, but a ``training_step`` whose first output has none (a model
+            that is not a language model) turns ``train_token_acc`` off with one line of info instead.
         epoch_token_accuracy: Also log ``train_token_acc_epoch``, the token accuracy of every training batch of the
             epoch. Off by default: it reads the logits of every training batch, where ``train_token_acc`` reads only
             those of the steps that log.
@@ -217,7 +218,7 @@ class TrainingMonitor(Callback):
         spike_patience: int = 1,
         skip_on: Sequence[str] = (),
         postmortem: Literal["halt", "alert"] | None = "halt",
-        token_accuracy: bool = True,
+        token_accuracy: bool | Literal["auto"] = "auto",
         epoch_token_accuracy: bool = False,
         ignore_index: int = -100,
         shift_labels: bool | Literal["auto"] = "auto",

@@ -106,7 +106,7 @@ class ValidationSettings:
 class TokenSettings:
     """Where token accuracy finds logits and labels, and how it scores them."""
 
-    token_accuracy: bool
+    token_accuracy: bool | Literal["auto"]
     epoch_token_accuracy: bool
     ignore_index: int
     shift_labels: bool | Literal["auto"]
@@ -116,8 +116,11 @@ class TokenSettings:
     token_accuracy_fn: TokenAccuracyFn | None
 
     def __post_init__(self) -> None:
-        for name in ("token_accuracy", "epoch_token_accuracy"):
-            _flag(self, name)
+        if self.token_accuracy != "auto" and not isinstance(self.token_accuracy, bool):
+            raise ValueError(
+                f"Expected argument `token_accuracy` to be True, False or 'auto', but got {self.token_accuracy!r}"
+            )
+        _flag(self, "epoch_token_accuracy")
         if self.shift_labels != "auto" and not isinstance(self.shift_labels, bool):
             raise ValueError(
                 f"Expected argument `shift_labels` to be True, False or 'auto', but got {self.shift_labels!r}"

@@ -13,13 +13,17 @@ from typing import Any
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
-__all__ = ["MIN_SPIKE_WINDOW", "RECENT", "SpikeDetector"]
+__all__ = ["MIN_SPIKE_WINDOW", "PEAK_MARGIN", "PEAK_MEMORY", "RECENT", "SpikeDetector"]
 
 
 #: The number of last values whose moving average :class:`SpikeDetector` also judges a value against.
 RECENT = 8
 #: The smallest ``window`` of :class:`SpikeDetector`: its level averages over ``window / 4`` values, so at least two.
 MIN_SPIKE_WINDOW = 8
+#: In linear space, a spike rises more than this many times the largest rise of the figure's recent course.
+PEAK_MARGIN = 2.5
+#: The half-life of that largest rise, in ``window`` lengths: it is forgotten slowly, as a heavy tail is seen rarely.
+PEAK_MEMORY = 4
 
 
 class SpikeDetector:
@@ -42,8 +46,12 @@ class SpikeDetector:
     space for good, with the same statistics on the raw values: its state is carried over (``exp`` of the level and
     of the recent average, the spread multiplied by the level), and the floor of the spread becomes ``min_std``
     times the mean magnitude of the values (EMA of ``|x|`` over ``window``), so it scales with the figure as the log
-    floor does. Without
-    ``signed`` (a gradient norm, never negative) non-positive values are ignored.
+    floor does. Linear space has no logarithm to tame a heavy right tail (a Gaussian NLL with a learnt variance jumps
+    by 10 to 20 of its usual spreads on a batch with a few large residuals), so there a value must also rise more
+    than ``PEAK_MARGIN`` (2.5) times the largest rise above the reference of the figure's recent course, which is
+    forgotten with a half-life of ``PEAK_MEMORY`` (4) windows; and it is judged only after ``warmup`` values in
+    linear space, so the rises it is compared with are its own. Without ``signed`` (a gradient norm, never
+    negative) non-positive values are ignored.
 
     The statistics cannot be poisoned: NaN and infinite values are ignored, and after warm-up an outlier enters the
     averages clipped to ``reference + threshold * std`` (winsorised), so one spike barely moves them, while a
@@ -64,6 +72,7 @@ class SpikeDetector:
     Attributes:
         outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
         linear: Whether the detector works on the raw values (after a value at or below zero with ``signed``).
+        peak: In linear space, the largest rise above the reference of the values that were not outliers, decaying.
 
     Example:
         >>> det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5)
@@ -117,6 +126,8 @@ class SpikeDetector:
         self.previous = 0.0
         self.magnitude = 0.0  # EMA of |x|, in linear space only
         self.linear = False
+        self.linear_seen = 0  # values seen in linear space
+        self.peak = 0.0  # the largest recent rise above the reference, in linear space only
         self.count = 0
         self.outlier = False
 
@@ -129,6 +140,7 @@ class SpikeDetector:
     def _go_linear(self) -> None:
         """Carry the log-space state over to linear space (first order: d(exp y) = exp(y) dy)."""
         self.linear = True
+        self.linear_seen = 0
         if self.seen == 0:
             return
         typical = math.exp(self.level)
@@ -147,13 +159,24 @@ class SpikeDetector:
         y = value if self.linear else math.log(value)
         if self.seen == 0:
             self.seen, self.level, self.recent, self.previous, self.magnitude = 1, y, y, y, abs(y)
+            self.linear_seen = int(self.linear)
             return None
         std = self.std
         predicted = self.recent
-        z = (y - predicted) / std
-        judged = self.seen >= self.warmup
-        self.outlier = judged and z > self.threshold
+        rise = y - predicted
+        z = rise / std
+        bar = self.threshold * std
+        peaked = self.linear and PEAK_MARGIN * self.peak > bar
+        if peaked:
+            bar = PEAK_MARGIN * self.peak
+        judged = self.seen >= self.warmup and (not self.linear or self.linear_seen >= self.warmup)
+        self.outlier = judged and rise > bar
         clipped = min(y, predicted + self.threshold * std) if judged else y
+        if self.linear:
+            self.linear_seen += 1
+            self.peak *= 0.5 ** (1.0 / (PEAK_MEMORY * self.window))
+            if not self.outlier:
+                self.peak = max(self.peak, rise)
         # Plain averages until the windows fill up, then exponential ones.
         self.seen += 1
         rate = max(1.0 / self.window, 1.0 / self.seen)
@@ -166,8 +189,10 @@ class SpikeDetector:
         if self.count != self.patience:
             return None
         if self.linear:
-            typical, limit = predicted, predicted + self.threshold * std
+            typical, limit = predicted, predicted + bar
             jump = f"+{format_value(value - typical)}"
+            if peaked:
+                jump += f", over {PEAK_MARGIN:g}x its largest recent rise +{format_value(bar / PEAK_MARGIN)}"
         else:
             typical, limit = math.exp(predicted), math.exp(predicted + self.threshold * std)
             jump = f"{value / typical:.2g}x"
@@ -188,6 +213,8 @@ class SpikeDetector:
             "previous": self.previous,
             "magnitude": self.magnitude,
             "linear": self.linear,
+            "linear_seen": self.linear_seen,
+            "peak": self.peak,
             "count": self.count,
         }
 
@@ -200,6 +227,8 @@ class SpikeDetector:
         self.previous = float(state.get("previous", 0.0))
         self.magnitude = float(state.get("magnitude", 0.0))
         self.linear = bool(state.get("linear", False))
+        self.linear_seen = int(state.get("linear_seen", self.seen if self.linear else 0))
+        self.peak = float(state.get("peak", 0.0))
         self.count = int(state.get("count", 0))
 
     def rearm(self) -> None:

@@ -137,6 +137,8 @@ class TokenAccuracyTracker:
             for stage in ("train", "val")
         }
         self.disabled: set[Stage] = set()
+        self._auto = False  # `token_accuracy="auto"`: a model with no logits is told once, quietly
+        self._counted_train = False  # a training batch has been counted: the model gives logits
         self._warned: set[tuple[Stage, str]] = set()
         self._mark: tuple[int, Tensor] | None = None
         self._held: dict[Stage, list[Hits]] = {"train": [], "val": []}
@@ -155,13 +157,18 @@ class TokenAccuracyTracker:
         s = settings
         return cls(s.ignore_index, s.top_k, s.shift_labels, s.logits_key, s.labels_key, s.token_accuracy_fn)
 
-    def begin(self, enabled: bool, every_batch: bool = False) -> None:
+    def begin(self, enabled: bool | Literal["auto"], every_batch: bool = False) -> None:
         """Start a run: count both stages if ``enabled`` (else neither), and warn afresh about batches left out.
 
-        With ``every_batch`` every training batch is counted (for the epoch's figure); else only the batches of the
-        optimizer steps marked by :meth:`close_step` and :meth:`start_epoch`.
+        ``"auto"`` counts both, but a first training batch without logits and labels (a model that is not a language
+        model) turns the training stage off with one line of info, and validation batches without them are left out
+        without a word until a training batch has been counted. With ``every_batch`` every training batch is counted
+        (for the epoch's figure); else only the batches of the optimizer steps marked by :meth:`close_step` and
+        :meth:`start_epoch`.
         """
         self.disabled = set() if enabled else {"train", "val"}
+        self._auto = enabled == "auto"
+        self._counted_train = False
         self._every_batch = every_batch
         self._warned.clear()
         self._window, self.logged_at, self._pending = 0, None, None
@@ -230,10 +237,9 @@ class TokenAccuracyTracker:
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
-        if self.disabled:
-            return
-        for metric in self.metrics.values():
-            metric.to(device, non_blocking=copies_without_blocking(device))
+        for stage, metric in self.metrics.items():
+            if stage not in self.disabled:
+                metric.to(device, non_blocking=copies_without_blocking(device))
 
     def reset(self, stage: Stage) -> None:
         """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
@@ -292,6 +298,7 @@ class TokenAccuracyTracker:
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
             return
+        self._counted_train = self._counted_train or stage == "train"
         held = self._held[stage]
         held.append(hits)
         if len(held) >= HOLD_AT_MOST:
@@ -369,7 +376,19 @@ class TokenAccuracyTracker:
         return find_logits_and_labels(outputs, batch, self.logits_key, self.labels_key)
 
     def _skip(self, stage: Stage, cause: str, why: str) -> None:
-        """Warn, once per stage and cause, that a batch was left out; the next batch is counted again."""
+        """Warn, once per stage and cause, that a batch was left out; the next batch is counted again.
+
+        Under ``"auto"``, before any training batch was counted, a batch with nothing to find is not worth a warning:
+        a first training batch turns the training stage off with one line of info, a validation batch is left out.
+        """
+        if self._auto and not self._counted_train and cause in ("missing", "nothing"):
+            if stage == "train":
+                self.disabled.add("train")
+                rank_zero_info(
+                    "TrainingMonitor: `training_step` returns no logits and labels, so there is no train_token_acc"
+                    " (return them to have it; `token_accuracy=False` turns token accuracy off)."
+                )
+            return
         if (stage, cause) in self._warned:
             return
         self._warned.add((stage, cause))

@@ -221,10 +221,24 @@ def test_exploding_relative_rule_at_any_scale_and_early_max_not_poisoned():
 def test_collapse_is_relative_to_the_early_median():
     det = CollapseDetector("gradient norm", ratio=1e-5, patience=3, early=4)
     assert fired(det, [0.03, 0.02, 0.04, 0.03] + [0.0003] * 10) == [False] * 14  # a 100-fold fall is healthy
-    assert fired(det, [3e-8, NAN, 3e-8, 3e-8, 3e-8]) == [False, False, False, True, False]
+    # The median of the last 3: the second collapsed norm makes it collapse; one alert per episode.
+    assert fired(det, [3e-8, NAN, 3e-8, 3e-8, 3e-8]) == [False, False, True, False, False]
+    assert fired(det, [0.03, 0.03] + [3e-8] * 3) == [False, False, False, True, False]  # ends, then comes back
     found = CollapseDetector("norm", ratio=1e-5, patience=1, early=2)
     fired(found, [0.02, 0.04])
     assert found.update(1e-9).reason == "norm 1e-09 < 1e-05 x the median of the first 2 steps (0.03)"
+
+
+def test_one_outstanding_batch_does_not_restart_a_collapse():
+    # A heavy-tailed loss: a batch now and then whose norm is far above the rest, before and after the collapse.
+    healthy = [0.05 if i % 10 else 5.0 for i in range(200)]
+    collapsed = [5e-8 if i % 10 else 5e-6 for i in range(60)]
+    det = CollapseDetector("gradient norm", patience=50)
+    hits = [i for i, hit in enumerate(fired(det, healthy + collapsed)) if hit]
+    # One alert, once 26 of the last 50 norms are below the limit (the 5e-6 among them are not): 29 norms in.
+    assert hits == [200 + 28]
+    streak = ThresholdDetector(AlertKind.VANISHING_GRAD, "norm", 0.05 * 1e-5, "below", 50)
+    assert not any(fired(streak, healthy + collapsed))  # a streak of 50 is never reached
 
 
 @pytest.mark.parametrize("rate", [1.01, 0.99, 1.03])

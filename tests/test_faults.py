@@ -391,7 +391,7 @@ def test_numpy_numbers_are_accepted_as_plain_numbers(kwargs):
         ("logits_key", None, "a non-empty string"),
         ("labels_key", 3, "a non-empty string"),
         ("layer_norms", "no", "True or False"),
-        ("token_accuracy", "yes", "True or False"),
+        ("token_accuracy", "yes", "True, False or 'auto'"),
         ("token_accuracy_fn", 3, "a function"),
         ("halt_on", {"a": 1}, "a collection of alert kinds"),
         ("skip_on", {"loss_spike": 1}, "a collection of alert kinds"),

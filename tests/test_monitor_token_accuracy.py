@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import re
 import typing
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
@@ -121,7 +123,7 @@ def test_missing_logits_warn_at_the_first_step_without_waiting_for_a_logging_ste
         fit(
             tmp_path,
             LossOnly(),
-            TrainingMonitor(val_loss_key=None),
+            TrainingMonitor(val_loss_key=None, token_accuracy=True),  # asked for: a warning, not "auto"'s info
             callbacks=[FirstStepOnly()],
             logger=csv,
             max_steps=100,
@@ -379,12 +381,51 @@ def test_missing_logits_warn_once_and_training_goes_on(tmp_path):
         def training_step(self, batch, batch_idx):
             return self.step(batch, "train")["loss"]
 
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=True)
     with pytest.warns(RuntimeWarning, match="left a batch out of train_token_acc: it found no logits") as record:
         trainer = fit(tmp_path, LossOnly(), monitor, max_steps=8, limit_val_batches=0)
     assert len([w for w in record if "token_acc" in str(w.message)]) == 1
     assert trainer.global_step == 8
     assert "train_token_acc" not in trainer.callback_metrics
+
+
+class Regression(pl.LightningModule):
+    """Not a language model: `training_step` returns a loss, `validation_step` nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch), batch.sum(-1, keepdim=True)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=4)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+
+
+def test_a_model_that_is_not_a_language_model_gets_one_line_of_info_by_default(tmp_path, caplog):
+    monitor = TrainingMonitor()  # token_accuracy="auto"; validation runs first (the sanity check), then training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no RuntimeWarning about token accuracy, at any stage
+        with caplog.at_level(logging.INFO):
+            trainer = make_trainer(tmp_path, [monitor], max_steps=16, val_check_interval=4)
+            trainer.fit(Regression())
+    assert trainer.global_step == 16
+    info = [r.getMessage() for r in caplog.records if "token_acc" in r.getMessage()]
+    assert info == [
+        "TrainingMonitor: `training_step` returns no logits and labels, so there is no train_token_acc (return them"
+        " to have it; `token_accuracy=False` turns token accuracy off)."
+    ]
+    assert not any(key.endswith("token_acc") for key in trainer.callback_metrics)
 
 
 def test_bad_shapes_warn_once_and_training_goes_on(tmp_path):
