@@ -70,8 +70,9 @@ class TrainingMonitor(Callback):
                               falls below ``min_loss_scale``
     ``exploding_grad``        the total gradient norm is above ``exploding_grad_threshold`` (by default a
                               limit learnt from the run's first norms)
-    ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` (by default
-                              1e-5 of its early level) for ``vanishing_grad_patience`` steps in a row
+    ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` for
+                              ``vanishing_grad_patience`` steps in a row (by default: their median, below
+                              1e-5 of its early level)
     ``diverging_val_loss``    ``val_loss_key`` rose ``divergence_patience`` times in a row, or is not finite
     ``loss_spike``            the training loss is ``loss_spike_threshold`` standard deviations above its
                               recent level (see :class:`~lightning_monitor.detectors.SpikeDetector`)
@@ -117,7 +118,8 @@ class TrainingMonitor(Callback):
         vanishing_grad_threshold: Total gradient norm below which a step counts towards ``vanishing_grad``.
             ``"auto"``: below 1e-5 times the median norm of the first 100 checks
             (:class:`~lightning_monitor.detectors.CollapseDetector`). ``None`` turns the check off.
-        vanishing_grad_patience: Consecutive optimizer steps below ``vanishing_grad_threshold`` that make an alert.
+        vanishing_grad_patience: Consecutive optimizer steps below ``vanishing_grad_threshold`` that make an alert
+            (with ``"auto"``, the last steps whose median is judged).
         val_loss_key: The logged validation metric to watch for divergence. ``None`` turns the check off.
         divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (the default 4
             means five rising values).
