@@ -65,12 +65,13 @@ class RunHistory:
         self.path: Path | None = None
         self._records: dict[int, dict[str, Any]] = {}  # by step, not yet written
         self._open: int | None = None  # the step of the last training record, until the user's losses joined it
+        self._last: int | None = None  # the step of the last training record
         self._seen: dict[str, object] = {}  # the host value last taken per logged key (a stale one is not re-taken)
         self._broken = False
 
     def begin(self, path: Path | None) -> None:
         """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero)."""
-        self.path, self._records, self._open, self._seen, self._broken = path, {}, None, {}, False
+        self.path, self._records, self._open, self._last, self._seen, self._broken = path, {}, None, None, {}, False
 
     def set_aside(self) -> Path | None:
         """For a run that starts afresh: move the file an earlier run left out of the way (as its alerts file)."""
@@ -92,15 +93,17 @@ class RunHistory:
     ) -> None:
         """Record a check's figures and the learning rates at a logging step or an alert (then write at once).
 
-        Without a logger, Lightning has no logging step: the history keeps every ``log_every_n_steps``-th one.
+        Without a logger, Lightning has no logging step: the history keeps the first check, then every
+        ``log_every_n_steps``-th step, or the first check after one when checks are further apart.
         """
         if self.path is None:
             return
-        every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
-        if not (logs or alert or (not trainer.loggers and (step + 1) % every == 0)):
+        every, last = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1), self._last
+        own = not trainer.loggers and (last is None or (step + 1) % every == 0 or step - last >= every)
+        if not (logs or alert or own):
             return
         self.add(step, trainer.current_epoch, {**figures, **learning_rates(trainer.optimizers)})
-        self._open = step
+        self._open = self._last = step
         if alert:
             self.flush()
 

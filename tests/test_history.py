@@ -211,3 +211,11 @@ def test_tensor_learning_rates_are_read_when_written(tmp_path: Path) -> None:
         {"step": 0, "epoch": 0, "lr": 0.25},
         {"step": 1, "epoch": 0, "lr": 0.5, "loss": 1.5},
     ]
+
+
+@pytest.mark.parametrize(("check_every", "log_every", "recorded"), [(1, 4, [0, 3, 7]), (4, 3, [0, 4, 8])])
+def test_without_a_logger_the_history_keeps_lightnings_interval(tmp_path, check_every, log_every, recorded) -> None:
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=check_every)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=log_every)
+    trainer.fit(ScriptedModel(), train_dataloaders=loader())
+    assert [line["step"] for line in history_lines(tmp_path)] == recorded
