@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,13 @@ import pytest
 import torch
 from helpers import ScriptedModel, close, loader, make_trainer, tb_scalars
 from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from lightning_monitor import Alert, AlertKind, TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.history import HISTORY_FILE, RunHistory
 from lightning_monitor.report import RunAlert, detect_keys, load_run, plan_run, summarize_run
+from lightning_monitor.sync_count import HostSyncCounter
 
 LR0, GAMMA, EVERY = 2.0**-3, 0.5, 2  # StepLR(step_size=EVERY, gamma=GAMMA) stepped after every optimizer step
 NAN_AT = 6
@@ -219,3 +221,20 @@ def test_without_a_logger_the_history_keeps_lightnings_interval(tmp_path, check_
     trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=log_every)
     trainer.fit(ScriptedModel(), train_dataloaders=loader())
     assert [line["step"] for line in history_lines(tmp_path)] == recorded
+
+
+def test_a_tensor_learning_rate_costs_no_host_read_on_the_hot_path(tmp_path: Path) -> None:
+    from test_syncs import count_syncs
+
+    class TensorRate(ScriptedModel):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=torch.tensor(LR0))
+
+    monitor = TrainingMonitor(val_loss_key=None)
+    counter, per_step = HostSyncCounter(), Counter()
+    count_syncs(monitor, counter, per_step)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=CSVLogger(tmp_path))
+    trainer.fit(TensorRate(), train_dataloaders=loader())
+    assert [per_step[b] for b in range(6)] == [1] * 6  # the check's one read; the rates are read when written
+    lines = history_lines(Path(monitor._responder.log_dir))
+    assert [line["lr"] for line in lines if "lr" in line] == [LR0] * 6
