@@ -238,3 +238,12 @@ def test_a_tensor_learning_rate_costs_no_host_read_on_the_hot_path(tmp_path: Pat
     assert [per_step[b] for b in range(6)] == [1] * 6  # the check's one read; the rates are read when written
     lines = history_lines(Path(monitor._responder.log_dir))
     assert [line["lr"] for line in lines if "lr" in line] == [LR0] * 6
+
+
+def test_a_fresh_run_in_the_same_folder_sets_the_earlier_history_aside(tmp_path: Path) -> None:
+    for max_steps in (3, 2):
+        monitor = TrainingMonitor(val_loss_key=None)
+        make_trainer(tmp_path, [monitor], max_steps=max_steps).fit(ScriptedModel(), train_dataloaders=loader())
+    assert [line["step"] for line in history_lines(tmp_path)] == [0, 1]
+    earlier = [json.loads(line)["step"] for line in (tmp_path / f"{HISTORY_FILE}.1").read_text().splitlines()]
+    assert earlier == [0, 1, 2]
