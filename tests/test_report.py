@@ -287,6 +287,7 @@ def test_several_runs_and_html(healthy: Path, halted: Path, tmp_path: Path, caps
     assert page.count("<tr><td>") == 2
     assert "nonfinite_loss" in page
     assert "<td>yes</td>" in page
+    assert "<th>learning rate</th>" in page and "<td>0.02</td>" in page  # the alerts' learning rate
 
 
 def test_tensorboard_first_then_csv(healthy: Path, tmp_path: Path) -> None:
