@@ -17,6 +17,7 @@ __all__ = [
     "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
+    "host_logged_values",
     "is_logging_step",
     "log_every",
     "logging_step",
@@ -100,3 +101,14 @@ def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -
     values = dict(zip(figures, torch.tensor(list(figures.values())).unbind(), strict=True))
     target = getattr(trainer._logger_connector, "_callback_metrics", None)
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
+
+
+def host_logged_values(trainer: pl.Trainer) -> dict[str, float]:
+    """The logged values Lightning already read on the host: the progress-bar ones, as plain numbers (no sync).
+
+    The dict behind ``trainer.progress_bar_metrics``, whose public property would rebuild every value first.
+    """
+    values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
+    if not isinstance(values, dict):
+        return {}
+    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

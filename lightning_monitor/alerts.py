@@ -121,6 +121,8 @@ class Alert:
             for a gradient that exploded or spiked, the one whose loss stood out. ``None`` in a single-process run,
             or when no rank can be named (DDP all-reduces gradients, so they are alike on every rank).
         time: When it was seen, as an ISO 8601 UTC timestamp.
+        lr: The learning rate of the optimizer checked (its first parameter group; for a validation alert, the first
+            optimizer's) when it was seen, or ``None`` when there is none. Absent from alerts written before 0.2.
 
     Example:
         >>> alert = Alert(AlertKind.EXPLODING_GRAD, step=7, epoch=0, value=512.0, threshold=100.0, message="...")
@@ -139,6 +141,7 @@ class Alert:
     halted: bool = False
     rank: int | None = None
     time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    lr: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-safe dict: non-finite floats become the strings ``"nan"``, ``"inf"`` and ``"-inf"``."""
@@ -146,6 +149,7 @@ class Alert:
         out["kind"] = self.kind.value
         out["value"] = json_float(self.value)
         out["threshold"] = None if self.threshold is None else json_float(self.threshold)
+        out["lr"] = None if self.lr is None else json_float(self.lr)
         return out
 
     @classmethod
@@ -162,6 +166,7 @@ class Alert:
             halted=bool(data.get("halted", False)),
             rank=None if data.get("rank") is None else int(data["rank"]),
             time=str(data.get("time", "")),
+            lr=None if data.get("lr") is None else float(data["lr"]),
         )
 
 

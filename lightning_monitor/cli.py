@@ -6,8 +6,8 @@ Usage::
                                     [--acc-key KEY] [--val-acc-key KEY] [--no-plot]
     python -m lightning_monitor report LOGDIR ...
 
-Exit codes: 0 when the report was written, 1 when it could not be (matplotlib missing, a file not writable),
-2 for a usage error or a folder without logs.
+Exit codes: 0 when the report was written, 1 when it could not be (matplotlib missing, a file not writable, no run
+with anything to draw), 2 for a usage error or a folder without logs.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         help="write a health report (PNG, optional HTML) of one run or several, and print a summary",
         description=(
             "Read the logs of one run (a Lightning version_N folder) or of every run under a folder: TensorBoard "
-            "event files and/or CSVLogger metrics.csv, plus the monitor's alerts.jsonl and monitor_settings.json. "
-            "Print a summary of each run and draw one PNG with a column of panels per run: loss, token accuracy, "
-            "gradient norm with its thresholds, fp16 loss scale, and every alert at its step."
+            "event files and/or CSVLogger metrics.csv, else the monitor's own monitor_history.jsonl (W&B, MLflow, "
+            "no logger), plus the monitor's alerts.jsonl and monitor_settings.json. Print a summary of each run and "
+            "draw one PNG with a column of panels per run: loss, token accuracy, gradient norm with its thresholds, "
+            "learning rate, fp16 loss scale, and every alert at its step."
         ),
     )
     report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a run folder, or a folder holding several runs")
@@ -119,7 +120,11 @@ def _report(args: argparse.Namespace) -> int:
     if output.is_dir():
         output = output / DEFAULT_OUTPUT
     titles = _titles(args.logdir, [run.path for run in runs])
-    plots = [plan_run(run, k, title) for run, k, title in zip(runs, keys, titles, strict=True)]
+    # A run with no figure (its summary says why) gets no column of empty panels; with none to draw, no figure.
+    plots = [plan_run(run, k, title) for run, k, title in zip(runs, keys, titles, strict=True) if run.scalars]
+    if not plots:
+        _error("no figure written: nothing to draw (see the note above)")
+        return 1
     try:
         png = render_png(plots, output)
         _out(f"\nReport: {png}")

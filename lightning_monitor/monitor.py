@@ -246,8 +246,7 @@ class TrainingMonitor(Callback):
         self._start_afresh()
         self._fitted: weakref.ref[pl.Trainer] | None = None  # the trainer of the last fit
         self._fresh, self._resumed = True, False  # this fit started afresh; a checkpoint restored the monitor
-        # Fixed for a run, found at its start: the fp16 GradScaler, the ranks, how often Lightning logs.
-        self._scaler: torch.amp.GradScaler | None = None
+        self._scaler: torch.amp.GradScaler | None = None  # fixed for a run, found at its start, as the next two are
         self._ranks, self._every, self._every_n = 1, 0, self.config.step.check_every_n_steps
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
@@ -334,6 +333,7 @@ class TrainingMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         # A new optimizer step begins after one was taken. Keep the step's micro-batches (references) for the bundle.
+        self._responder.run_history.take_logged_losses(trainer)  # the last batch's losses, where already on the host
         if self._step_closed:
             self._batches = []
         self._step_closed = False
@@ -408,7 +408,6 @@ class TrainingMonitor(Callback):
             return
         # Compute: the epoch's token counts and any step figure still waiting, in one read.
         step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
-        # Log.
         self._log_accuracy(trainer, "train_token_acc", step, counted_at)
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
             self._log_accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
@@ -448,6 +447,7 @@ class TrainingMonitor(Callback):
         found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
         val_acc = self._log_accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
         self._tokens.warn_invalid("val", [r[2] for r in found.token_counts])
+        self._responder.run_history.end_validation(trainer, key, found.val_loss)  # and write the history
 
         # Decide and act.
         self._responder.respond_to_validation(trainer, self._validation.detect(found.val_loss, val_acc))
@@ -490,7 +490,7 @@ class TrainingMonitor(Callback):
             if hooks is not None:
                 hooks.close()
         self._checks.order, self._activations, self._batches = None, None, []
-        self._responder.guard.remove()
+        self._responder.close()
 
 
 def _may_be_last_step(trainer: pl.Trainer) -> bool:

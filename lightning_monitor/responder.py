@@ -25,6 +25,7 @@ from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.checks import OptimizerCheck
 from lightning_monitor.halting import StepGuard, TrainingHalted
+from lightning_monitor.history import HISTORY_FILE, RunHistory, alert_learning_rate
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -77,6 +78,7 @@ class Responder:
         skipped_steps: Optimizer steps skipped so far (by the monitor, or by the GradScaler under fp16 AMP).
         guard: What skips an optimizer step: the monitor installs it on every optimizer at each batch's start.
         history: ``(step, epoch, figures)`` of the last checks, for the bundle.
+        run_history: The run's compact history in the run folder (``monitor_history.jsonl``), for the report.
     """
 
     def __init__(self, settings: ResponseSettings) -> None:
@@ -87,6 +89,7 @@ class Responder:
         self.skipped_steps = 0
         self.history: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=HISTORY)
         self.log_dir = Path(".")
+        self.run_history = RunHistory()
         self._console = ConsoleSink()
         self._loggers = LoggerSink([])
         self._jsonl: JsonlSink | None = None
@@ -102,13 +105,15 @@ class Responder:
         self._jsonl = JsonlSink(log_dir / alerts_file) if alerts_file else None
         self._loggers = LoggerSink(trainer.loggers)
         self.history.clear()
+        self.run_history.begin(log_dir / HISTORY_FILE if trainer.is_global_zero else None)
         self.stopping_reason, self.stopping_reason_message = None, None
         if trainer.is_global_zero:
             write_settings(log_dir / SETTINGS_FILE, settings)
             self._loggers.add_layout()
 
     def set_earlier_alerts_aside(self, trainer: pl.Trainer) -> None:
-        """For a run that starts afresh: move the alerts file an earlier run left in the folder out of the way."""
+        """For a run that starts afresh: move the alerts file (and history) an earlier run left in the folder aside."""
+        self.run_history.set_aside()
         if self._jsonl is None or not trainer.is_global_zero:
             return
         aside = self._jsonl.set_aside()
@@ -116,6 +121,11 @@ class Responder:
             rank_zero_info(
                 f"TrainingMonitor moved the alerts of an earlier run in {str(self.log_dir)!r} to {aside.name}."
             )
+
+    def close(self) -> None:
+        """At the end of training, or on an exception: leave the optimizers as they were, and write the history."""
+        self.guard.remove()
+        self.run_history.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """The alerts, the skipped steps and the stopping reason, as plain values."""
@@ -134,6 +144,7 @@ class Responder:
     def log_figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
         """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
         mirror_callback_metrics(trainer, figures)
+        self.run_history.add(logging_step(trainer) if step is None else step, trainer.current_epoch, figures)
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
 
@@ -195,6 +206,7 @@ class Responder:
             self._emit(trainer, alert)
         if step.logs or halting:
             self.log_figures(trainer, step.logged)
+        self.run_history.record_step(trainer, step.at, step.latest, logs=step.logs, alert=bool(alerts))
         if bundle is not None:
             batches = step.batches
             self._write_bundle(trainer, bundle, alerts, bool(halting), skip, batches, found.checked_steps, weights_ok)
@@ -248,6 +260,8 @@ class Responder:
             where += f" for optimizer {step.check.index}"
         if traced is not None:
             where += f", {traced[1]}"
+        lr, lr_words = alert_learning_rate(step.optimizer if step is not None else next(iter(trainer.optimizers), None))
+        where += lr_words
         blame = "" if step is None or figures is None else step.check.blame(detection.kind, figures)
         first_bad = None if step is None else step.first_bad_activation
         if first_bad is not None and detection.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
@@ -286,6 +300,7 @@ class Responder:
             message=message,
             halted=halted,
             rank=rank,
+            lr=lr,
         )
 
     def _emit(self, trainer: pl.Trainer, alert: Alert) -> None:

@@ -7,9 +7,11 @@ CUDA ``GradScaler`` itself, and ``torch.cuda.set_sync_debug_mode("warn")`` repor
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -181,3 +183,19 @@ def test_token_counts_live_on_the_gpu(tmp_path, model_class):
         trainer.fit(model_class(), train_dataloaders=loader())
         assert 0.0 <= float(trainer.callback_metrics["train_token_acc_epoch"]) <= 1.0
     assert trainer.global_step == 4
+
+
+def test_a_cuda_tensor_learning_rate_makes_no_sync_in_the_step_hooks(tmp_path):
+    """The history copies a tensor learning rate on the device and reads the copies when it writes, off the hot path."""
+
+    class TensorRate(ScriptedModel):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=torch.tensor(0.01, device="cuda"), capturable=True)
+
+    monitor, per_batch, sites = TrainingMonitor(val_loss_key=None), Counter(), []
+    count_cuda_syncs(monitor, per_batch, sites)
+    trainer = make_trainer(tmp_path, [monitor], accelerator="cuda", max_steps=4, logger=CSVLogger(tmp_path))
+    trainer.fit(TensorRate(), train_dataloaders=loader())
+    assert [per_batch[b] for b in range(4)] == [1] * 4, "\n".join(sites)
+    history = (Path(monitor._responder.log_dir) / "monitor_history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["lr"] for line in history] == [pytest.approx(0.01)] * 4

@@ -131,9 +131,12 @@ def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
         (alert,) = report["alerts"]
         assert (alert["kind"], alert["step"], alert["rank"]) == ("nonfinite_loss", 3, 1)
         assert "first seen on rank 1" in alert["message"]
-    # Written once, by rank 0.
+    # Written once, by rank 0: the alert, and the history (one record per step, the alert's with its learning rate).
     (line,) = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
     assert line["rank"] == 1
+    assert line["lr"] == 0.1
+    history = jsonl(tmp_path / "csv" / "version_0" / "monitor_history.jsonl")
+    assert [(r["step"], r["lr"]) for r in history if "grad_norm" in r] == [(s, 0.1) for s in range(4)]
 
 
 def test_exploding_gradients_on_one_rank_stop_both_ranks(tmp_path):

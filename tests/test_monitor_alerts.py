@@ -51,7 +51,8 @@ def test_nonfinite_loss_skips_the_step_and_halts(tmp_path):
     assert alert.kind is AlertKind.NONFINITE_LOSS
     assert (alert.step, alert.epoch, alert.halted) == (4, 0, True)
     assert math.isnan(alert.value) and alert.threshold is None
-    assert alert.message.startswith("Training loss is nan at step 4 (epoch 0).")
+    assert alert.message.startswith("Training loss is nan at step 4 (epoch 0), learning rate 0.1.")
+    assert alert.lr == 0.1
     assert "skipped" in alert.message and "halting" in alert.message
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
     assert monitor.stopping_reason_message == alert.message
@@ -525,7 +526,7 @@ def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
     assert nan_step == 3
     (alert,) = monitor.alerts
     assert (alert.kind, alert.step, alert.halted) == (AlertKind.NONFINITE_LOSS, nan_step, True)
-    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0.")
+    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0, learning rate 0.1.")
     assert csv_column(metrics, "alerts/nonfinite_loss") == [(3, 1.0)]
     assert [s for s, _ in csv_column(metrics, "grad_norm_opt0")] == [0, 1, 2, 3]
     folder = tmp_path / "lightning_logs" / "version_0" / "postmortem" / "step0000003_nonfinite_loss"

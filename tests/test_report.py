@@ -157,7 +157,11 @@ def test_healthy_run_plan_holds_the_logged_series(healthy: Path) -> None:
     assert run.scalars["grad_norm"].source == "tensorboard"  # TensorBoard wins when both logged a key
 
     plot = plan_run(run)
-    assert [p.name for p in plot.panels] == ["loss", "token_acc", "grad_norm"]  # no fp16 loss scale
+    assert [p.name for p in plot.panels] == ["loss", "token_acc", "grad_norm", "lr"]  # no fp16 loss scale
+    # No LearningRateMonitor: the learning rate is the monitor's own, from its history, at every logging step.
+    (lr,) = plot.panel("lr").lines
+    assert (lr.key, run.scalars["lr"].source) == ("lr", "history")
+    assert (lr.steps, lr.values) == (tuple(range(3 * BATCHES_PER_EPOCH)), (0.02,) * 3 * BATCHES_PER_EPOCH)
     train_acc, val_acc = plot.panel("token_acc").lines
     assert (train_acc.key, val_acc.key) == ("train_token_acc", "val_token_acc")
     assert (val_acc.steps, val_acc.values) == events(healthy, "val_token_acc")
@@ -240,7 +244,9 @@ def test_summary_figures_match_the_logs(healthy: Path, halted: Path) -> None:
 def test_csv_only_run(csv_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = load_run(csv_only)
     assert not list(csv_only.glob("events.out.tfevents.*"))
-    assert {s.source for s in run.scalars.values()} == {"csv"}
+    # The monitor's history adds only what the CSV lacks: its own training loss and the learning rate.
+    assert {k for k, s in run.scalars.items() if s.source != "csv"} == {"loss", "lr"}
+    assert run.scalars["lr"].source == "history"
     # CSV rows repeat a step (Lightning's row and the monitor's): merged into one point per step.
     assert run.scalars["grad_norm"].steps == tuple(range(NAN_AT + 1))
     assert run.scalars["train_loss"].steps == tuple(range(NAN_AT + 1))
@@ -281,6 +287,7 @@ def test_several_runs_and_html(healthy: Path, halted: Path, tmp_path: Path, caps
     assert page.count("<tr><td>") == 2
     assert "nonfinite_loss" in page
     assert "<td>yes</td>" in page
+    assert "<th>learning rate</th>" in page and "<td>0.02</td>" in page  # the alerts' learning rate
 
 
 def test_tensorboard_first_then_csv(healthy: Path, tmp_path: Path) -> None:

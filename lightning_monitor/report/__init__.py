@@ -4,7 +4,8 @@ Everything here reads files a run already wrote; nothing needs the model, the tr
 apart, one module each, so each can be tested on its own:
 
 1. **Reading** (:mod:`.reading`). :func:`find_runs` finds run folders under a log directory and :func:`load_run`
-   reads one into a :class:`Run`: its scalars (TensorBoard event files and/or a CSVLogger ``metrics.csv``), its
+   reads one into a :class:`Run`: its scalars (TensorBoard event files and/or a CSVLogger ``metrics.csv``, and the
+   monitor's own ``monitor_history.jsonl`` for what they lack: all of it for a W&B, MLflow or logger-less run), its
    alerts (``alerts.jsonl``) and the monitor's settings (``monitor_settings.json``).
 2. **Words** (:mod:`.summary`). :func:`summarize_run` returns the terminal summary as a string, ending with
    :func:`verdict`.
@@ -37,6 +38,7 @@ from lightning_monitor.report.plan import (
 )
 from lightning_monitor.report.reading import (
     ALERTS_FILE,
+    HISTORY_FILE,
     METRICS_FILE,
     SETTINGS_FILE,
     NoLogsError,
@@ -54,6 +56,8 @@ from lightning_monitor.report.summary import (
     VAL_LOSS_KEYS,
     RunKeys,
     detect_keys,
+    learning_rate_at,
+    nothing_to_draw,
     summarize_run,
     verdict,
 )
@@ -63,6 +67,7 @@ __all__ = [
     "ALERT_COLOURS",
     "FALLBACK_COLOUR",
     "HALT_COLOUR",
+    "HISTORY_FILE",
     "METRICS_FILE",
     "PANEL_ORDER",
     "SETTINGS_FILE",
@@ -84,8 +89,10 @@ __all__ = [
     "alert_colour",
     "detect_keys",
     "find_runs",
+    "learning_rate_at",
     "load_run",
     "load_runs",
+    "nothing_to_draw",
     "plan_run",
     "render_html",
     "render_png",

@@ -24,7 +24,7 @@ from lightning_monitor.report.plan import (
     alert_colour,
 )
 from lightning_monitor.report.reading import Run
-from lightning_monitor.report.summary import RunKeys, _fmt, detect_keys, summarize_run
+from lightning_monitor.report.summary import RunKeys, _fmt, detect_keys, learning_rate_at, summarize_run
 
 __all__ = ["MissingDependencyError", "render_html", "render_png"]
 
@@ -228,15 +228,17 @@ def render_html(
             out.write("<p>No alerts.</p>\n")
             continue
         out.write(
-            "<table><tr><th>step</th><th>epoch</th><th>kind</th><th>value</th><th>threshold</th><th>halted</th>"
-            "<th>message</th></tr>\n"
+            "<table><tr><th>step</th><th>epoch</th><th>kind</th><th>value</th><th>threshold</th>"
+            "<th>learning rate</th><th>halted</th><th>message</th></tr>\n"
         )
         for a in run.alerts:
             swatch = f"<span class='sw' style='background:{alert_colour(a.kind)}'></span>"
             threshold = "" if a.threshold is None else _fmt(a.threshold)
+            lr = learning_rate_at(run, a, run_keys)
             out.write(
                 f"<tr><td>{a.step}</td><td>{a.epoch}</td><td>{swatch}{html.escape(a.kind)}</td>"
-                f"<td>{_fmt(a.value)}</td><td>{threshold}</td><td>{'yes' if a.halted else ''}</td>"
+                f"<td>{_fmt(a.value)}</td><td>{threshold}</td><td>{'' if lr is None else _fmt(lr)}</td>"
+                f"<td>{'yes' if a.halted else ''}</td>"
                 f"<td>{html.escape(a.message)}</td></tr>\n"
             )
         out.write("</table>\n")

@@ -105,7 +105,7 @@ class Panel:
     """One panel of a run's column: its lines, threshold lines and y scale.
 
     Attributes:
-        name: ``"loss"``, ``"token_acc"``, ``"grad_norm"`` or ``"loss_scale"``.
+        name: ``"loss"``, ``"token_acc"``, ``"grad_norm"``, ``"lr"`` or ``"loss_scale"``.
         ylabel: The y-axis label.
         lines: The series drawn.
         thresholds: Horizontal threshold lines.
@@ -144,11 +144,12 @@ class RunPlot:
 
 
 #: The panel kinds, top to bottom.
-PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "loss_scale")
+PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "lr", "loss_scale")
 _PANEL_LABELS = {
     "loss": "loss",
     "token_acc": "token accuracy",
     "grad_norm": "gradient norm",
+    "lr": "learning rate",
     "loss_scale": "fp16 loss scale",
 }
 
@@ -168,8 +169,9 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
 
     Panels, top to bottom: training and validation loss (always; empty when none was logged); training and
     validation token accuracy (only when logged); total gradient norm on a log axis with the exploding and
-    vanishing thresholds of ``monitor_settings.json`` (only when logged; thresholds only with settings); the fp16
-    loss scale on a log2 axis (only when logged). Every alert becomes an :class:`AlertMark`.
+    vanishing thresholds of ``monitor_settings.json`` (only when logged; thresholds only with settings); the learning
+    rate (``LearningRateMonitor``'s keys, else the monitor's history; only when known); the fp16 loss scale on a log2
+    axis (only when logged). Every alert becomes an :class:`AlertMark`.
 
     Args:
         run: A run read by :func:`load_run`.
@@ -206,6 +208,10 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
             if (value := _threshold(settings.get(name))) is not None
         )
         panels.append(Panel("grad_norm", _PANEL_LABELS["grad_norm"], lines, thresholds, _log_if_positive(lines)))
+    if keys.lr:
+        palette = ("#444444", _TRAIN_COLOUR, _VAL_COLOUR, "#ff7f0e", "#9467bd")
+        lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.lr)))
+        panels.append(Panel("lr", _PANEL_LABELS["lr"], lines, yscale=_log_if_wide(lines)))
     if keys.loss_scale:
         lines = _lines(run, ((keys.loss_scale, "#444444"),))
         panels.append(
@@ -228,10 +234,15 @@ def _threshold(value: object) -> float | None:
 
 def _loss_panel(run: Run, keys: RunKeys) -> Panel:
     lines = _lines(run, ((keys.train_loss, _TRAIN_COLOUR), (keys.val_loss, _VAL_COLOUR)))
+    return Panel("loss", "loss", lines, yscale=_log_if_wide(lines))
+
+
+def _log_if_wide(lines: Sequence[Line]) -> Literal["linear", "log"]:
+    # A curve that falls by orders of magnitude reads better on a log axis; a language-model loss (9 -> 3) does not,
+    # nor does a learning rate that warms up from 0.
     finite = [v for line in lines for v in line.values if math.isfinite(v)]
-    # A loss that falls by orders of magnitude reads better on a log axis; a language-model loss (9 -> 3) does not.
     wide = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 100
-    return Panel("loss", "loss", lines, yscale="log" if wide else "linear")
+    return "log" if wide else "linear"
 
 
 def _lines(run: Run, wanted: Iterable[tuple[str | None, str]]) -> tuple[Line, ...]:

@@ -1,8 +1,9 @@
 """Reading a run's files: :class:`Series`, :class:`RunAlert` and :class:`Run`, and the functions that fill them.
 
 :func:`find_runs` finds the run folders under a log directory and :func:`load_run` reads one: its scalars
-(TensorBoard event files and/or a CSVLogger ``metrics.csv``), its alerts (``alerts.jsonl``) and the monitor's
-settings (``monitor_settings.json``). Nothing here needs torch or matplotlib.
+(TensorBoard event files and/or a CSVLogger ``metrics.csv``, then the monitor's own ``monitor_history.jsonl`` for
+what they lack, which is everything for a W&B, MLflow or logger-less run), its alerts (``alerts.jsonl``) and the
+monitor's settings (``monitor_settings.json``). Nothing here needs torch or matplotlib.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 __all__ = [
     "ALERTS_FILE",
+    "HISTORY_FILE",
     "METRICS_FILE",
     "SETTINGS_FILE",
     "NoLogsError",
@@ -33,6 +35,7 @@ __all__ = [
 ALERTS_FILE = "alerts.jsonl"
 METRICS_FILE = "metrics.csv"
 SETTINGS_FILE = "monitor_settings.json"  # the same name as `lightning_monitor.sinks.SETTINGS_FILE`
+HISTORY_FILE = "monitor_history.jsonl"  # the same name as `lightning_monitor.history.HISTORY_FILE`
 #: The largest step, epoch or rank read (TensorBoard keeps steps as int64); a larger one makes its record unreadable.
 MAX_INDEX = 2**63 - 1
 _MAX_REBUILT_ALERTS = 10_000  # per kind, from the `alerts/<kind>` counters: a garbage count must not hang the report
@@ -40,7 +43,7 @@ _EVENTS_PREFIX = "events.out.tfevents."
 
 
 class NoLogsError(FileNotFoundError):
-    """Raised when a folder holds no run logs (no event file, ``metrics.csv`` or ``alerts.jsonl``)."""
+    """Raised when a folder holds no run logs (no event file, ``metrics.csv``, ``monitor_history.jsonl`` or alerts)."""
 
 
 # ---------------------------------------------------------------------------------------------------- the data
@@ -54,7 +57,7 @@ class Series:
         key: The logged name, e.g. ``"grad_norm"``.
         steps: The steps, increasing.
         values: The value at each step; may be NaN or infinite.
-        source: Where it was read: ``"tensorboard"``, ``"csv"`` or ``"alerts"``.
+        source: Where it was read: ``"tensorboard"``, ``"csv"`` or ``"history"`` (``monitor_history.jsonl``).
 
     Example:
         >>> s = Series("train_loss", (0, 1, 2), (3.0, 1.0, float("nan")), "csv")
@@ -108,13 +111,15 @@ class RunAlert:
     halted: bool = False
     rank: int | None = None
     time: str = ""
+    lr: float | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunAlert:
         """Read one ``alerts.jsonl`` record (non-finite numbers may be the strings ``"nan"``, ``"inf"``, ``"-inf"``).
 
         ``step``, ``epoch`` and ``rank`` must be whole numbers from 0 to :data:`MAX_INDEX` (``3.0`` and ``"3"`` read
-        as 3); ``value`` and ``threshold`` may be NaN or infinite.
+        as 3); ``value`` and ``threshold`` may be NaN or infinite. ``lr``, the learning rate at the alert, is absent
+        from alerts written before 0.2 (then ``None``).
 
         Raises:
             KeyError: If ``kind`` or ``step`` is missing.
@@ -130,6 +135,7 @@ class RunAlert:
         threshold = data.get("threshold")
         value = data.get("value")
         rank = data.get("rank")
+        lr = data.get("lr")
         return cls(
             kind=str(data["kind"]),
             step=read_index(data["step"]),
@@ -140,6 +146,7 @@ class RunAlert:
             halted=bool(data.get("halted", False)),
             rank=None if rank is None else read_index(rank),
             time=str(data.get("time") or ""),
+            lr=None if lr is None else _float(lr),
         )
 
 
@@ -150,7 +157,7 @@ class Run:
     Attributes:
         path: The run folder (a Lightning ``version_N``).
         scalars: Every logged scalar by key. A key found in TensorBoard events is read from there, otherwise from
-            ``metrics.csv``.
+            ``metrics.csv``, otherwise from the monitor's ``monitor_history.jsonl``.
         alerts: The alerts of ``alerts.jsonl``, in file order. Without that file they are rebuilt from the
             ``alerts/<kind>`` counters (no messages, and halts are unknown).
         settings: ``monitor_settings.json``, or ``None`` when absent or unreadable.
@@ -206,9 +213,9 @@ class Run:
 def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     r"""Find every run folder under ``logdir``, itself included, in natural order (``version_2`` before ``version_10``).
 
-    A run folder is any folder that directly holds a TensorBoard event file, a ``metrics.csv`` or an
-    ``alerts.jsonl``; but a folder inside a run that holds only an ``alerts.jsonl`` (such as a post-mortem bundle)
-    is part of that run, not a run. Hidden folders are skipped.
+    A run folder is any folder that directly holds a TensorBoard event file, a ``metrics.csv``, a
+    ``monitor_history.jsonl`` or an ``alerts.jsonl``; but a folder inside a run that holds only an ``alerts.jsonl``
+    (such as a post-mortem bundle) is part of that run, not a run. Hidden folders are skipped.
 
     Raises:
         NoLogsError: If ``logdir`` does not exist, is not a folder, or holds no run.
@@ -231,7 +238,7 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     for folder, dirs, files in os.walk(root):  # top-down: a run folder is seen before its subfolders
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         path = Path(folder)
-        if any(f.startswith(_EVENTS_PREFIX) or f == METRICS_FILE for f in files):
+        if any(f.startswith(_EVENTS_PREFIX) or f in (METRICS_FILE, HISTORY_FILE) for f in files):
             found.append(path)
         elif ALERTS_FILE in files and not any(run in path.parents for run in found):
             # An alerts file alone inside a run (a post-mortem bundle keeps a copy) belongs to that run.
@@ -239,14 +246,16 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     if not found:
         raise NoLogsError(
             f"No training logs under {str(root)!r}: looked for TensorBoard event files ({_EVENTS_PREFIX}*), "
-            f"{METRICS_FILE} (CSVLogger) and {ALERTS_FILE} (TrainingMonitor). Point at a Lightning log folder such "
-            "as lightning_logs/version_0, or at a folder holding several."
+            f"{METRICS_FILE} (CSVLogger), and TrainingMonitor's {HISTORY_FILE} and {ALERTS_FILE}. Point at a Lightning "
+            "log folder such as lightning_logs/version_0, or at a folder holding several; with W&B, MLflow or no "
+            f"logger, at the folder where TrainingMonitor wrote {SETTINGS_FILE} (the logger's save_dir, or the "
+            "trainer's default_root_dir)."
         )
     return sorted(found, key=lambda p: _natural_key(str(p.relative_to(root))))
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
-    r"""Read one run folder: TensorBoard events, ``metrics.csv``, ``alerts.jsonl`` and ``monitor_settings.json``.
+    r"""Read one run folder: TensorBoard events, ``metrics.csv``, the monitor's history, alerts and settings.
 
     Each file is optional. A run still being written reads fine: a last line without its newline is left out,
     and any unreadable line or file is skipped and described in :attr:`Run.notes`. Unreadable rows and lines
@@ -273,6 +282,10 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     if csv_path.is_file():
         for key, series in _read_csv(run, csv_path).items():
             run.scalars.setdefault(key, series)  # TensorBoard first, CSV for what it lacks
+    history_path = run.path / HISTORY_FILE
+    if history_path.is_file():
+        for key, series in _read_history(run, history_path).items():
+            run.scalars.setdefault(key, series)  # the monitor's own record, for what the loggers lack
     alerts_path = run.path / ALERTS_FILE
     if alerts_path.is_file():
         run.alerts = _read_alerts(run, alerts_path)
@@ -360,6 +373,32 @@ def _read_csv(run: Run, path: Path) -> dict[str, Series]:
         run.notes.append(skip_note(METRICS_FILE, bad_values, "value"))
     run.sources.append(METRICS_FILE)
     return {key: _series(key, pts, "csv") for key, pts in points.items()}
+
+
+def _read_history(run: Run, path: Path) -> dict[str, Series]:
+    """The monitor's ``monitor_history.jsonl``: one JSON object per line, ``step`` and figures, merged by step."""
+    lines = _complete_lines(run, path)
+    if lines is None:
+        return {}
+    points: dict[str, list[tuple[int, float]]] = {}
+    bad = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = read_index(record["step"])
+            values = [(str(k), _float(v)) for k, v in record.items() if k != "step" and v is not None]
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            bad += 1
+            continue
+        for key, value in values:
+            points.setdefault(key, []).append((step, value))
+    if bad:
+        run.skipped[HISTORY_FILE] = bad
+        run.notes.append(skip_note(HISTORY_FILE, bad))
+    run.sources.append(HISTORY_FILE)
+    return {key: _series(key, pts, "history") for key, pts in points.items()}
 
 
 def _read_alerts(run: Run, path: Path) -> list[RunAlert]:

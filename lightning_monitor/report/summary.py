@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Literal
 
 from lightning_monitor.report.reading import (
     ALERTS_FILE,
+    HISTORY_FILE,
     METRICS_FILE,
     SETTINGS_FILE,
     Run,
@@ -25,6 +27,8 @@ __all__ = [
     "VAL_LOSS_KEYS",
     "RunKeys",
     "detect_keys",
+    "learning_rate_at",
+    "nothing_to_draw",
     "summarize_run",
     "verdict",
 ]
@@ -59,6 +63,12 @@ TRAIN_ACC_KEYS: tuple[str, ...] = (
 VAL_ACC_KEYS: tuple[str, ...] = ("val_token_acc", "val/token_acc", "val_token_acc_epoch")
 
 _GRAD_NORM_KEY = re.compile(r"grad_norm(_opt\d+)?")
+#: ``LearningRateMonitor``'s learning-rate keys (``lr-Adam``, ``lr-Adam/pg2``, ``lr-Adam-1``), not its momentum
+#: or weight decay.
+_LRM_KEY = re.compile(r"lr-.+(?<!-momentum)(?<!-weight_decay)")
+#: The monitor's own, in ``monitor_history.jsonl``: ``lr`` (``lr_opt<i>``), and ``lr/pg<j>`` when the groups differ.
+_HISTORY_LR_KEY = re.compile(r"lr(_opt\d+)?(/pg\d+)?")
+_SHOWN_AT_ALERTS = 5
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class RunKeys:
     grad_norm: tuple[str, ...] = ()
     loss_scale: str | None = None
     skipped_steps: str | None = None
+    lr: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------------- keys
@@ -90,6 +101,8 @@ def detect_keys(
     The candidates are :data:`TRAIN_LOSS_KEYS`, :data:`VAL_LOSS_KEYS` (after the ``val_loss_key`` the monitor
     watched, read from its settings), :data:`TRAIN_ACC_KEYS` and :data:`VAL_ACC_KEYS`. A key given but not logged
     by this run counts as absent. Every ``grad_norm`` / ``grad_norm_opt<i>`` total is used; per-layer norms are not.
+    The learning rates are ``LearningRateMonitor``'s keys (``lr-<Optimizer>``...) when the run logged them, else
+    the monitor's own from its history (``lr``, ``lr_opt<i>``, or ``lr/pg<j>`` per parameter group when they differ).
 
     Example:
         >>> from pathlib import Path
@@ -116,7 +129,36 @@ def detect_keys(
         grad_norm=tuple(sorted(k for k in run.scalars if _GRAD_NORM_KEY.fullmatch(k))),
         loss_scale="loss_scale" if "loss_scale" in run.scalars else None,
         skipped_steps="skipped_steps" if "skipped_steps" in run.scalars else None,
+        lr=_lr_keys(run),
     )
+
+
+def _lr_keys(run: Run) -> tuple[str, ...]:
+    logged = sorted(k for k in run.scalars if _LRM_KEY.fullmatch(k))
+    if logged:
+        return tuple(logged)
+    own = sorted(k for k in run.scalars if _HISTORY_LR_KEY.fullmatch(k))
+    return tuple(k for k in own if f"{k}/pg1" not in run.scalars)  # per group when they differ: `lr` is `lr/pg1`
+
+
+def learning_rate_at(run: Run, alert: RunAlert, keys: RunKeys | None = None) -> float | None:
+    """The learning rate at ``alert``: the one it recorded, else the run's first learning rate at or before its step.
+
+    Example:
+        >>> from pathlib import Path
+        >>> run = Run(Path("."), scalars={"lr-SGD": Series("lr-SGD", (0, 4), (0.5, 0.25))})
+        >>> learning_rate_at(run, RunAlert("loss_spike", 6, 0, 9.0, 6.0, "")), learning_rate_at(
+        ...     run, RunAlert("loss_spike", 6, 0, 9.0, 6.0, "", lr=0.1))
+        (0.25, 0.1)
+    """
+    if alert.lr is not None:
+        return alert.lr
+    keys = keys or detect_keys(run)
+    if not keys.lr:
+        return None
+    series = run.scalars[keys.lr[0]]
+    at = bisect.bisect_right(series.steps, alert.step)
+    return series.values[at - 1] if at else None
 
 
 # ---------------------------------------------------------------------------------------------------- words
@@ -202,11 +244,17 @@ def summarize_run(run: Run, keys: RunKeys | None = None) -> str:
         rows.append((keys.loss_scale, f"final {_fmt(scale.values[-1])}, lowest {_fmt(low[1]) if low else 'n/a'}"))
     if keys.skipped_steps is not None and run.scalars[keys.skipped_steps].values[-1] > 0:
         rows.append(("Skipped steps", _fmt(run.scalars[keys.skipped_steps].values[-1])))
+    rows.extend(
+        (key, f"final {_fmt(run.scalars[key].values[-1])} (step {run.scalars[key].steps[-1]})") for key in keys.lr
+    )
 
     counts = run.alert_counts()
     if counts:
         rows.append(("Alerts", f"{len(run.alerts)} (" + ", ".join(f"{k} {n}" for k, n in counts.items()) + ")"))
         rows.append(("First alert", _describe(run.alerts[0])))
+        at_alerts = _lr_at_alerts(run, keys)
+        if at_alerts:
+            rows.append(("LR at alerts", at_alerts))
     else:
         rows.append(("Alerts", "none"))
     halt = run.halt
@@ -252,6 +300,16 @@ def _describe(alert: RunAlert) -> str:
     return f"{text}: {alert.message}" if alert.message else text
 
 
+def _lr_at_alerts(run: Run, keys: RunKeys) -> str:
+    """``loss_spike at step 40: 0.001, ...`` for the first alerts, or ``""`` when no learning rate is known."""
+    shown = [(a, learning_rate_at(run, a, keys)) for a in run.alerts[:_SHOWN_AT_ALERTS]]
+    if all(lr is None for _, lr in shown):
+        return ""
+    text = ", ".join(f"{a.kind} at step {a.step}: {'n/a' if lr is None else _fmt(lr)}" for a, lr in shown)
+    more = len(run.alerts) - len(shown)
+    return text + (f", and {more} more" if more else "")
+
+
 def _unreadable(run: Run) -> str:
     """What was skipped, e.g. ``2 rows and 1 value of metrics.csv, 1 line of alerts.jsonl skipped``, or ``""``."""
     files = dict.fromkeys([*([METRICS_FILE] if run.skipped_values else []), *run.skipped])
@@ -280,7 +338,34 @@ def _notes(run: Run, keys: RunKeys) -> list[str]:
         )
     if run.scalars and keys.train_loss is None:
         notes.append(f"no training loss found (tried {', '.join(TRAIN_LOSS_KEYS)}); pass --loss-key")
+    if run.scalars and all(series.source == "history" for series in run.scalars.values()):
+        notes.append(
+            "no TensorBoard or CSV metrics here (a W&B, MLflow or logger-less run?): the figures are the monitor's "
+            f"own {HISTORY_FILE}, where the module's losses appear at validation, or at each step when logged with "
+            "prog_bar=True"
+        )
+    if not run.scalars:
+        notes.append(nothing_to_draw(run))
     return notes
+
+
+def nothing_to_draw(run: Run) -> str:
+    """Why a run without any figure draws nothing, and where the monitor's files would be.
+
+    Example:
+        >>> from pathlib import Path
+        >>> print(nothing_to_draw(Run(Path("wandb_run"))))  # doctest: +NORMALIZE_WHITESPACE
+        nothing to draw in wandb_run: no TensorBoard event file, metrics.csv or monitor_history.jsonl there.
+        TrainingMonitor writes monitor_history.jsonl next to monitor_settings.json and alerts.jsonl, in its run
+        folder (the logger's log_dir or save_dir, else the trainer's default_root_dir); a run of a version before
+        0.2 under W&B or MLflow has its figures only in that logger
+    """
+    return (
+        f"nothing to draw in {run.path}: no TensorBoard event file, {METRICS_FILE} or {HISTORY_FILE} there. "
+        f"TrainingMonitor writes {HISTORY_FILE} next to {SETTINGS_FILE} and {ALERTS_FILE}, in its run folder (the "
+        "logger's log_dir or save_dir, else the trainer's default_root_dir); a run of a version before 0.2 under W&B "
+        "or MLflow has its figures only in that logger"
+    )
 
 
 def _fmt(value: float) -> str:

@@ -1,0 +1,237 @@
+"""The monitor's own compact history of a run, ``monitor_history.jsonl``, which the report reads whatever the logger.
+
+:class:`RunHistory` keeps one small record per logging step, on global rank zero only: the step, the epoch, the
+monitor's figures (``loss``, ``grad_norm``, ``loss_scale``, ``skipped_steps``, token accuracies, but not the
+per-layer norms), each optimizer's learning rate, and the user's losses that Lightning already holds on the host.
+The records are buffered and appended as JSON lines at validation end, at an alert, at the end of training and
+every :data:`FLUSH_EVERY` records, so a run logged to W&B, MLflow or no logger at all still has a report.
+
+Nothing here reads a device value on the hot path: a tensor learning rate is copied on its device and the copies are
+read together when the records are written (one host read per write, and none when the rates are plain numbers); a
+loss the module logged is taken only as a host number (a progress-bar value, which Lightning already read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_monitor._host import host_dtype
+from lightning_monitor._lightning import host_logged_values, logging_step
+from lightning_monitor.alerts import format_value, json_float
+from lightning_monitor.sinks import JsonlSink
+
+__all__ = ["FLUSH_EVERY", "HISTORY_FILE", "RunHistory", "alert_learning_rate", "learning_rates"]
+
+#: File name of the history, in the monitor's run folder (the report reads it when the folder has no other metrics).
+HISTORY_FILE = "monitor_history.jsonl"
+#: Records kept before they are appended, so a run without validation or alerts still writes as it goes.
+FLUSH_EVERY = 256
+#: The user's logged keys kept as losses: the pattern of the TensorBoard loss chart (no loss scale, no alert count).
+LOSS_KEY = re.compile(r"^(?!alerts/)(?!.*scale).*loss.*$")
+
+
+class RunHistory:
+    """One record per logging step of the monitor's figures, learning rates and host-side losses, appended to a file.
+
+    Every rank calls it alike; only a history begun with a path (global rank zero) keeps anything. A file that
+    cannot be written gets one ``RuntimeWarning``, and the run carries on without it.
+
+    Attributes:
+        path: The file appended to, or ``None`` where nothing is kept.
+
+    Example:
+        >>> import tempfile
+        >>> history = RunHistory()
+        >>> history.begin(Path(tempfile.mkdtemp()) / HISTORY_FILE)
+        >>> history.add(3, 0, {"grad_norm": 2.5, "grad_norm/layer.0": 1.0, "loss": float("nan")})
+        >>> history.flush()
+        >>> print(history.path.read_text(), end="")
+        {"step": 3, "epoch": 0, "grad_norm": 2.5, "loss": "nan"}
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self._records: dict[int, dict[str, Any]] = {}  # by step, not yet written
+        self._open: int | None = None  # the step of the last training record, until the user's losses joined it
+        self._last: int | None = None  # the step of the last training record
+        self._seen: dict[str, object] = {}  # the host value last taken per logged key (a stale one is not re-taken)
+        self._broken = False
+
+    def begin(self, path: Path | None) -> None:
+        """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero)."""
+        self.path, self._records, self._open, self._last, self._seen, self._broken = path, {}, None, None, {}, False
+
+    def set_aside(self) -> Path | None:
+        """For a run that starts afresh: move the file an earlier run left out of the way (as its alerts file)."""
+        return None if self.path is None else JsonlSink(self.path).set_aside()
+
+    def add(self, step: int, epoch: int, figures: Mapping[str, float | Tensor]) -> None:
+        """Merge ``figures`` into the record of ``step``, without the per-layer gradient norms."""
+        if self.path is None:
+            return
+        record = self._records.get(step)
+        if record is None:
+            record = self._records[step] = {"step": step, "epoch": epoch}
+        record.update((k, v) for k, v in figures.items() if not (k.startswith("grad_norm") and "/" in k))
+        if len(self._records) >= FLUSH_EVERY:
+            self.flush()
+
+    def record_step(
+        self, trainer: pl.Trainer, step: int, figures: Mapping[str, float], *, logs: bool, alert: bool
+    ) -> None:
+        """Record a check's figures and the learning rates at a logging step or an alert (then write at once).
+
+        Without a logger, Lightning has no logging step: the history keeps the first check, then every
+        ``log_every_n_steps``-th step, or the first check after one when checks are further apart.
+        """
+        if self.path is None:
+            return
+        every, last = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1), self._last
+        own = not trainer.loggers and (last is None or (step + 1) % every == 0 or step - last >= every)
+        if not (logs or alert or own):
+            return
+        self.add(step, trainer.current_epoch, {**figures, **learning_rates(trainer.optimizers)})
+        self._open = self._last = step
+        if alert:
+            self.flush()
+
+    def take_logged_losses(self, trainer: pl.Trainer, step: int | None = None) -> None:
+        """Add the losses the module logged that Lightning holds on the host, at the step they were logged.
+
+        At a batch's start (``step=None``) they are the previous batch's, logged at the step before; they join that
+        step's record only if it was recorded. A value already taken (a validation loss kept from an earlier run) is
+        not taken again.
+        """
+        if self.path is None:
+            return
+        at = logging_step(trainer) - 1 if step is None else step
+        fresh = {
+            k: v for k, v in host_logged_values(trainer).items() if LOSS_KEY.match(k) and self._seen.get(k) is not v
+        }
+        self._seen.update(fresh)
+        if step is None and self._open != at:
+            return
+        self._open = None
+        if fresh:
+            record = self._records.setdefault(at, {"step": at, "epoch": trainer.current_epoch})
+            for key, value in fresh.items():
+                record.setdefault(key, value)  # the monitor's own `loss` stays the optimizer step's
+
+    def end_validation(self, trainer: pl.Trainer, key: str | None, value: float | None) -> None:
+        """At the end of a validation run during fit: its losses (``key`` as the monitor read it), then write."""
+        if self.path is None or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        step = logging_step(trainer)
+        if key is not None and value is not None:
+            self.add(step, trainer.current_epoch, {key: value})
+        self.take_logged_losses(trainer, step)
+        self.flush()
+
+    def flush(self) -> None:
+        """Append the records kept so far; the tensor learning rates among them are read in one host read."""
+        if self.path is None or not self._records:
+            return
+        records, self._records = list(self._records.values()), {}
+        if self._broken:
+            return
+        _read_tensors(records)
+        text = "".join(json.dumps({k: _json(v) for k, v in r.items()}) + "\n" for r in records)
+        try:
+            _append(self.path, text)
+        except OSError as err:
+            self._broken = True
+            rank_zero_warn(
+                f"TrainingMonitor could not write its history to {str(self.path)!r} ({err}); the report of this run"
+                " reads only what its loggers wrote.",
+                category=RuntimeWarning,
+            )
+
+
+def learning_rates(optimizers: Sequence[Optimizer]) -> dict[str, float | Tensor]:
+    """Each optimizer's learning rate, without a host read: a tensor rate is copied on its device.
+
+    ``lr`` is the first parameter group's (``lr_opt<i>`` with several optimizers); when the groups' rates differ,
+    ``lr/pg<j>`` holds each group's, counted from 1 as ``LearningRateMonitor`` counts them.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> sgd = torch.optim.SGD([{"params": [net.weight]}, {"params": [net.bias], "lr": 0.5}], lr=0.25)
+        >>> learning_rates([sgd])
+        {'lr': 0.25, 'lr/pg1': 0.25, 'lr/pg2': 0.5}
+    """
+    out: dict[str, float | Tensor] = {}
+    for i, optimizer in enumerate(optimizers):
+        key = "lr" if len(optimizers) == 1 else f"lr_opt{i}"
+        rates = [group["lr"] for group in optimizer.param_groups if "lr" in group]
+        if not rates:
+            continue
+        copies = [r.detach().clone() if isinstance(r, Tensor) else float(r) for r in rates]
+        out[key] = copies[0]
+        if not all(r is rates[0] or (_number(r) and _number(rates[0]) and r == rates[0]) for r in rates):
+            out.update((f"{key}/pg{j}", r) for j, r in enumerate(copies, start=1))
+    return out
+
+
+def alert_learning_rate(optimizer: Optimizer | None) -> tuple[float | None, str]:
+    """The first parameter group's learning rate at an alert, and its words for the message (``""`` without one).
+
+    Off the hot path: a tensor rate on a device is read here, once per alert.
+
+    Example:
+        >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=3e-4)
+        >>> alert_learning_rate(sgd)
+        (0.0003, ', learning rate 0.0003')
+    """
+    groups = [] if optimizer is None else [g for g in optimizer.param_groups if "lr" in g]
+    if not groups:
+        return None, ""
+    try:
+        lr = float(groups[0]["lr"])
+    except (TypeError, ValueError, RuntimeError):  # a rate that is not one number: say nothing rather than crash
+        return None, ""
+    several = f" (parameter group 1 of {len(groups)})" if len(groups) > 1 else ""
+    return lr, f", learning rate {format_value(lr)}{several}"
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json(value: object) -> object:
+    return json_float(value) if isinstance(value, float) else value
+
+
+def _read_tensors(records: list[dict[str, Any]]) -> None:
+    """Replace the tensors among the records' values by floats: one host read per device they are on."""
+    by_device: dict[torch.device, list[tuple[dict[str, Any], str, Tensor]]] = {}
+    for record in records:
+        for key, value in record.items():
+            if isinstance(value, Tensor):
+                by_device.setdefault(value.device, []).append((record, key, value))
+    for device, found in by_device.items():
+        values = torch.stack([t.reshape(-1)[0].to(host_dtype(device)) for _, _, t in found]).tolist()
+        for (record, key, _), value in zip(found, values, strict=True):
+            record[key] = value
+
+
+def _append(path: Path, text: str) -> None:
+    """Append ``text`` to ``path``, ending first a last line a killed run left without its newline."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(text.encode("utf-8"))
