@@ -13,17 +13,14 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_monitor._compat import FITTING, Callback, rank_zero_info
 from lightning_monitor._host import world_size
 from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step, state_under_another_key
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
@@ -36,6 +33,9 @@ from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 _T = TypeVar("_T")
 
@@ -286,7 +286,7 @@ class TrainingMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != TrainerFn.FITTING:
+        if stage != FITTING:
             return
         # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint, if any,
         # restores the state after this hook). `trainer.log_dir` broadcasts from rank 0: every rank must ask.
@@ -436,7 +436,7 @@ class TrainingMonitor(Callback):
         # Gate: only real validation during fit; runs after the module logged its metrics in every epoch-end hook.
         key = self.config.validation.val_loss_key
         watch_acc = self.config.tokens.token_accuracy  # the settings, not what one rank saw: every rank gathers
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or not (key is not None or watch_acc):
+        if trainer.sanity_checking or trainer.state.fn != FITTING or not (key is not None or watch_acc):
             return
 
         # Compute: every rank contributes its figures (or their absence), so no rank can skip the collective.
