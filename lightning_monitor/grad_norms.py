@@ -189,6 +189,7 @@ class LayerGradNorms:
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)  # the norm of a missing gradient
         self.present = 0
         self.frozen: tuple[int, ...] = ()
+        self._all_missing = tuple(range(len(self.params)))
 
     def per_tensor(self) -> Tensor:
         """Return the L2 norm of each parameter's gradient on this rank, as one 1-D tensor in parameter order.
@@ -216,6 +217,7 @@ class LayerGradNorms:
         present = [g for p in self.params if (g := p.grad) is not None]
         self.present = len(present)
         if not present:
+            self.frozen = (self._plans.get(self._all_missing) or self._plan(self._all_missing)).frozen
             return [self._zero] * len(self.params)
         missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)

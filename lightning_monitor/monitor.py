@@ -95,7 +95,7 @@ class TrainingMonitor(Callback):
     ==========================  ====================================================================
     ``grad_norm``               total L2 norm of the gradients, before clipping
     ``grad_norm/<layer>``       L2 norm per layer (a block of a ``ModuleList``, or a module), if
-                                ``layer_norms``
+                                ``layer_norms``; none for a frozen layer (no gradient, none required)
     ``loss_scale``              the fp16 GradScaler's loss scale (fp16 AMP only)
     ``skipped_steps``           optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
     ``train_token_acc``         token accuracy of the optimizer step (on logging steps)

@@ -39,10 +39,11 @@ def test_layer_names_drop_peft_wrappers(name, layer):
 def test_frozen_layers_are_found_and_a_zero_gradient_is_not_frozen():
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 1))
     model[0].requires_grad_(False)
+    norms = LayerGradNorms(model.named_parameters())
+    assert norms.per_tensor().tolist() == [0.0] * 6 and norms.frozen == (0,)  # no gradient yet: 1 and 2 can have one
     model(torch.ones(2, 4)).sum().backward()
     for p in model[2].parameters():
         p.grad.zero_()  # trainable, with a gradient that is zero
-    norms = LayerGradNorms(model.named_parameters())
     norms.per_tensor()
     assert norms.names == ("0", "1", "2") and norms.frozen == (0,)
     # Unfrozen in place (the optimizer unchanged): its gradients count from the step they appear.
