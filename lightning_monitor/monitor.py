@@ -26,7 +26,6 @@ from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.checks import OptimizerChecks, TrainingLoss
-from lightning_monitor.grad_norms import layer_name
 from lightning_monitor.responder import Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
@@ -303,7 +302,7 @@ class TrainingMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Learn the forward order of the layers once (the hooks go after the first check), and watch activations.
-        self._checks.order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
+        self._checks.order = ForwardOrder.of_layers(pl_module)
         self._activations = ActivationWatch(pl_module) if self.config.step.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_monitor import LayerGradNorms, TrainingMonitor
+from lightning_monitor.activations import ForwardOrder
 from lightning_monitor.grad_norms import layer_name
 
 V = 11  # vocabulary size
@@ -142,3 +143,34 @@ def test_peft_lora_layers_are_named_as_in_the_base_model_and_frozen_layers_are_n
         for i in (0, 1):
             assert ref[str(i)] > 0.0
             assert close(seen[f"grad_norm/model.transformer.h.{i}"], ref[str(i)])
+
+
+class HeadFirst(nn.Module):
+    """Registers `head` before `body`, and runs them the other way round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.body = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_the_forward_order_finds_layers_named_without_their_wrappers():
+    wrapper = nn.Module()  # as PEFT nests the model: `base_model.model.<the model's own names>`
+    wrapper.base_model = nn.Module()
+    wrapper.base_model.model = HeadFirst()
+    order = ForwardOrder.of_layers(wrapper)
+    wrapper.base_model.model(torch.ones(1, 2))
+    order.close()
+    assert order.sort(["head", "body"]) == ["body", "head"]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_the_forward_order_of_a_peft_model():
+    model = LoraGpt2()
+    order = ForwardOrder.of_layers(model)
+    model.training_step({k: v[None] for k, v in TokenData()[0].items()}, 0)
+    order.close()
+    blocks = ["model.transformer.h.0", "model.transformer.h.1"]
+    assert order.order == ["model.transformer.wte", "model.transformer.wpe", *blocks, "model.transformer.ln_f"]
