@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import lightning.pytorch as L
 import pytest
 import pytorch_lightning as PL
 import torch
+import torch.distributed as dist
 from helpers import close, tb_scalars, tb_texts, total_norm
 from lightning.pytorch.demos.boring_classes import BoringModel as LBoringModel
 from pytorch_lightning.demos.boring_classes import BoringDataModule, BoringModel, RandomDataset
@@ -53,6 +56,36 @@ class Probe(PL.Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self.latest.append(dict(self.monitor.latest))
+
+
+class RankFault(Scripted):
+    """A NaN loss on rank 1 only, at step 3."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 3:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+class RankReport(PL.Callback):
+    """Writes, on every rank, where it stopped and what its monitor saw (see `test_distributed.RankReport`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.world_size > 1:  # in the spawned worker: leave no gloo group to the interpreter's finalization
+            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        (monitor,) = [c for c in trainer.callbacks if isinstance(c, TrainingMonitor)]
+        report = {
+            "step": trainer.global_step,
+            "stop": trainer.should_stop,
+            "alerts": [a.to_dict() for a in monitor.alerts],
+        }
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
 def pl_trainer(tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> PL.Trainer:
@@ -116,6 +149,19 @@ def test_a_fault_reaches_pytorch_lightnings_tensorboard_and_halts(tmp_path):
     layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
     charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
     assert charts["gradient norm"] == [r"^grad_norm(_opt\d+)?$"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*")
+def test_a_nan_on_one_rank_halts_both_under_pytorch_lightning_ddp_spawn(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    trainer = pl_trainer(tmp_path, [monitor, RankReport(tmp_path)], devices=2, strategy="ddp_spawn", max_steps=20)
+    trainer.fit(RankFault(), train_dataloaders=loader())
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["step"] == 4 and report["stop"]
+        ((kind, step, seen_on),) = [(a["kind"], a["step"], a["rank"]) for a in report["alerts"]]
+        assert (kind, step, seen_on) == ("nonfinite_loss", 3, 1)
 
 
 @pytest.mark.parametrize(
