@@ -272,14 +272,16 @@ def _two_layers(model: Any) -> Any:
     return model
 
 
-ONLY_PYTORCH_LIGHTNING = """
-import math, sys
-sys.modules["lightning"] = None  # as if only the standalone package were installed
-import pytorch_lightning as pl
+ONE_PACKAGE = """
+import importlib, math, sys
+installed, missing = sys.argv[2:4]
+sys.modules[missing] = None  # as if only the other package were installed
+pl = importlib.import_module(installed)
 import torch
-from pytorch_lightning.demos.boring_classes import BoringModel
-from pytorch_lightning.loggers import CSVLogger
 from lightning_monitor import TrainingMonitor
+
+BoringModel = importlib.import_module(installed + ".demos.boring_classes").BoringModel
+CSVLogger = importlib.import_module(installed + ".loggers").CSVLogger
 
 class Model(BoringModel):
     def on_before_optimizer_step(self, optimizer):
@@ -289,16 +291,19 @@ model, monitor = Model(), TrainingMonitor(val_loss_key=None, token_accuracy=Fals
 trainer = pl.Trainer(callbacks=[monitor], max_steps=3, logger=CSVLogger(sys.argv[1]), log_every_n_steps=1,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(model)
-assert not any(name == "lightning" or name.startswith("lightning.") for name in sys.modules if sys.modules[name])
+assert not any(name.split(".")[0] == missing for name in sys.modules if sys.modules[name])
 assert TrainingMonitor.__mro__[1] is pl.Callback
 assert math.isclose(monitor.latest["grad_norm"], model.reference, rel_tol=1e-6)
 print(sorted(monitor.latest))
 """
 
 
-def test_the_package_works_with_only_pytorch_lightning_installed(tmp_path):
+@pytest.mark.parametrize(
+    ("installed", "missing"), [("pytorch_lightning", "lightning"), ("lightning.pytorch", "pytorch_lightning")]
+)
+def test_the_package_works_with_either_package_alone(tmp_path, installed, missing):
     done = subprocess.run(
-        [sys.executable, "-c", ONLY_PYTORCH_LIGHTNING, str(tmp_path)],
+        [sys.executable, "-c", ONE_PACKAGE, str(tmp_path), installed, missing],
         cwd=ROOT,
         capture_output=True,
         text=True,
