@@ -7,11 +7,15 @@ Two of these read private trainer attributes, exactly as Lightning's own ``Learn
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import FSDPStrategy, Strategy
+
+from lightning_monitor._compat import FSDP_STRATEGIES
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import Strategy
 
 __all__ = [
     "STEP_HOOKS",
@@ -66,7 +70,7 @@ def gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
 
     ``DTensor`` gradients (FSDP2, tensor parallelism) describe their own layout and need nothing from here.
     """
-    if not isinstance(strategy, FSDPStrategy):
+    if not isinstance(strategy, FSDP_STRATEGIES):  # `lightning.pytorch`'s or `pytorch_lightning`'s
         return False, 1
     mode = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
     if mode == "NO_SHARD":  # every rank holds the whole gradient, like DDP

@@ -8,12 +8,14 @@ when the loss goes non-finite, at the price of one extra read of each module's o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_monitor.grad_norms import layer_name
 
 __all__ = ["ActivationWatch", "ForwardOrder"]
 
@@ -25,6 +27,8 @@ class ForwardOrder:
         module: The model.
         names: Submodule names to place in order (others are ignored; names that are not submodules are left in
             their given order after the ones that ran).
+        key: The name a submodule's path stands for, when it is not the path itself; the first submodule of each
+            name (the outermost) is listened to. :meth:`of_layers` names them as the gradient norms do.
 
     Example:
         >>> model = nn.ModuleDict({"head": nn.Linear(2, 2), "body": nn.Linear(2, 2)})
@@ -35,14 +39,26 @@ class ForwardOrder:
         ['body', 'head']
     """
 
-    def __init__(self, module: nn.Module, names: Iterable[str]) -> None:
+    def __init__(self, module: nn.Module, names: Iterable[str], key: Callable[[str], str] | None = None) -> None:
         self.order: list[str] = []
         self._recorded: set[str] = set()
         self._handles: list[RemovableHandle] = []
-        modules = dict(module.named_modules())
+        modules: dict[str, nn.Module] = {}
+        for path, submodule in module.named_modules():
+            modules.setdefault(key(path) if key is not None and path else path, submodule)
         for name in dict.fromkeys(names):
             if name in modules:
                 self._handles.append(modules[name].register_forward_pre_hook(self._seen(name)))
+
+    @classmethod
+    def of_layers(cls, module: nn.Module) -> ForwardOrder:
+        """The order of ``module``'s layers, named by :func:`~lightning_monitor.grad_norms.layer_name`.
+
+        A layer named without a wrapper's part (``_fsdp_wrapped_module``, PEFT's ``base_model.model``) is found
+        all the same: each submodule stands for the layer its parameters would belong to.
+        """
+        names = (layer_name(n) for n, _ in module.named_parameters())
+        return cls(module, names, key=lambda path: layer_name(f"{path}.weight"))
 
     def _seen(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:

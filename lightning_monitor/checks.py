@@ -15,14 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_monitor._compat import rank_zero_warn
 from lightning_monitor._host import fsum, gather_ranks, host_dtype, to_device, world_size
 from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.activations import ForwardOrder
@@ -40,6 +39,9 @@ from lightning_monitor.halting import StepGuard
 from lightning_monitor.packing import PACK_DTYPE, Layout, Part
 from lightning_monitor.settings import SpikeSettings, StepSettings
 from lightning_monitor.step_figures import StepFigures
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = [
     "HELD_STEPS_AT_MOST",
@@ -394,7 +396,9 @@ class OptimizerCheck:
         if step.grad_norm is not None:
             out[self._total_key] = step.grad_norm
             if layer_norms:
-                out.update(zip(self._layer_keys, map(math.sqrt, step.layer_sq), strict=True))
+                norms = zip(self._layer_keys, map(math.sqrt, step.layer_sq), strict=True)
+                frozen = self.norms.frozen  # layers that cannot have a gradient (PEFT's base model): not logged
+                out.update(norms if not frozen else (kv for i, kv in enumerate(norms) if i not in frozen))
         if step.loss_scale is not None:
             out["loss_scale"] = step.loss_scale
         return out

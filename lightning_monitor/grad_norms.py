@@ -45,14 +45,24 @@ __all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
 #: Path components that wrappers insert into parameter names (FSDP, activation checkpointing, torch.compile).
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_forward_module"})
 
+#: What PEFT inserts inside an adapted module (never as the first component): the module itself (``base_layer``,
+#: ``original_module``), dropped; and the modules holding the adapters' parameters (LoRA's ``lora_A`` and
+#: ``lora_B``, a trained copy under ``modules_to_save``), whose layer is the module they adapt.
+_PEFT_WRAPPERS = frozenset({"base_layer", "original_module"})
+_PEFT_ADAPTERS = frozenset(
+    {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save"}
+)
+
 
 def layer_name(param_name: str) -> str:
     """Return the layer a parameter belongs to.
 
     The layer is the module path up to and including the first numeric component, which is one block of a
     ``ModuleList`` or ``Sequential`` (``model.layers.3``); otherwise it is the module that owns the parameter
-    (``model.embed_tokens``). Wrapper components added by FSDP, activation checkpointing and ``torch.compile``
-    are dropped, so names read the same with and without them.
+    (``model.embed_tokens``). Wrapper components added by FSDP, activation checkpointing, ``torch.compile`` and
+    PEFT are dropped, so names read the same with and without them: PEFT's ``base_model.model.`` (a ``PeftModel``
+    around its tuner around the model), and the parts of an adapted module (``base_layer``, ``lora_A.default``...),
+    whose layer is the module as the base model names it.
 
     Example:
         >>> layer_name("model.layers.3.self_attn.q_proj.weight")
@@ -63,13 +73,34 @@ def layer_name(param_name: str) -> str:
         'blocks.0'
         >>> layer_name("temperature")
         'temperature'
+        >>> layer_name("base_model.model.transformer.h.1.attn.c_attn.lora_A.default.weight")
+        'transformer.h.1'
+        >>> layer_name("model.base_model.model.lm_head.lora_B.default.weight")
+        'model.lm_head'
     """
-    parts = [p for p in param_name.split(".") if p not in _WRAPPER_PARTS]
+    parts = _unwrapped(param_name.split("."))
     modules = parts[:-1]
     for i, part in enumerate(modules):
         if part.isdigit():
             return ".".join(modules[: i + 1])
+        if i and part in _PEFT_ADAPTERS:
+            return ".".join(modules[:i])
     return ".".join(modules) or parts[-1]
+
+
+def _unwrapped(parts: list[str]) -> list[str]:
+    """A parameter name's components without those wrappers insert (FSDP, ``torch.compile``, PEFT)."""
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == "base_model" and i + 2 < len(parts) and parts[i + 1] == "model":  # PeftModel.base_model.model
+            i += 2
+            continue
+        if part not in _WRAPPER_PARTS and not (out and part in _PEFT_WRAPPERS and i + 1 < len(parts)):
+            out.append(part)
+        i += 1
+    return out
 
 
 class LayerGradNorms:
@@ -89,6 +120,9 @@ class LayerGradNorms:
     Attributes:
         names: The layer names, one per row entry of :meth:`squared`.
         present: How many parameters had a gradient at the last call of :meth:`per_tensor` (or :meth:`squared`).
+        frozen: The positions in :attr:`names` of the layers frozen at that call: none of their parameters had a
+            gradient or required one. Their norms read 0; a layer that requires one and has none, or a zero one,
+            is not frozen. Found once per pattern of missing gradients, with no work on the other steps.
         dtype: The dtype of :meth:`per_tensor`'s values: float64 when any parameter is float64 or complex128, else
             float32.
 
@@ -125,6 +159,7 @@ class LayerGradNorms:
         layers = [layer_name(n) if by_layer else "total" for n, _ in named]
         self.names: tuple[str, ...] = tuple(dict.fromkeys(layers))
         position = {name: i for i, name in enumerate(self.names)}
+        self._layer_of = [position[layer] for layer in layers]
         self.device = self.params[0].device if self.params else torch.device(device)  # type: ignore[arg-type]
 
         # Where each parameter's square goes in the flattened [2, num_layers] rows: row 0 for replicated gradients,
@@ -153,6 +188,8 @@ class LayerGradNorms:
         self._zeros = torch.zeros(2 * num_layers, dtype=dtype, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)  # the norm of a missing gradient
         self.present = 0
+        self.frozen: tuple[int, ...] = ()
+        self._all_missing = tuple(range(len(self.params)))
 
     def per_tensor(self) -> Tensor:
         """Return the L2 norm of each parameter's gradient on this rank, as one 1-D tensor in parameter order.
@@ -180,9 +217,11 @@ class LayerGradNorms:
         present = [g for p in self.params if (g := p.grad) is not None]
         self.present = len(present)
         if not present:
+            self.frozen = (self._plans.get(self._all_missing) or self._plan(self._all_missing)).frozen
             return [self._zero] * len(self.params)
         missing = () if len(present) == len(self.params) else self._missing()
         plan = self._plans.get(missing) or self._plan(missing)
+        self.frozen = plan.frozen
         if self._has_dtensor:
             present = [_local_grad(g, p) for p in self.params if (g := p.grad) is not None]
         while True:  # once, unless a gradient has turned sparse since the plan was made
@@ -289,11 +328,15 @@ class LayerGradNorms:
         for k, i in enumerate(present[j] for idx in groups.values() for j in idx):
             position[i] = k
         order = list(position.values())
+        # The layers that can have a gradient: one of their parameters has it, or requires it.
+        live = {self._layer_of[i] for i in present}
+        live.update(self._layer_of[i] for i in missing if self.params[i].requires_grad)
         plan = _Plan(
             groups=[None] if single else list(groups.values()),
             dtypes=[dtype.to_real() for _, dtype, _ in groups],
             readers=[read for _, _, read in groups],
             order=None if order == list(range(len(self.params))) else order,
+            frozen=tuple(i for i in range(len(self.names)) if i not in live),
         )
         self._plans[missing] = plan
         return plan
@@ -306,6 +349,7 @@ class _Plan(NamedTuple):
     dtypes: list[torch.dtype]  # the real dtype of each group, which picks the accumulation dtype
     readers: list[_Reader | None]  # what turns each group's gradients into dense real tensors (None: nothing)
     order: list[int] | None  # for each parameter, its norm's position in the kernels' output (-1: missing)
+    frozen: tuple[int, ...]  # the layers none of whose parameters has a gradient or requires one
 
 
 def combine_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:

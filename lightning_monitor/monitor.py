@@ -13,29 +13,28 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_monitor._compat import FITTING, Callback, rank_zero_info
 from lightning_monitor._host import world_size
 from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step, state_under_another_key
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.checks import OptimizerChecks, TrainingLoss
-from lightning_monitor.grad_norms import layer_name
 from lightning_monitor.responder import Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 _T = TypeVar("_T")
 
@@ -96,7 +95,7 @@ class TrainingMonitor(Callback):
     ==========================  ====================================================================
     ``grad_norm``               total L2 norm of the gradients, before clipping
     ``grad_norm/<layer>``       L2 norm per layer (a block of a ``ModuleList``, or a module), if
-                                ``layer_norms``
+                                ``layer_norms``; none for a frozen layer (no gradient, none required)
     ``loss_scale``              the fp16 GradScaler's loss scale (fp16 AMP only)
     ``skipped_steps``           optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
     ``train_token_acc``         token accuracy of the optimizer step (on logging steps)
@@ -288,7 +287,7 @@ class TrainingMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != TrainerFn.FITTING:
+        if stage != FITTING:
             return
         # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint, if any,
         # restores the state after this hook). `trainer.log_dir` broadcasts from rank 0: every rank must ask.
@@ -305,7 +304,7 @@ class TrainingMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Learn the forward order of the layers once (the hooks go after the first check), and watch activations.
-        self._checks.order = ForwardOrder(pl_module, (layer_name(n) for n, _ in pl_module.named_parameters()))
+        self._checks.order = ForwardOrder.of_layers(pl_module)
         self._activations = ActivationWatch(pl_module) if self.config.step.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
@@ -438,7 +437,7 @@ class TrainingMonitor(Callback):
         # Gate: only real validation during fit; runs after the module logged its metrics in every epoch-end hook.
         key = self.config.validation.val_loss_key
         watch_acc = self.config.tokens.token_accuracy  # the settings, not what one rank saw: every rank gathers
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or not (key is not None or watch_acc):
+        if trainer.sanity_checking or trainer.state.fn != FITTING or not (key is not None or watch_acc):
             return
 
         # Compute: every rank contributes its figures (or their absence), so no rank can skip the collective.

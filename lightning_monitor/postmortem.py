@@ -16,14 +16,16 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from lightning_monitor._compat import move_data_to_device
 from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import Alert, json_float
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["NO_CHECKPOINT", "write_bundle"]
 

@@ -13,13 +13,12 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._host import ranks_where
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
@@ -30,6 +29,9 @@ from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 from lightning_monitor.step_figures import StepFigures
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["Responder", "StepContext"]
 

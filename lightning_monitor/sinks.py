@@ -11,12 +11,13 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
-
+from lightning_monitor._compat import TENSORBOARD_LOGGERS, rank_zero_warn
 from lightning_monitor.alerts import Alert
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import Logger
 
 __all__ = ["SETTINGS_FILE", "TENSORBOARD_LAYOUT", "ConsoleSink", "JsonlSink", "LoggerSink", "write_settings"]
 
@@ -83,14 +84,14 @@ class LoggerSink:
         ``val_loss``, ``loss``...) next to the monitor's ``train_token_acc``, ``val_token_acc`` and ``grad_norm``.
         """
         for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TENSORBOARD_LOGGERS):
                 logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
     def write(self, alert: Alert, step: int, count: int) -> None:
         """Write ``alert`` to every logger at ``step``, with ``count``: the alerts of its kind so far, it included."""
         self.log_figures({f"alerts/{alert.kind.value}": float(count)}, step)
         for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TENSORBOARD_LOGGERS):
                 text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
                 logger.experiment.add_text("alerts", text, global_step=step)
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.compute import _safe_divide
 from typing_extensions import override
+
+from lightning_monitor._compat import rank_zero_warn
 
 __all__ = ["TokenAccuracy", "token_accuracy_counts"]
 

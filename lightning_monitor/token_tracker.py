@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._host import copies_without_blocking, fsum, gather_ranks, host_dtype
 from lightning_monitor.packing import PACK_DTYPE, Layout
 from lightning_monitor.settings import TokenSettings

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_monitor._compat import rank_zero_warn
 from lightning_monitor._host import fsum, gather_ranks, host_dtype
 from lightning_monitor.alerts import AlertKind, Detection
 from lightning_monitor.detectors import AccuracyStallDetector, RisingDetector
