@@ -557,13 +557,21 @@ def test_a_validation_step_that_returns_nothing_says_so_once(tmp_path):
 
 
 class Gpt2CausalLM(pl.LightningModule):
-    """A Hugging Face GPT-2 built from a config; `training_step` returns the model's output, labels = input ids."""
+    """A Hugging Face causal LM built from a config (GPT-2, or Llama); `training_step` returns the model's output,
+    labels = input ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str = "gpt2") -> None:
         super().__init__()
         transformers = pytest.importorskip("transformers")
-        config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V, n_positions=16)
-        self.model = transformers.GPT2LMHeadModel(config)
+        if family == "llama":
+            config = transformers.LlamaConfig(
+                num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=V, max_position_embeddings=16,
+            )  # fmt: skip
+            self.model = transformers.LlamaForCausalLM(config)
+        else:
+            config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V, n_positions=16)
+            self.model = transformers.GPT2LMHeadModel(config)
         self.scored: list[tuple[int, int]] = []  # the reference: (correct, total) of next-token predictions
 
     def training_step(self, batch, batch_idx):
@@ -585,8 +593,9 @@ class RepeatingTokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def test_a_hugging_face_causal_lm_gets_next_token_accuracy_without_configuration(tmp_path):
-    model = Gpt2CausalLM()
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_hugging_face_causal_lm_gets_next_token_accuracy_without_configuration(tmp_path, family):
+    model = Gpt2CausalLM(family)
     monitor = TrainingMonitor(val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=CSVLogger(tmp_path, name="csv"))
     trainer.fit(model, train_dataloaders=DataLoader(RepeatingTokens(), batch_size=4))
