@@ -87,22 +87,22 @@ class TrainingMonitor(Callback):
     gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
     so every rank decides alike on the same numbers.
 
-    **Logged metrics** (to every logger, on Lightning's logging steps; with several optimizers every ``grad_norm``
-    key gets an ``_opt<i>`` suffix):
+    **Logged metrics** (to every logger, on Lightning's logging steps; with several optimizers ``grad_norm`` and
+    ``grad_norm_layers`` get an ``_opt<i>`` suffix; none is a path prefix of another):
 
-    ==========================  ====================================================================
-    Key                         Value
-    ==========================  ====================================================================
-    ``grad_norm``               total L2 norm of the gradients, before clipping
-    ``grad_norm/<layer>``       L2 norm per layer (a block of a ``ModuleList``, or a module), if
-                                ``layer_norms``
-    ``loss_scale``              the fp16 GradScaler's loss scale (fp16 AMP only)
-    ``skipped_steps``           optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
-    ``train_token_acc``         token accuracy of the optimizer step (on logging steps)
-    ``train_token_acc_epoch``   token accuracy of the training epoch, if ``epoch_token_accuracy``
-    ``val_token_acc``           token accuracy of each validation run
-    ``alerts/<kind>``           number of alerts of that kind so far, written at each alert's step
-    ==========================  ====================================================================
+    ==============================  ================================================================
+    Key                             Value
+    ==============================  ================================================================
+    ``grad_norm``                   total L2 norm of the gradients, before clipping
+    ``grad_norm_layers/<layer>``    L2 norm per layer (a block of a ``ModuleList``, or a module), if
+                                    ``layer_norms``
+    ``loss_scale``                  the fp16 GradScaler's loss scale (fp16 AMP only)
+    ``skipped_steps``               optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
+    ``train_token_acc``             token accuracy of the optimizer step (on logging steps)
+    ``train_token_acc_epoch``       token accuracy of the training epoch, if ``epoch_token_accuracy``
+    ``val_token_acc``               token accuracy of each validation run
+    ``alerts/<kind>``               number of alerts of that kind so far, written at each alert's step
+    ==============================  ================================================================
 
     Token accuracy (:class:`~lightning_monitor.TokenAccuracy`) reads ``outputs["logits"]`` or ``outputs.logits``
     and ``outputs["labels"]`` or ``batch["labels"]`` (``token_accuracy_fn`` replaces the search); a batch without
@@ -158,7 +158,7 @@ class TrainingMonitor(Callback):
             once the loss scale has stopped falling (a GradScaler calibrating from a large ``init_scale`` is left to
             ``min_loss_scale``).
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
-        layer_norms: Log ``grad_norm/<layer>`` as well as the total.
+        layer_norms: Log ``grad_norm_layers/<layer>`` as well as the total.
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
             so a bad step is skipped before it reaches the weights. With a larger value the steps in between cost
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next

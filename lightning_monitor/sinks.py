@@ -30,7 +30,7 @@ TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
         "loss (train and val)": ["Multiline", [r"^(?!alerts/)(?!.*scale).*loss.*$"]],
         "token accuracy (train and val)": ["Multiline", [r"^(train|val)_token_acc$"]],
         "gradient norm": ["Multiline", [r"^grad_norm(_opt\d+)?$"]],
-        "gradient norm per layer": ["Multiline", [r"^grad_norm(_opt\d+)?/.*$"]],
+        "gradient norm per layer": ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]],
         "alerts": ["Multiline", [r"^alerts/.*$"]],
     }
 }

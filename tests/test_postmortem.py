@@ -65,7 +65,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     history = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
     assert [row["step"] for row in history] == list(range(BAD_BATCH + 1))
     assert history[-1]["loss"] == "nan" and math.isfinite(history[-2]["loss"])
-    assert "grad_norm/layer.0" in history[-1]
+    assert "grad_norm_layers/layer.0" in history[-1]
     assert json.loads((folder / "alerts.jsonl").read_text())["kind"] == "nonfinite_loss"
     readme = (folder / "README.md").read_text()
     assert "load_from_checkpoint" in readme and "batch_rank0.pt" in readme and alert.message in readme
