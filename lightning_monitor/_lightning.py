@@ -7,17 +7,22 @@ Two of these read private trainer attributes, exactly as Lightning's own ``Learn
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
 __all__ = [
     "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
+    "has_run_log_dir",
     "is_logging_step",
+    "is_mlflow_logger",
+    "is_tensorboard_logger",
+    "is_wandb_logger",
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
@@ -100,3 +105,30 @@ def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -
     values = dict(zip(figures, torch.tensor(list(figures.values())).unbind(), strict=True))
     target = getattr(trainer._logger_connector, "_callback_metrics", None)
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
+
+
+# The loggers the monitor treats apart, one test each. Comparing with Lightning's classes imports neither wandb nor
+# mlflow: `lightning.pytorch.loggers` only checks that they are installed.
+
+
+def is_tensorboard_logger(logger: Logger) -> TypeGuard[TensorBoardLogger]:
+    """Whether ``logger`` is Lightning's ``TensorBoardLogger`` (it takes text and a custom-scalars layout)."""
+    return isinstance(logger, TensorBoardLogger)
+
+
+def has_run_log_dir(logger: Logger) -> TypeGuard[TensorBoardLogger | CSVLogger]:
+    """Whether ``logger`` writes into a folder of the run's own, ``logger.log_dir`` (``<name>/version_<n>``).
+
+    Lightning's ``TensorBoardLogger`` and ``CSVLogger``: the two whose ``log_dir`` ``trainer.log_dir`` returns.
+    """
+    return isinstance(logger, (TensorBoardLogger, CSVLogger))
+
+
+def is_wandb_logger(logger: Logger) -> TypeGuard[WandbLogger]:
+    """Whether ``logger`` is Lightning's ``WandbLogger``."""
+    return isinstance(logger, WandbLogger)
+
+
+def is_mlflow_logger(logger: Logger) -> TypeGuard[MLFlowLogger]:
+    """Whether ``logger`` is Lightning's ``MLFlowLogger``."""
+    return isinstance(logger, MLFlowLogger)

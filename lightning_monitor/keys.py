@@ -1,11 +1,11 @@
-"""The names the monitor logs its figures under, made safe for every Lightning logger.
+r"""The names the monitor logs its figures under, made safe for every Lightning logger.
 
 Loggers that store a key as a file path (MLflow's file store, Neptune's namespaces, W&B panel sections) cannot hold
 both ``X`` and ``X/...``: no key the monitor logs is a path prefix of another. The total gradient norm is
 ``grad_norm`` (``grad_norm_opt<i>`` with several optimizers); the per-layer norms live under their own prefix,
 ``grad_norm_layers/<layer>`` (``grad_norm_layers_opt<i>/<layer>``). A layer name comes from module paths, which may
 hold any character but ``.``: every character outside ``[A-Za-z0-9_.-]`` becomes ``_`` (MLflow allows
-``[\\w/.\\- :]``, and Lightning's ``MLFlowLogger`` strips anything outside ASCII), so a layer never adds a ``/``.
+``[\w/.\- :]``, and Lightning's ``MLFlowLogger`` strips anything outside ASCII), so a layer never adds a ``/``.
 
 Nothing here needs torch: the report reads these names too.
 """

@@ -107,7 +107,7 @@ class TrainingMonitor(Callback):
     Token accuracy (:class:`~lightning_monitor.TokenAccuracy`) reads ``outputs["logits"]`` or ``outputs.logits``
     and ``outputs["labels"]`` or ``batch["labels"]`` (``token_accuracy_fn`` replaces the search); a batch without
     them is left out with one warning. Every alert is kept in :attr:`alerts`, written as a WARNING on the
-    ``lightning_monitor`` Python logger, to every logger, and to ``alerts.jsonl`` in the trainer's log directory.
+    ``lightning_monitor`` Python logger, to every logger, and to ``alerts.jsonl`` in the run's folder (:attr:`log_dir`).
 
     Args:
         exploding_grad_threshold: Total gradient norm above which ``exploding_grad`` fires, from the first step.
@@ -167,8 +167,7 @@ class TrainingMonitor(Callback):
             Patiences then count checks, and the loss of a check is the mean over the steps it covers. On a GPU
             the read waits for the backward pass, and the GPU then waits for the host: checking less often saves
             that pause on the steps in between.
-        alerts_file: File name, inside the trainer's log directory, of the JSON-lines alert log. ``None`` turns it
-            off.
+        alerts_file: File name, in the run's folder, of the JSON-lines alert log. ``None`` turns it off.
 
     Attributes:
         config: The settings, grouped and checked (:class:`~lightning_monitor.settings.MonitorSettings`). Each
@@ -180,6 +179,7 @@ class TrainingMonitor(Callback):
             under fp16 AMP), halts, and ``skip_on``.
         latest: The host figures of the latest check: the logged keys above plus ``loss``, the training loss of
             the optimizer step (NaN when no backward ran).
+        log_dir: This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
 
     Raises:
         ValueError: If a value is not what its argument expects (the message names the argument, the value and what
@@ -274,6 +274,7 @@ class TrainingMonitor(Callback):
     stopping_reason = _Kept[AlertKind | None]()
     stopping_reason_message = _Kept[str | None]()
     skipped_steps = _Kept[int]()
+    log_dir = _Kept[Path]()
 
     @property
     @override
@@ -281,20 +282,19 @@ class TrainingMonitor(Callback):
         return self._state_key
 
     def settings(self) -> dict[str, Any]:
-        """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory)."""
+        """The monitor's configuration as plain values (written to ``monitor_settings.json`` in :attr:`log_dir`)."""
         return self.config.as_dict()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING:
             return
-        # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint, if any,
-        # restores the state after this hook). `trainer.log_dir` broadcasts from rank 0: every rank must ask.
+        # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint later).
         self._fresh = self._fitted is None or self._fitted() is not trainer
         if self._fresh:
             self._start_afresh()
         self._fitted = weakref.ref(trainer)
-        self._responder.begin(trainer, Path(trainer.log_dir or trainer.default_root_dir), self.settings())
+        self._responder.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -324,7 +324,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._responder.print_summary(trainer)  # with `summary_on_fit_end`, on rank zero
+        self._responder.finish(trainer)  # the runs' copies of the files; the summary with `summary_on_fit_end`
 
     @override
     def on_train_batch_start(

@@ -216,7 +216,9 @@ def test_sparse_embedding_with_sgd(tmp_path, accumulate):
         assert close(seen["grad_norm"], total, rel=1e-6)
         assert close(seen["grad_norm_layers/embed"], layers["embed"], rel=1e-6)
         assert close(seen["grad_norm_layers/head"], layers["head"], rel=1e-6)
-        assert close(math.hypot(seen["grad_norm_layers/embed"], seen["grad_norm_layers/head"]), seen["grad_norm"], rel=1e-6)
+        assert close(
+            math.hypot(seen["grad_norm_layers/embed"], seen["grad_norm_layers/head"]), seen["grad_norm"], rel=1e-6
+        )
 
 
 def test_sparse_embedding_with_sparse_adam(tmp_path):
