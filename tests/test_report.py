@@ -452,7 +452,7 @@ def test_a_fresh_run_in_the_same_folder_sets_earlier_alerts_aside(tmp_path: Path
         monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem=None)
         trainer = pl.Trainer(
             max_steps=4,
-            logger=CSVLogger(tmp_path, name="", version="fixed"),
+            logger=TensorBoardLogger(tmp_path, name="", version="fixed"),
             default_root_dir=tmp_path,
             callbacks=[monitor],
             enable_progress_bar=False,
