@@ -280,7 +280,7 @@ def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offlin
     assert {"grad_norm", "grad_norm_layers/layer.0", "grad_norm_layers/layer.2", "alerts/nonfinite_loss"} <= logged
 
 
-# ------------------------------------------------------------------------------------------------ no logger, TensorBoard
+# ------------------------------------------------------------------------------------ no logger, TensorBoard
 
 
 def test_two_runs_without_a_logger_in_one_folder_keep_both_bundles(tmp_path):
