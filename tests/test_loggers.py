@@ -12,6 +12,8 @@ import logging
 import math
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor.cli import main
 from lightning_monitor.keys import path_prefix_clashes
 from lightning_monitor.logger_sinks import WANDB_ALERT_WAIT_S
+from lightning_monitor.report import detect_keys, load_run
 from lightning_monitor.sinks import TENSORBOARD_LAYOUT
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,6 +60,14 @@ class EveryFeature(pl.LightningModule):
             opt.zero_grad()
             self.manual_backward(self(batch).pow(2).mean() * factor)
             opt.step()
+        return self.scored(batch)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        self.log("val_loss", self(batch).pow(2).mean())
+        return self.scored(batch)
+
+    def scored(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Logits and a label from the sign of the first input: token accuracy."""
         return {"logits": self(batch).detach(), "labels": (batch[:, 0] > 0).long()}
 
     def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -96,9 +108,9 @@ def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
     """The issue's crash: `grad_norm` and `grad_norm/<layer>` were a file and a folder of one name in the store."""
     mlruns = tmp_path / "mlruns"
     logger = MLFlowLogger(tracking_uri=f"file:{mlruns}")
-    monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem="alert")
+    monitor = TrainingMonitor(halt_on=[], postmortem="alert", epoch_token_accuracy=True)
     trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, plugins=fp16(), max_steps=16)
-    trainer.fit(EveryFeature(nan_at=(3,)), train_dataloaders=loader())
+    trainer.fit(EveryFeature(nan_at=(3,)), train_dataloaders=loader(n=16), val_dataloaders=loader(n=4))
     assert trainer.global_step == 16 and [a.kind.value for a in monitor.alerts] == ["nonfinite_loss"] * 2
 
     client, run_id = logger.experiment, logger.run_id
@@ -111,6 +123,8 @@ def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
         "grad_norm_layers_opt1/head",
         "loss_scale",
         "train_token_acc",
+        "train_token_acc_epoch",
+        "val_token_acc",
         "alerts/nonfinite_loss",
         "skipped_steps",
     } <= keys
@@ -335,3 +349,32 @@ def test_tensorboard_run_is_unchanged(tmp_path):
     charts = TENSORBOARD_LAYOUT["lightning-monitor"]
     assert charts["gradient norm per layer"] == ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]]
     assert not (tmp_path / "lightning_monitor").exists()
+
+
+# ------------------------------------------------------------------------------------------------ key names
+
+
+def test_the_report_reads_runs_logged_with_the_earlier_layer_keys(tmp_path, capsys):
+    """Runs logged `grad_norm/<layer>` before the per-layer norms moved: the total is read, the layers are not."""
+    run_dir = tmp_path / "version_0"
+    run_dir.mkdir()
+    (run_dir / "metrics.csv").write_text(
+        "step,train_loss,grad_norm_opt0,grad_norm_opt0/layer.0,grad_norm/layer.2,grad_norm_layers/layer.4\n"
+        "0,2.0,5.0,3.0,4.0,1.0\n1,1.5,4.0,2.0,3.0,1.0\n"
+    )
+    run = load_run(run_dir)
+    assert detect_keys(run).grad_norm == ("grad_norm_opt0",)
+    assert main(["report", str(run_dir), "--no-plot", "--loss-key", "missing"]) == 2
+    assert "logged keys: grad_norm_opt0, train_loss\n" in capsys.readouterr().err
+
+
+def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
+    code = (
+        "import sys, lightning.pytorch as pl\n"
+        "from lightning_monitor import TrainingMonitor\n"
+        "import lightning_monitor.responder, lightning_monitor.run_folder, lightning_monitor.logger_sinks\n"
+        "trainer = pl.Trainer(logger=False, callbacks=[TrainingMonitor()], enable_progress_bar=False)\n"
+        "print(sorted({'wandb', 'mlflow'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
