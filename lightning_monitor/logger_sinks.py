@@ -102,7 +102,7 @@ class WandbRun(TrackedRun):
         now = time.monotonic()
         if now - self._notified.get(title, -math.inf) >= WANDB_ALERT_WAIT_S:
             self._notified[title] = now
-            text = alert.message if len(alert.message) <= WANDB_ALERT_TEXT else alert.message[: WANDB_ALERT_TEXT - 1]
+            text = _cut(alert.message, WANDB_ALERT_TEXT)
             level = "ERROR" if alert.halted else "WARN"
             self.run.alert(title=title, text=text, level=level, wait_duration=WANDB_ALERT_WAIT_S)
         self.run.summary[f"alert_text/{kind}"] = alert.message
@@ -134,8 +134,7 @@ class MlflowRun(TrackedRun):
 
     def alert(self, alert: Alert, index: int) -> None:
         """Tag the run with the alert's text; a halt also sets ``lightning_monitor.halted``."""
-        text = f"[{alert.kind.value}] {alert.message}"
-        text = text if len(text) <= MLFLOW_TAG_LENGTH else text[: MLFLOW_TAG_LENGTH - 1]
+        text = _cut(f"[{alert.kind.value}] {alert.message}", MLFLOW_TAG_LENGTH)
         self.guarded(lambda: self.client.set_tag(self.run_id, f"lightning_monitor.alert.{index}", text))
         if alert.halted:
             self.guarded(lambda: self.client.set_tag(self.run_id, "lightning_monitor.halted", alert.kind.value))
@@ -182,3 +181,13 @@ def _reach(logger: Logger, folder: Path) -> TrackedRun | None:
             category=RuntimeWarning,
         )
     return None
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters with an ellipsis when longer.
+
+    Example:
+        >>> _cut("abcdef", 4), _cut("abc", 4)
+        ('abc…', 'abc')
+    """
+    return text if len(text) <= limit else text[: limit - 1] + "…"
