@@ -2,12 +2,12 @@
 
 The corpus is the ``*.py`` files next to ``os.py`` (sorted, capped at ``--corpus-chars``), so nothing is
 downloaded. The model is 826K parameters: embeddings, four pre-norm transformer blocks in a ``ModuleList`` (the
-monitor's per-layer norms read ``grad_norm/model.blocks.0`` ... ``.3``), a final LayerNorm and a linear head, trained
-with AdamW (linear warm-up, cosine decay). The defaults take about a minute on two free CPU cores (300 steps); the
-loss falls from 4.6 (uniform over 98 characters) to about 2.3 (val 2.22)::
+monitor's per-layer norms read ``grad_norm_layers/model.blocks.0`` ... ``.3``), a final LayerNorm and a linear head,
+trained with AdamW (linear warm-up, cosine decay). The defaults take about a minute on two free CPU cores (300 steps);
+the loss falls from 4.6 (uniform over 98 characters) to about 2.3 (val 2.22)::
 
     python examples/train_tiny_lm.py
-    tensorboard --logdir runs         # train_loss, val_loss, lr, grad_norm, grad_norm/<layer>, alerts (as text)
+    tensorboard --logdir runs         # train_loss, val_loss, lr, grad_norm, grad_norm_layers/<layer>, alerts (as text)
 
 Each run writes TensorBoard events, ``metrics.csv``, ``monitor_settings.json``, ``alerts.jsonl`` (once there is an
 alert) and, when the monitor halts training, a ``postmortem/step<N>_<kind>/`` bundle, all into one folder,

@@ -14,14 +14,17 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
     from lightning.pytorch.strategies import FSDPStrategy
 
 __all__ = [
+    "CSV_LOGGERS",
     "FITTING",
     "FSDP_STRATEGIES",
+    "MLFLOW_LOGGERS",
     "PACKAGES",
     "TENSORBOARD_LOGGERS",
+    "WANDB_LOGGERS",
     "Callback",
     "move_data_to_device",
     "rank_zero_info",
@@ -58,6 +61,11 @@ def _classes(module: str, name: str) -> tuple[Any, ...]:
 
 #: Every installed package's ``TensorBoardLogger``, for ``isinstance``.
 TENSORBOARD_LOGGERS: tuple[type[TensorBoardLogger], ...] = _classes("loggers", "TensorBoardLogger")
+#: Every installed package's ``CSVLogger``, ``WandbLogger`` and ``MLFlowLogger`` (importing these classes imports
+#: neither wandb nor mlflow: Lightning only checks that they are installed).
+CSV_LOGGERS: tuple[type[CSVLogger], ...] = _classes("loggers", "CSVLogger")
+WANDB_LOGGERS: tuple[type[WandbLogger], ...] = _classes("loggers", "WandbLogger")
+MLFLOW_LOGGERS: tuple[type[MLFlowLogger], ...] = _classes("loggers", "MLFlowLogger")
 
 #: Every installed package's ``FSDPStrategy`` (FSDP1, whose plain-tensor gradients are shards), for ``isinstance``.
 FSDP_STRATEGIES: tuple[type[FSDPStrategy], ...] = _classes("strategies", "FSDPStrategy")

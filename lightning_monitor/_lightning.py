@@ -7,22 +7,33 @@ Two of these read private trainer attributes, exactly as Lightning's own ``Learn
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
-from lightning_monitor._compat import FSDP_STRATEGIES
+from lightning_monitor._compat import (
+    CSV_LOGGERS,
+    FSDP_STRATEGIES,
+    MLFLOW_LOGGERS,
+    TENSORBOARD_LOGGERS,
+    WANDB_LOGGERS,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
     from lightning.pytorch.strategies import Strategy
 
 __all__ = [
     "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
+    "has_run_log_dir",
     "host_logged_values",
     "is_logging_step",
+    "is_mlflow_logger",
+    "is_tensorboard_logger",
+    "is_wandb_logger",
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
@@ -116,3 +127,29 @@ def host_logged_values(trainer: pl.Trainer) -> dict[str, float]:
     if not isinstance(values, dict):
         return {}
     return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# The loggers the monitor treats apart, one test each, against the class of every Lightning package installed.
+
+
+def is_tensorboard_logger(logger: Logger) -> TypeGuard[TensorBoardLogger]:
+    """Whether ``logger`` is Lightning's ``TensorBoardLogger`` (it takes text and a custom-scalars layout)."""
+    return isinstance(logger, TENSORBOARD_LOGGERS)
+
+
+def has_run_log_dir(logger: Logger) -> TypeGuard[TensorBoardLogger | CSVLogger]:
+    """Whether ``logger`` writes into a folder of the run's own, ``logger.log_dir`` (``<name>/version_<n>``).
+
+    Lightning's ``TensorBoardLogger`` and ``CSVLogger``: the two whose ``log_dir`` ``trainer.log_dir`` returns.
+    """
+    return isinstance(logger, TENSORBOARD_LOGGERS + CSV_LOGGERS)
+
+
+def is_wandb_logger(logger: Logger) -> TypeGuard[WandbLogger]:
+    """Whether ``logger`` is Lightning's ``WandbLogger``."""
+    return isinstance(logger, WANDB_LOGGERS)
+
+
+def is_mlflow_logger(logger: Logger) -> TypeGuard[MLFlowLogger]:
+    """Whether ``logger`` is Lightning's ``MLFlowLogger``."""
+    return isinstance(logger, MLFLOW_LOGGERS)

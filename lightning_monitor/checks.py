@@ -36,6 +36,7 @@ from lightning_monitor.detectors import (
 )
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
 from lightning_monitor.halting import StepGuard
+from lightning_monitor.keys import layer_keys, total_key
 from lightning_monitor.packing import PACK_DTYPE, Layout, Part
 from lightning_monitor.settings import SpikeSettings, StepSettings
 from lightning_monitor.step_figures import StepFigures
@@ -137,8 +138,8 @@ class OptimizerCheck:
         self.suffix = suffix
         self.fused = fused
         self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
-        self._total_key = f"grad_norm{suffix}"
-        self._layer_keys = [f"grad_norm{suffix}/{name}" for name in norms.names]
+        self._total_key = total_key(suffix)
+        self._layer_keys = layer_keys(norms.names, suffix)
         # Device-side figures since the last check: the held steps' norms not yet reduced (see `hold`), the worst
         # total (replicated, sharded) and the count of overflowing steps of those reduced, and the steps held.
         self._held: list[Tensor] = []
@@ -155,7 +156,7 @@ class OptimizerCheck:
         """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
         self._reduce_held()  # the held norms are laid out as the old parameters are
         self.norms = norms
-        self._layer_keys = [f"grad_norm{self.suffix}/{name}" for name in norms.names]
+        self._layer_keys = layer_keys(norms.names, self.suffix)
         self._layouts = {}
 
     def count_step(self, every: int) -> bool:

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_monitor.keys import is_layer_key
 from lightning_monitor.report import (
     MissingDependencyError,
     NoLogsError,
@@ -109,7 +110,7 @@ def _report(args: argparse.Namespace) -> int:
     keys = [detect_keys(run, **overrides) for run in runs]
     for name, given in overrides.items():
         if given is not None and all(getattr(k, _FIELDS[name]) is None for k in keys):
-            logged = sorted({key for run in runs for key in run.scalars if not key.startswith("grad_norm/")})
+            logged = sorted({key for run in runs for key in run.scalars if not is_layer_key(key)})
             _error(f"no run logged --{name.replace('_', '-')} {given!r}; logged keys: {', '.join(logged) or 'none'}")
             return 2
 

@@ -18,19 +18,20 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_monitor._compat import FITTING, rank_zero_warn
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step
 from lightning_monitor.alerts import format_value, json_float
 from lightning_monitor.sinks import JsonlSink
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["FLUSH_EVERY", "HISTORY_FILE", "RunHistory", "alert_learning_rate", "learning_rates"]
 
@@ -131,7 +132,7 @@ class RunHistory:
 
     def end_validation(self, trainer: pl.Trainer, key: str | None, value: float | None) -> None:
         """At the end of a validation run during fit: its losses (``key`` as the monitor read it), then write."""
-        if self.path is None or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+        if self.path is None or trainer.sanity_checking or trainer.state.fn != FITTING:
             return
         step = logging_step(trainer)
         if key is not None and value is not None:

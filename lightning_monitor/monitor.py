@@ -87,27 +87,27 @@ class TrainingMonitor(Callback):
     gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
     so every rank decides alike on the same numbers.
 
-    **Logged metrics** (to every logger, on Lightning's logging steps; with several optimizers every ``grad_norm``
-    key gets an ``_opt<i>`` suffix):
+    **Logged metrics** (to every logger, on Lightning's logging steps; with several optimizers ``grad_norm`` and
+    ``grad_norm_layers`` get an ``_opt<i>`` suffix; none is a path prefix of another):
 
-    ==========================  ====================================================================
-    Key                         Value
-    ==========================  ====================================================================
-    ``grad_norm``               total L2 norm of the gradients, before clipping
-    ``grad_norm/<layer>``       L2 norm per layer (a block of a ``ModuleList``, or a module), if
-                                ``layer_norms``; none for a frozen layer (no gradient, none required)
-    ``loss_scale``              the fp16 GradScaler's loss scale (fp16 AMP only)
-    ``skipped_steps``           optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
-    ``train_token_acc``         token accuracy of the optimizer step (on logging steps)
-    ``train_token_acc_epoch``   token accuracy of the training epoch, if ``epoch_token_accuracy``
-    ``val_token_acc``           token accuracy of each validation run
-    ``alerts/<kind>``           number of alerts of that kind so far, written at each alert's step
-    ==========================  ====================================================================
+    ==============================  ================================================================
+    Key                             Value
+    ==============================  ================================================================
+    ``grad_norm``                   total L2 norm of the gradients, before clipping
+    ``grad_norm_layers/<layer>``    L2 norm per layer (a block of a ``ModuleList``, or a module), if
+                                    ``layer_norms``; none for a frozen layer (no gradient, none required)
+    ``loss_scale``                  the fp16 GradScaler's loss scale (fp16 AMP only)
+    ``skipped_steps``               optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
+    ``train_token_acc``             token accuracy of the optimizer step (on logging steps)
+    ``train_token_acc_epoch``       token accuracy of the training epoch, if ``epoch_token_accuracy``
+    ``val_token_acc``               token accuracy of each validation run
+    ``alerts/<kind>``               number of alerts of that kind so far, written at each alert's step
+    ==============================  ================================================================
 
     Token accuracy (:class:`~lightning_monitor.TokenAccuracy`) reads ``outputs["logits"]`` or ``outputs.logits``
     and ``outputs["labels"]`` or ``batch["labels"]`` (``token_accuracy_fn`` replaces the search); a batch without
     them is left out with one warning. Every alert is kept in :attr:`alerts`, written as a WARNING on the
-    ``lightning_monitor`` Python logger, to every logger, and to ``alerts.jsonl`` in the trainer's log directory.
+    ``lightning_monitor`` Python logger, to every logger, and to ``alerts.jsonl`` in the run's folder (:attr:`log_dir`).
 
     Args:
         exploding_grad_threshold: Total gradient norm above which ``exploding_grad`` fires, from the first step.
@@ -160,7 +160,7 @@ class TrainingMonitor(Callback):
             once the loss scale has stopped falling (a GradScaler calibrating from a large ``init_scale`` is left to
             ``min_loss_scale``).
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
-        layer_norms: Log ``grad_norm/<layer>`` as well as the total.
+        layer_norms: Log ``grad_norm_layers/<layer>`` as well as the total.
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
             so a bad step is skipped before it reaches the weights. With a larger value the steps in between cost
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next
@@ -169,8 +169,7 @@ class TrainingMonitor(Callback):
             Patiences then count checks, and the loss of a check is the mean over the steps it covers. On a GPU
             the read waits for the backward pass, and the GPU then waits for the host: checking less often saves
             that pause on the steps in between.
-        alerts_file: File name, inside the trainer's log directory, of the JSON-lines alert log. ``None`` turns it
-            off.
+        alerts_file: File name, in the run's folder, of the JSON-lines alert log. ``None`` turns it off.
 
     Attributes:
         config: The settings, grouped and checked (:class:`~lightning_monitor.settings.MonitorSettings`). Each
@@ -182,6 +181,7 @@ class TrainingMonitor(Callback):
             under fp16 AMP), halts, and ``skip_on``.
         latest: The host figures of the latest check: the logged keys above plus ``loss``, the training loss of
             the optimizer step (NaN when no backward ran).
+        log_dir: This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
 
     Raises:
         ValueError: If a value is not what its argument expects (the message names the argument, the value and what
@@ -275,6 +275,7 @@ class TrainingMonitor(Callback):
     stopping_reason = _Kept[AlertKind | None]()
     stopping_reason_message = _Kept[str | None]()
     skipped_steps = _Kept[int]()
+    log_dir = _Kept[Path]()
 
     @property
     @override
@@ -282,20 +283,19 @@ class TrainingMonitor(Callback):
         return self._state_key
 
     def settings(self) -> dict[str, Any]:
-        """The monitor's configuration as plain values (written to ``monitor_settings.json`` in the log directory)."""
+        """The monitor's configuration as plain values (written to ``monitor_settings.json`` in :attr:`log_dir`)."""
         return self.config.as_dict()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != FITTING:
             return
-        # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint, if any,
-        # restores the state after this hook). `trainer.log_dir` broadcasts from rank 0: every rank must ask.
+        # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint later).
         self._fresh = self._fitted is None or self._fitted() is not trainer
         if self._fresh:
             self._start_afresh()
         self._fitted = weakref.ref(trainer)
-        self._responder.begin(trainer, Path(trainer.log_dir or trainer.default_root_dir), self.settings())
+        self._responder.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -325,7 +325,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._responder.print_summary(trainer)  # with `summary_on_fit_end`, on rank zero
+        self._responder.finish(trainer)  # the runs' copies of the files; the summary with `summary_on_fit_end`
 
     @override
     def on_train_batch_start(

@@ -9,6 +9,7 @@ gathered numbers; the sinks write on global rank zero only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ from lightning_monitor.checks import OptimizerCheck
 from lightning_monitor.halting import StepGuard, TrainingHalted
 from lightning_monitor.history import HISTORY_FILE, RunHistory, alert_learning_rate
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
+from lightning_monitor.run_folder import new_folder, run_folder
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 from lightning_monitor.step_figures import StepFigures
@@ -100,18 +102,25 @@ class Responder:
 
     # ------------------------------------------------------------------------------------------------ a run
 
-    def begin(self, trainer: pl.Trainer, log_dir: Path, settings: dict[str, Any]) -> None:
-        """Start a run: its sinks, a fresh history, no halt yet; rank zero writes the run's settings."""
-        self.log_dir = log_dir
+    def begin(self, trainer: pl.Trainer, settings: dict[str, Any], carry_on: bool = False) -> None:
+        """Start a run: its folder, its sinks, a fresh history, no halt yet; rank zero writes the run's settings.
+
+        The folder (:attr:`log_dir`) is the run's own (:func:`~lightning_monitor.run_folder.run_folder`, which every
+        rank joins), or with ``carry_on`` (the same trainer fitted again) the one it had.
+        """
+        if not carry_on:
+            self.log_dir = run_folder(trainer)
+        log_dir = self.log_dir
         alerts_file = self.settings.alerts_file
         self._jsonl = JsonlSink(log_dir / alerts_file) if alerts_file else None
-        self._loggers = LoggerSink(trainer.loggers)
+        self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.history.clear()
         self.run_history.begin(log_dir / HISTORY_FILE if trainer.is_global_zero else None)
         self.stopping_reason, self.stopping_reason_message = None, None
         if trainer.is_global_zero:
             write_settings(log_dir / SETTINGS_FILE, settings)
             self._loggers.add_layout()
+            self._add_files([log_dir / SETTINGS_FILE])
 
     def set_earlier_alerts_aside(self, trainer: pl.Trainer) -> None:
         """For a run that starts afresh: move the alerts file (and history) an earlier run left in the folder aside."""
@@ -149,6 +158,12 @@ class Responder:
         self.run_history.add(logging_step(trainer) if step is None else step, trainer.current_epoch, figures)
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """At the end of fit: bring the W&B and MLflow runs' copies of the files up to date, print the summary."""
+        if trainer.is_global_zero:
+            self._loggers.sync()
+        self.print_summary(trainer)
 
     def print_summary(self, trainer: pl.Trainer) -> None:
         """Print the health summary of ``lightning-monitor report`` for this run, with ``summary_on_fit_end``."""
@@ -313,23 +328,36 @@ class Responder:
         self._console.write(alert)
         # `self.alerts` holds this run's alerts, a resumed run's restored ones included: count on from them.
         count = sum(a.kind is alert.kind for a in self.alerts)
-        self._loggers.write(alert, logging_step(trainer), count)
+        self._loggers.write(alert, logging_step(trainer), count, len(self.alerts))
         if self._jsonl is not None:
             self._jsonl.write(alert)
+            self._add_files([self._jsonl.path])
+
+    def _add_files(self, paths: Sequence[Path]) -> None:
+        """Make the files among ``paths`` that were written part of every W&B and MLflow run (rank zero)."""
+        self._loggers.add_files([path for path in paths if path.is_file()])
 
     def _open_bundle(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
         """Create this check's post-mortem folder on every rank, if it calls for one; ``None`` if any rank cannot.
 
         Every rank must agree before ``save_checkpoint``, which all ranks join: one rank failing alone would hang.
+        Rank zero creates a new folder (``..._2`` when an earlier bundle has the name: none is overwritten) and
+        tells the others.
         """
         postmortem = self.settings.postmortem
         cause = [d for d in detections if postmortem == "alert" or d.kind in self.settings.halt_on]
         if postmortem is None or not cause:
             return None
         folder = self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
+        created = None
+        if trainer.is_global_zero:
+            with contextlib.suppress(OSError):
+                created = str(new_folder(folder))
+        created = trainer.strategy.broadcast(created, src=0)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            writable = True
+            folder = Path(created) if created is not None else folder
+            folder.mkdir(parents=True, exist_ok=True)  # the other ranks', or the same on a shared file system
+            writable = created is not None
         except OSError:
             writable = False
         if not all(ranks_where(writable, trainer.strategy.root_device)):
@@ -361,12 +389,17 @@ class Responder:
             self.warn_once(
                 "postmortem", f"TrainingMonitor's post-mortem bundle {str(folder)!r} lacks {'; '.join(lacking)}."
             )
+        if trainer.is_global_zero:
+            self._add_files(sorted(folder.rglob("*")))
+            self._loggers.sync()
 
     def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
         """Stop training on this rank; every rank reaches this call at the same step with the same alert."""
         if self.stopping_reason is None:  # the first halt of the run is its reason
             self.stopping_reason = alert.kind
             self.stopping_reason_message = alert.message
+        if trainer.is_global_zero:  # the alerts file and the bundle reach MLflow before the run ends
+            self._loggers.sync()
         if self.settings.halt_mode == "raise":
             raise TrainingHalted(alert)
         trainer.should_stop = True

@@ -13,8 +13,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_monitor._compat import TENSORBOARD_LOGGERS, rank_zero_warn
+from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._lightning import is_tensorboard_logger
 from lightning_monitor.alerts import Alert
+from lightning_monitor.keys import ALERTS_PREFIX
+from lightning_monitor.logger_sinks import TrackedRun, tracked_runs
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
@@ -31,7 +34,7 @@ TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
         "loss (train and val)": ["Multiline", [r"^(?!alerts/)(?!.*scale).*loss.*$"]],
         "token accuracy (train and val)": ["Multiline", [r"^(train|val)_token_acc$"]],
         "gradient norm": ["Multiline", [r"^grad_norm(_opt\d+)?$"]],
-        "gradient norm per layer": ["Multiline", [r"^grad_norm(_opt\d+)?/.*$"]],
+        "gradient norm per layer": ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]],
         "alerts": ["Multiline", [r"^alerts/.*$"]],
     }
 }
@@ -57,18 +60,23 @@ class ConsoleSink:
 
 
 class LoggerSink:
-    """Forward figures and alerts to every Lightning logger of a trainer.
+    """Forward figures, alerts and the monitor's files to every Lightning logger of a trainer.
 
     Figures go through ``Logger.log_metrics`` at the step given, the way ``LearningRateMonitor`` writes. Each alert
     adds a scalar ``alerts/<kind>`` (how many alerts of that kind so far, as the caller counts them) for every
-    logger, and its message as text for TensorBoard (tag ``alerts``).
+    logger, and its message in the form each logger has: text for TensorBoard (tag ``alerts``); for W&B a
+    notification and the run summary, for MLflow a run tag, which also get the monitor's files
+    (:mod:`~lightning_monitor.logger_sinks`).
 
     Args:
         loggers: The trainer's loggers (``trainer.loggers``).
+        folder: The monitor's folder for the run, on global rank zero; ``None`` (other ranks, or before a run)
+            writes no text or file to W&B and MLflow.
     """
 
-    def __init__(self, loggers: Sequence[Logger]) -> None:
+    def __init__(self, loggers: Sequence[Logger], folder: Path | None = None) -> None:
         self.loggers = list(loggers)
+        self.runs: list[TrackedRun] = [] if folder is None else tracked_runs(self.loggers, folder)
 
     def log_figures(self, figures: Mapping[str, float], step: int) -> None:
         """Write ``figures`` to every logger at ``step``."""
@@ -84,16 +92,32 @@ class LoggerSink:
         ``val_loss``, ``loss``...) next to the monitor's ``train_token_acc``, ``val_token_acc`` and ``grad_norm``.
         """
         for logger in self.loggers:
-            if isinstance(logger, TENSORBOARD_LOGGERS):
+            if is_tensorboard_logger(logger):
                 logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
-    def write(self, alert: Alert, step: int, count: int) -> None:
-        """Write ``alert`` to every logger at ``step``, with ``count``: the alerts of its kind so far, it included."""
-        self.log_figures({f"alerts/{alert.kind.value}": float(count)}, step)
+    def write(self, alert: Alert, step: int, count: int, index: int = 1) -> None:
+        """Write ``alert`` to every logger at ``step``.
+
+        ``count`` is the alerts of its kind so far and ``index`` those of any kind, it included (it numbers MLflow's
+        tags).
+        """
+        self.log_figures({f"{ALERTS_PREFIX}{alert.kind.value}": float(count)}, step)
         for logger in self.loggers:
-            if isinstance(logger, TENSORBOARD_LOGGERS):
+            if is_tensorboard_logger(logger):
                 text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
                 logger.experiment.add_text("alerts", text, global_step=step)
+        for run in self.runs:
+            run.alert(alert, index)
+
+    def add_files(self, paths: Sequence[Path]) -> None:
+        """Make files the monitor wrote in its folder part of every W&B and MLflow run."""
+        for run in self.runs:
+            run.add_files(paths)
+
+    def sync(self) -> None:
+        """Bring the W&B and MLflow runs' copies of the monitor's files up to date."""
+        for run in self.runs:
+            run.sync()
 
 
 class JsonlSink:

@@ -60,6 +60,7 @@ class RankReport(pl.Callback):
             "stopping_reason": None if monitor.stopping_reason is None else monitor.stopping_reason.value,
             "finite": all(bool(torch.isfinite(p).all()) for p in pl_module.parameters()),
             "latest": monitor.latest,
+            "log_dir": str(monitor.log_dir),
         }
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -137,6 +138,19 @@ def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
     assert line["lr"] == 0.1
     history = jsonl(tmp_path / "csv" / "version_0" / "monitor_history.jsonl")
     assert [(r["step"], r["lr"]) for r in history if "grad_norm" in r] == [(s, 0.1) for s in range(4)]
+
+
+def test_without_a_logger_every_rank_writes_to_the_one_folder_rank_zero_chose(tmp_path):
+    torch.manual_seed(0)
+    fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, logger=False)
+    folder = tmp_path / "lightning_monitor" / "version_0"
+    assert [report["log_dir"] for report in reports(tmp_path)] == [str(folder)] * 2
+    assert [p.name for p in (tmp_path / "lightning_monitor").iterdir()] == ["version_0"]
+    (bundle,) = (folder / "postmortem").iterdir()
+    assert bundle.name == "step0000003_nonfinite_loss"
+    assert {"batch_rank0.pt", "batch_rank1.pt", "last_good.ckpt"} <= {p.name for p in bundle.iterdir()}
+    (line,) = jsonl(folder / "alerts.jsonl")
+    assert line["rank"] == 1
 
 
 def test_exploding_gradients_on_one_rank_stop_both_ranks(tmp_path):

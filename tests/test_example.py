@@ -68,7 +68,7 @@ def test_healthy_run_learns_without_alerts(example, tmp_path, capsys):
     with (log_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert "grad_norm" in rows[0]
-    assert "grad_norm/model.blocks.0" in rows[0]
+    assert "grad_norm_layers/model.blocks.0" in rows[0]
     assert any(row["grad_norm"] for row in rows)
     losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
     assert losses[-1] < losses[0]

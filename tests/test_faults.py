@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import ScriptedModel, all_finite, csv_column, jsonl, loader, make_trainer, same_weights
+from helpers import NO_LOGGER_RUN, ScriptedModel, all_finite, csv_column, jsonl, loader, make_trainer, same_weights
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import RandomDataset
 from lightning.pytorch.loggers import CSVLogger
@@ -164,7 +164,7 @@ def test_a_batch_that_does_not_pickle_is_left_out_of_the_bundle_with_one_warning
     (warning,) = [w for w in record if issubclass(w.category, RuntimeWarning)]
     assert "lacks the batches of rank(s) [0], which do not pickle" in str(warning.message)
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == k + 1
-    folder = tmp_path / "postmortem" / f"step{k:07d}_nonfinite_loss"
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{k:07d}_nonfinite_loss"
     assert f"Post-mortem bundle: {folder}" in monitor.alerts[0].message
     names = {p.name for p in folder.iterdir()}
     assert {"last_good.ckpt", "README.md", "batch_rank0.error.txt"} <= names and "batch_rank0.pt" not in names
@@ -186,7 +186,7 @@ def test_a_batch_that_does_not_pickle_does_not_kill_a_run_that_bundles_every_ale
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1  # once, not at every alert
     assert trainer.global_step == 6 and monitor.stopping_reason is None
     assert monitor.alerts and {a.kind for a in monitor.alerts} == {AlertKind.VANISHING_GRAD}
-    first = tmp_path / "postmortem" / f"step{monitor.alerts[0].step:07d}_vanishing_grad"
+    first = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{monitor.alerts[0].step:07d}_vanishing_grad"
     assert (first / "batch_rank0.error.txt").exists() and not (first / "batch_rank0.pt").exists()
 
 
@@ -205,7 +205,7 @@ def test_a_nan_between_checks_is_reported_as_applied_and_no_bad_checkpoint_is_ke
     assert "the weights are unchanged" not in alert.message
     assert "were applied unchecked" in alert.message
     assert "The weights are not finite" in alert.message
-    folder = tmp_path / "postmortem" / "step0000005_nonfinite_loss"
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000005_nonfinite_loss"
     assert f"Post-mortem bundle: {folder}" in alert.message
     names = {p.name for p in folder.iterdir()}
     assert "last_good.ckpt" not in names and "README.md" in names

@@ -214,9 +214,11 @@ def test_sparse_embedding_with_sgd(tmp_path, accumulate):
     assert model.duplicates == 6  # every step's embedding gradient repeats an index
     for seen, (_, total, layers) in zip(probe.latest, model.reference, strict=True):
         assert close(seen["grad_norm"], total, rel=1e-6)
-        assert close(seen["grad_norm/embed"], layers["embed"], rel=1e-6)
-        assert close(seen["grad_norm/head"], layers["head"], rel=1e-6)
-        assert close(math.hypot(seen["grad_norm/embed"], seen["grad_norm/head"]), seen["grad_norm"], rel=1e-6)
+        assert close(seen["grad_norm_layers/embed"], layers["embed"], rel=1e-6)
+        assert close(seen["grad_norm_layers/head"], layers["head"], rel=1e-6)
+        assert close(
+            math.hypot(seen["grad_norm_layers/embed"], seen["grad_norm_layers/head"]), seen["grad_norm"], rel=1e-6
+        )
 
 
 def test_sparse_embedding_with_sparse_adam(tmp_path):
@@ -229,7 +231,7 @@ def test_sparse_embedding_with_sparse_adam(tmp_path):
     for seen, (index, total, layers) in zip(probe.latest, model.reference, strict=True):
         assert close(seen[f"grad_norm_opt{index}"], total, rel=1e-6)
         layer = ("embed", "head")[index]
-        assert close(seen[f"grad_norm_opt{index}/{layer}"], layers[layer], rel=1e-6)
+        assert close(seen[f"grad_norm_layers_opt{index}/{layer}"], layers[layer], rel=1e-6)
         assert close(seen[f"grad_norm_opt{index}"], layers[layer], rel=1e-6)  # its only layer
 
 
@@ -264,8 +266,8 @@ def test_complex_parameter(tmp_path, dtype):
     assert len(probe.latest) == len(model.reference) == 6
     for seen, (total, layers) in zip(probe.latest, model.reference, strict=True):
         assert close(seen["grad_norm"], total, rel=1e-6)
-        assert close(seen["grad_norm/inp"], layers["inp"], rel=1e-6)
-        assert close(seen["grad_norm/mix"], layers["mix"], rel=1e-6)
+        assert close(seen["grad_norm_layers/inp"], layers["inp"], rel=1e-6)
+        assert close(seen["grad_norm_layers/mix"], layers["mix"], rel=1e-6)
 
 
 def test_the_monitor_still_makes_one_sync_per_step(tmp_path):

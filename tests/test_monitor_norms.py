@@ -36,8 +36,8 @@ def test_total_and_layer_norms_match_reference(tmp_path):
         assert close(seen["grad_norm"], ref)
     # Per layer: the two Linear layers of `layer`, each weight and bias together.
     last = probe.latest[-1]
-    assert set(last) >= {"grad_norm/layer.0", "grad_norm/layer.2"}
-    assert close(math.hypot(last["grad_norm/layer.0"], last["grad_norm/layer.2"]), last["grad_norm"])
+    assert set(last) >= {"grad_norm_layers/layer.0", "grad_norm_layers/layer.2"}
+    assert close(math.hypot(last["grad_norm_layers/layer.0"], last["grad_norm_layers/layer.2"]), last["grad_norm"])
 
 
 def test_layer_norms_equal_their_own_reference(tmp_path):
@@ -48,8 +48,8 @@ def test_layer_norms_equal_their_own_reference(tmp_path):
 
     model = PerLayer()
     _, _, probe = fit_probed(tmp_path, model)
-    assert close(probe.latest[-1]["grad_norm/layer.0"], model.per_layer[0])
-    assert close(probe.latest[-1]["grad_norm/layer.2"], model.per_layer[2])
+    assert close(probe.latest[-1]["grad_norm_layers/layer.0"], model.per_layer[0])
+    assert close(probe.latest[-1]["grad_norm_layers/layer.2"], model.per_layer[2])
 
 
 def test_fp16_amp_norm_is_unscaled(tmp_path):
@@ -184,9 +184,9 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert [i for i, _ in model.reference] == [0, 1] * 4
     for seen, (index, ref) in zip(probe.latest, model.reference, strict=True):
         assert close(seen[f"grad_norm_opt{index}"], ref)
-    assert set(probe.latest[0]) >= {"grad_norm_opt0", "grad_norm_opt0/a"}
-    assert "grad_norm_opt0/b" not in probe.latest[0]  # each optimizer measures only its own parameters
-    assert set(probe.latest[1]) >= {"grad_norm_opt1", "grad_norm_opt1/b"}
+    assert set(probe.latest[0]) >= {"grad_norm_opt0", "grad_norm_layers_opt0/a"}
+    assert "grad_norm_layers_opt0/b" not in probe.latest[0]  # each optimizer measures only its own parameters
+    assert set(probe.latest[1]) >= {"grad_norm_opt1", "grad_norm_layers_opt1/b"}
     logged = csv_column(trainer.logger.log_dir + "/metrics.csv", "grad_norm_opt1")
     assert [v for _, v in logged] == pytest.approx([r for i, r in model.reference if i == 1], rel=1e-5)
 
@@ -225,7 +225,7 @@ def test_figures_reach_every_logger_on_logging_steps(tmp_path):
     for series in (tb_scalars(tb.log_dir)["grad_norm"], csv_column(csv.log_dir + "/metrics.csv", "grad_norm")):
         assert [s for s, _ in series] == [s for s, _ in expected]
         assert [v for _, v in series] == pytest.approx([v for _, v in expected], rel=1e-5)
-    assert {"grad_norm/layer.0", "grad_norm/layer.2"} <= set(tb_scalars(tb.log_dir))
+    assert {"grad_norm_layers/layer.0", "grad_norm_layers/layer.2"} <= set(tb_scalars(tb.log_dir))
     assert "skipped_steps" not in tb_scalars(tb.log_dir)  # nothing skipped: no constant zero written
     assert "loss_scale" not in tb_scalars(tb.log_dir)  # fp32: no scaler
     assert float(trainer.callback_metrics["grad_norm"]) == pytest.approx(model.reference[8], rel=1e-5)
@@ -234,7 +234,7 @@ def test_figures_reach_every_logger_on_logging_steps(tmp_path):
 def test_layer_norms_can_be_turned_off(tmp_path):
     monitor = TrainingMonitor(val_loss_key=None, layer_norms=False)
     _, _, probe = fit_probed(tmp_path, ScriptedModel(), monitor)
-    assert not [k for k in probe.latest[-1] if k.startswith("grad_norm/")]
+    assert not [k for k in probe.latest[-1] if k.startswith("grad_norm_layers/")]
 
 
 def test_check_every_n_steps_keeps_worst_value_between_checks(tmp_path):
@@ -280,7 +280,7 @@ def test_check_every_n_steps_counts_each_optimizers_own_steps(tmp_path):
         index, ref = model.reference[row]
         assert {k for k in probe.latest[row] if "/" not in k} == {"loss", f"grad_norm_opt{index}"}
         assert close(probe.latest[row][f"grad_norm_opt{index}"], ref)
-        assert close(probe.latest[row][f"grad_norm_opt{index}/{'ab'[index]}"], ref)
+        assert close(probe.latest[row][f"grad_norm_layers_opt{index}/{'ab'[index]}"], ref)
     for row in (2, 3):  # held: the figures of the last check stay
         assert probe.latest[row] == probe.latest[row - 1]
     # Optimizer 1's explosion at batch 1 was held, and caught at its next check (batch 2), with its own norm.
@@ -385,8 +385,8 @@ def test_float64_norms_keep_float64_range(tmp_path, factor):
     assert all(factor / 100 < ref < factor * 100 for ref in model.reference)
     for seen, ref, layers in zip(probe.latest, model.reference, model.per_layer, strict=True):  # no absolute tolerance
         assert seen["grad_norm"] == pytest.approx(ref, rel=1e-6, abs=0)
-        assert seen["grad_norm/layer.0"] == pytest.approx(layers[0], rel=1e-6, abs=0)
-        assert seen["grad_norm/layer.2"] == pytest.approx(layers[2], rel=1e-6, abs=0)
+        assert seen["grad_norm_layers/layer.0"] == pytest.approx(layers[0], rel=1e-6, abs=0)
+        assert seen["grad_norm_layers/layer.2"] == pytest.approx(layers[2], rel=1e-6, abs=0)
     assert monitor.alerts == []
     assert monitor.skipped_steps == 0
 
@@ -440,13 +440,13 @@ def test_parameters_the_optimizer_gains_are_measured(tmp_path, change):
     assert replaced == (change is NewOptimizerAtEpoch1)
     for step, (seen, ref, layers) in enumerate(zip(probe.latest, model.reference, model.per_layer, strict=True)):
         assert close(seen["grad_norm"], ref)
-        assert close(seen["grad_norm/layer.2"], layers[2])
+        assert close(seen["grad_norm_layers/layer.2"], layers[2])
         if step < 3:  # frozen: no gradient, and not the optimizer's
             assert layers[0] == 0.0
-            assert "grad_norm/layer.0" not in seen
+            assert "grad_norm_layers/layer.0" not in seen
         else:
             assert layers[0] > 0.0
-            assert close(seen["grad_norm/layer.0"], layers[0])
+            assert close(seen["grad_norm_layers/layer.0"], layers[0])
             assert close(math.hypot(layers[0], layers[2]), ref)
 
 
@@ -480,13 +480,13 @@ def test_parameters_not_in_the_module_are_measured(tmp_path, only_extra):
     for seen, groups in zip(probe.latest, model.groups, strict=True):
         assert groups[-1] > 0.0
         assert close(seen["grad_norm"], math.hypot(*groups))
-        assert close(seen[f"grad_norm/param_group_{len(groups) - 1}"], groups[-1])
-        layers = sorted(k for k in seen if k.startswith("grad_norm/"))
+        assert close(seen[f"grad_norm_layers/param_group_{len(groups) - 1}"], groups[-1])
+        layers = sorted(k for k in seen if k.startswith("grad_norm_layers/"))
         if only_extra:
-            assert layers == ["grad_norm/param_group_0"]
+            assert layers == ["grad_norm_layers/param_group_0"]
         else:
-            assert layers == ["grad_norm/layer.0", "grad_norm/layer.2", "grad_norm/param_group_1"]
-            assert close(math.hypot(seen["grad_norm/layer.0"], seen["grad_norm/layer.2"]), groups[0])
+            assert layers == ["grad_norm_layers/layer.0", "grad_norm_layers/layer.2", "grad_norm_layers/param_group_1"]
+            assert close(math.hypot(seen["grad_norm_layers/layer.0"], seen["grad_norm_layers/layer.2"]), groups[0])
     assert monitor.alerts == []
 
 

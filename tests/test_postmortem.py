@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ScriptedModel, all_finite, loader, make_trainer, same_weights
+from helpers import NO_LOGGER_RUN, ScriptedModel, all_finite, loader, make_trainer, same_weights
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,7 +43,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     trainer.fit(model, train_dataloaders=poisoned_data())
     (alert,) = monitor.alerts
     assert alert.kind is AlertKind.NONFINITE_LOSS and alert.step == BAD_BATCH
-    folder = tmp_path / "postmortem" / f"step{BAD_BATCH:07d}_nonfinite_loss"
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_nonfinite_loss"
     assert f"Post-mortem bundle: {folder}" in alert.message
     assert sorted(p.name for p in folder.iterdir()) == [
         "README.md",
@@ -65,7 +65,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     history = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
     assert [row["step"] for row in history] == list(range(BAD_BATCH + 1))
     assert history[-1]["loss"] == "nan" and math.isfinite(history[-2]["loss"])
-    assert "grad_norm/layer.0" in history[-1]
+    assert "grad_norm_layers/layer.0" in history[-1]
     assert json.loads((folder / "alerts.jsonl").read_text())["kind"] == "nonfinite_loss"
     readme = (folder / "README.md").read_text()
     assert "load_from_checkpoint" in readme and "batch_rank0.pt" in readme and alert.message in readme
@@ -88,7 +88,7 @@ def test_bundle_on_every_alert_when_asked(tmp_path):
     trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     assert [a.kind for a in monitor.alerts] == [AlertKind.EXPLODING_GRAD]
     assert "skipped" not in monitor.alerts[0].message
-    folder = tmp_path / "postmortem" / "step0000003_exploding_grad"
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000003_exploding_grad"
     assert (folder / "last_good.ckpt").exists()
     readme = words(folder / "README.md")
     assert "an alert fired" in readme
@@ -105,7 +105,7 @@ def test_no_bundle_when_turned_off(tmp_path):
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(TensorModel(), train_dataloaders=poisoned_data())
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
-    assert not (tmp_path / "postmortem").exists()
+    assert not (tmp_path / NO_LOGGER_RUN / "postmortem").exists()
     assert "Post-mortem" not in monitor.alerts[0].message
 
 
@@ -174,7 +174,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
     trainer.fit(model, train_dataloaders=data)
     (alert,) = first.alerts
     assert (alert.kind, alert.step, alert.halted) == (kind, BAD_BATCH, True)
-    ckpt = tmp_path / "postmortem" / f"step{BAD_BATCH:07d}_{kind.value}" / "last_good.ckpt"
+    ckpt = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_{kind.value}" / "last_good.ckpt"
 
     resumed_model = TensorModel(loss_factor={BAD_BATCH: factor})  # the bad step comes again
     resumed = TrainingMonitor(val_loss_key=None)
@@ -190,7 +190,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
     assert same_weights(list(resumed_model.parameters()), model.weights_before[BAD_BATCH])
     assert resumed.skipped_steps == 2
     assert all_finite(resumed_model)
-    (folder,) = (tmp_path / "resume" / "postmortem").iterdir()
+    (folder,) = (tmp_path / "resume" / NO_LOGGER_RUN / "postmortem").iterdir()
     assert folder.name == f"step{again.step:07d}_{kind.value}"
 
 
@@ -203,7 +203,7 @@ def test_bundle_of_a_validation_alert_says_where_it_came_from(tmp_path):
     assert (alert.kind, alert.step, alert.halted) == (AlertKind.DIVERGING_VAL_LOSS, 7, True)
     assert trainer.global_step == 8 and model.val_runs == 2
     # Named after the step Lightning logged that validation's val_loss at (the last batch before it).
-    folder = tmp_path / "postmortem" / "step0000007_diverging_val_loss"
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000007_diverging_val_loss"
     assert f"Post-mortem bundle: {folder}" in alert.message
     readme = words(folder / "README.md")
     assert "Written by lightning-monitor when training halted. The alert came from the validation after step 7" in (
@@ -296,7 +296,7 @@ def test_bundle_of_a_check_covering_held_steps_says_the_bad_step_may_be_earlier(
     )
     (alert,) = monitor.alerts
     assert (alert.kind, alert.step) == (AlertKind.NONFINITE_LOSS, 8)  # the NaN of held step 5, caught at step 8
-    readme = words(tmp_path / "postmortem" / "step0000008_nonfinite_loss" / "README.md")
+    readme = words(tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000008_nonfinite_loss" / "README.md")
     assert (
         "The check covered the last 4 optimizer steps (`check_every_n_steps`): the bad one may be an earlier step,"
         " already applied, whose batches are not kept here."

@@ -449,16 +449,17 @@ def test_resumed_run_in_the_same_folder(tmp_path: Path, alerts_file: str | None)
 
 
 def test_a_fresh_run_in_the_same_folder_sets_earlier_alerts_aside(tmp_path: Path) -> None:
-    """Without a logger every run writes to `default_root_dir`: a new run must not report the last one's alerts."""
+    """A logger with a fixed `version` gives every run one folder: a new run must not report the last one's alerts."""
     torch.manual_seed(0)
     x = torch.randn(8 * BATCHES_PER_EPOCH, 8)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    folder = tmp_path / "fixed"
 
     def session(nan_at: int | None) -> TrainingMonitor:
         monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem=None)
         trainer = pl.Trainer(
             max_steps=4,
-            logger=False,
+            logger=TensorBoardLogger(tmp_path, name="", version="fixed"),
             default_root_dir=tmp_path,
             callbacks=[monitor],
             enable_progress_bar=False,
@@ -466,20 +467,21 @@ def test_a_fresh_run_in_the_same_folder_sets_earlier_alerts_aside(tmp_path: Path
             enable_checkpointing=False,
         )
         trainer.fit(RegressionModel(nan_at), data, data)
+        assert monitor.log_dir == folder
         return monitor
 
     def steps(path: Path) -> list[int]:
         return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
     session(nan_at=2)
-    assert steps(tmp_path / "alerts.jsonl") == [2]
+    assert steps(folder / "alerts.jsonl") == [2]
     assert session(nan_at=None).alerts == []  # healthy: the earlier run's file is set aside, no new one is written
-    assert not (tmp_path / "alerts.jsonl").exists()
-    assert steps(tmp_path / "alerts.jsonl.1") == [2]
+    assert not (folder / "alerts.jsonl").exists()
+    assert steps(folder / "alerts.jsonl.1") == [2]
     session(nan_at=3)
-    assert steps(tmp_path / "alerts.jsonl") == [3]
-    assert [(a.kind, a.step) for a in load_run(tmp_path).alerts] == [("nonfinite_loss", 3)]
-    assert steps(tmp_path / "alerts.jsonl.1") == [2] and not (tmp_path / "alerts.jsonl.2").exists()
+    assert steps(folder / "alerts.jsonl") == [3]
+    assert [(a.kind, a.step) for a in load_run(folder).alerts] == [("nonfinite_loss", 3)]
+    assert steps(folder / "alerts.jsonl.1") == [2] and not (folder / "alerts.jsonl.2").exists()
 
 
 # ------------------------------------------------------------------------------------------------ unreadable numbers

@@ -1,0 +1,167 @@
+"""The folder of the monitor's files for one run: ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
+
+Each run gets a folder of its own, and no run writes into another's. The folder is, by the trainer's loggers:
+
+- the first ``TensorBoardLogger`` or ``CSVLogger``: its ``log_dir`` (``lightning_logs/version_<n>``), beside the
+  run's events and ``metrics.csv``, where the report reads them together;
+- else the first ``WandbLogger``: ``lightning_monitor/`` in the W&B run's own ``files/`` folder
+  (``<save_dir>/wandb/run-<time>-<id>/files``), so the files are the run's files;
+- else the first ``MLFlowLogger``: ``lightning_monitor/`` in the run's artifact folder when its artifact URI is a
+  local path (a file store, or SQLite with local artifacts), so the files are artifacts as soon as written; else
+  ``<default_root_dir>/lightning_monitor/mlflow_<run id>``, uploaded at the end of fit and at a halt;
+- else (no logger, or only others: Comet, Neptune...): ``<default_root_dir>/lightning_monitor/version_<n>``, the
+  first ``n`` free, created at once so that two runs started together never share one.
+
+Nothing is written to the root of an MLflow file store (``mlruns/``), where MLflow reads each folder as an
+experiment. W&B and MLflow runs also get the files when the folder is another logger's
+(:mod:`~lightning_monitor.logger_sinks`). Global rank zero decides and every rank gets its answer (one broadcast, in
+``setup``). A post-mortem bundle goes to a new folder (:func:`new_folder`), never into one an earlier bundle wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_wandb_logger
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import Logger, WandbLogger
+
+__all__ = ["MONITOR_FOLDER", "local_artifact_path", "new_folder", "new_version", "run_folder", "wandb_files_dir"]
+
+#: The name of the monitor's folder inside a W&B run's files, an MLflow run's artifacts, or ``default_root_dir``.
+MONITOR_FOLDER = "lightning_monitor"
+
+
+def run_folder(trainer: pl.Trainer) -> Path:
+    """The folder of this run's monitor files, the same on every rank. Every rank must call it (one broadcast).
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(logger=False, default_root_dir=root, enable_progress_bar=False)
+        >>> [run_folder(trainer).relative_to(root).as_posix() for _ in range(2)]
+        ['lightning_monitor/version_0', 'lightning_monitor/version_1']
+    """
+    chosen = str(_choose(trainer)) if trainer.is_global_zero else ""
+    return Path(trainer.strategy.broadcast(chosen, src=0))
+
+
+def new_folder(path: str | os.PathLike[str]) -> Path:
+    """Create ``path``, or when it exists the first free ``<path>_2``, ``<path>_3``...; return the one created.
+
+    ``mkdir`` fails on a folder that exists, so two writers never get the same one.
+
+    Raises:
+        OSError: If the folder cannot be created (its parent is not writable).
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> [new_folder(root / "step0000003_nonfinite_loss").name for _ in range(3)]
+        ['step0000003_nonfinite_loss', 'step0000003_nonfinite_loss_2', 'step0000003_nonfinite_loss_3']
+    """
+    path = Path(path)
+    candidate, n = path, 1
+    while True:
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.name}_{n}")
+            continue
+        return candidate
+
+
+def new_version(root: str | os.PathLike[str]) -> Path:
+    """Create and return ``<root>/version_<n>`` for the first free ``n``.
+
+    If ``root`` is not writable, ``version_0``, uncreated: each write to it then warns once.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "version_0").mkdir()
+        >>> new_version(root).name
+        'version_1'
+    """
+    root, n = Path(root), 0
+    while True:
+        candidate = root / f"version_{n}"
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            n += 1
+            continue
+        except OSError:
+            return root / "version_0"
+        return candidate
+
+
+def local_artifact_path(uri: str) -> Path | None:
+    """The local folder an MLflow artifact URI names (``file:`` or a plain path), or ``None`` for a remote store.
+
+    Example:
+        >>> local_artifact_path("file:///tmp/mlruns/1/abc/artifacts").as_posix()
+        '/tmp/mlruns/1/abc/artifacts'
+        >>> local_artifact_path("/tmp/mlruns/1/abc/artifacts").as_posix()
+        '/tmp/mlruns/1/abc/artifacts'
+        >>> [local_artifact_path(uri) for uri in ("s3://bucket/1/abc/artifacts", "mlflow-artifacts:/1/abc/artifacts")]
+        [None, None]
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        return Path(url2pathname(parsed.path))
+    if parsed.scheme == "" or (os.name == "nt" and len(parsed.scheme) == 1):  # a path (on Windows, `C:\...`)
+        return Path(uri)
+    return None
+
+
+def wandb_files_dir(logger: WandbLogger) -> Path | None:
+    """The ``files/`` folder of a ``WandbLogger``'s run (what W&B uploads), or ``None`` if it has none (rank zero)."""
+    files = getattr(logger.experiment, "dir", None)
+    return Path(files) if isinstance(files, str) and files else None
+
+
+def _choose(trainer: pl.Trainer) -> Path:
+    """Rank zero's choice (see the module's docstring)."""
+    loggers = trainer.loggers
+    versioned = next((logger for logger in loggers if has_run_log_dir(logger)), None)
+    if versioned is not None and versioned.log_dir:
+        return Path(versioned.log_dir)
+    for logger in loggers:
+        if not (is_wandb_logger(logger) or is_mlflow_logger(logger)):
+            continue
+        try:
+            folder = _tracked_run_folder(trainer, logger)
+        except Exception as err:  # a tracking server that does not answer, a disabled run: the next choice
+            rank_zero_warn(
+                f"TrainingMonitor could not find the folder of the {type(logger).__name__} run ({type(err).__name__}:"
+                f" {err}); its files go to another folder (`TrainingMonitor.log_dir` says which).",
+                category=RuntimeWarning,
+            )
+            continue
+        if folder is not None:
+            return folder
+    return new_version(Path(trainer.default_root_dir) / MONITOR_FOLDER)
+
+
+def _tracked_run_folder(trainer: pl.Trainer, logger: Logger) -> Path | None:
+    """The folder of a W&B or MLflow run's own, on rank zero."""
+    if is_wandb_logger(logger):
+        files = wandb_files_dir(logger)
+        return None if files is None else files / MONITOR_FOLDER
+    if not is_mlflow_logger(logger):
+        return None
+    run_id = logger.version  # `MLFlowLogger.version` is the run id (the run is created if need be)
+    artifacts = local_artifact_path(logger.experiment.get_run(run_id).info.artifact_uri)
+    if artifacts is not None:
+        return artifacts / MONITOR_FOLDER
+    return Path(trainer.default_root_dir) / MONITOR_FOLDER / f"mlflow_{run_id}"

@@ -1,0 +1,380 @@
+"""The monitor with every Lightning logger it treats apart, through the real packages: W&B offline, MLflow with a
+file store and with SQLite, TensorBoard, and no logger.
+
+What each logger got is read back the way its package keeps it: the W&B offline run's ``files/`` folder and its
+transaction log (``run-<id>.wandb``, records of W&B's own protobuf schema); MLflow through ``MlflowClient``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import ScriptedModel, jsonl, loader, make_trainer, tb_texts
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor.cli import main
+from lightning_monitor.keys import path_prefix_clashes
+from lightning_monitor.logger_sinks import WANDB_ALERT_WAIT_S
+from lightning_monitor.report import detect_keys, load_run
+from lightning_monitor.sinks import TENSORBOARD_LAYOUT
+
+pytestmark = pytest.mark.timeout(180)
+
+#: The characters Lightning's MLFlowLogger keeps in a metric name (it strips the others, with a warning).
+MLFLOW_SAFE = re.compile(r"[a-zA-Z0-9_/. -]+")
+OWN_FILES = {"alerts.jsonl", "monitor_settings.json", "postmortem"}
+
+
+class EveryFeature(pl.LightningModule):
+    """Two optimizers (manual optimization) over modules whose names hold ``/``, ``:`` and spaces; logits and labels
+    for token accuracy; a NaN loss at the batches in ``nan_at``."""
+
+    def __init__(self, nan_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.encoder = nn.ModuleDict({"in/proj": nn.Linear(32, 16), "mix:1 a": nn.Linear(16, 16)})
+        self.head = nn.Linear(16, 2)
+        self.nan_at = nan_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.encoder["mix:1 a"](torch.tanh(self.encoder["in/proj"](x))))
+        return self.head(hidden)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        factor = float("nan") if batch_idx in self.nan_at else 1.0
+        for opt in self.optimizers():
+            opt.zero_grad()
+            self.manual_backward(self(batch).pow(2).mean() * factor)
+            opt.step()
+        return self.scored(batch)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        self.log("val_loss", self(batch).pow(2).mean())
+        return self.scored(batch)
+
+    def scored(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Logits and a label from the sign of the first input: token accuracy."""
+        return {"logits": self(batch).detach(), "labels": (batch[:, 0] > 0).long()}
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (
+            torch.optim.SGD(self.encoder.parameters(), lr=0.01),
+            torch.optim.SGD(self.head.parameters(), lr=0.01),
+        )
+
+
+def fp16() -> list[MixedPrecision]:
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+
+
+def own_files_in(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()} & OWN_FILES
+
+
+# ------------------------------------------------------------------------------------------------ MLflow
+
+
+@pytest.fixture
+def mlflow_file_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLflow 3.7+ refuses a file store (`file:` tracking URI) unless told it is wanted.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def artifacts(logger: MLFlowLogger, path: str = "lightning_monitor") -> set[str]:
+    """Every artifact file of the logger's run under ``path``, recursively."""
+    found, todo = set(), [path]
+    while todo:
+        for info in logger.experiment.list_artifacts(logger.run_id, todo.pop()):
+            (todo.append if info.is_dir else found.add)(info.path)
+    return found
+
+
+@pytest.mark.usefixtures("mlflow_file_store")
+def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
+    """The issue's crash: `grad_norm` and `grad_norm/<layer>` were a file and a folder of one name in the store."""
+    mlruns = tmp_path / "mlruns"
+    logger = MLFlowLogger(tracking_uri=f"file:{mlruns}")
+    monitor = TrainingMonitor(halt_on=[], postmortem="alert", epoch_token_accuracy=True)
+    trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, plugins=fp16(), max_steps=16)
+    trainer.fit(EveryFeature(nan_at=(3,)), train_dataloaders=loader(n=16), val_dataloaders=loader(n=4))
+    assert trainer.global_step == 16 and [a.kind.value for a in monitor.alerts] == ["nonfinite_loss"] * 2
+
+    client, run_id = logger.experiment, logger.run_id
+    keys = set(client.get_run(run_id).data.metrics)
+    assert {
+        "grad_norm_opt0",
+        "grad_norm_opt1",
+        "grad_norm_layers_opt0/encoder.in_proj",
+        "grad_norm_layers_opt0/encoder.mix_1_a",
+        "grad_norm_layers_opt1/head",
+        "loss_scale",
+        "train_token_acc",
+        "train_token_acc_epoch",
+        "val_token_acc",
+        "alerts/nonfinite_loss",
+        "skipped_steps",
+    } <= keys
+    assert path_prefix_clashes(keys) == []
+    assert all(MLFLOW_SAFE.fullmatch(k) for k in keys)
+    history = client.get_metric_history(run_id, "grad_norm_layers_opt1/head")
+    assert [m.step for m in history] == list(range(8))  # one per batch; the NaN loss's gradients are NaN
+    assert [m.step for m in history if math.isnan(m.value)] == [3]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "alerts/nonfinite_loss")] == [
+        (3, 1.0),
+        (3, 2.0),
+    ]
+
+    # The files are the run's artifacts at once: the monitor's folder is in the run's artifact folder.
+    artifact_dir = Path(client.get_run(run_id).info.artifact_uri.removeprefix("file://"))
+    assert monitor.log_dir == artifact_dir / "lightning_monitor"
+    # One bundle per alert: the second optimizer's, at the same step, does not overwrite the first one's.
+    bundles = sorted(p.name for p in (monitor.log_dir / "postmortem").iterdir())
+    assert bundles == ["step0000003_nonfinite_loss", "step0000003_nonfinite_loss_2"]
+    assert {
+        "lightning_monitor/alerts.jsonl",
+        "lightning_monitor/monitor_settings.json",
+        *(f"lightning_monitor/postmortem/{name}/README.md" for name in bundles),
+    } <= artifacts(logger)
+    # Each alert is a tag; nothing of the monitor's in the store's root, which MLflow reads as experiments.
+    tags = client.get_run(run_id).data.tags
+    messages = [a.message for a in monitor.alerts]
+    assert [tags[f"lightning_monitor.alert.{n}"] for n in (1, 2)] == [f"[nonfinite_loss] {m}" for m in messages]
+    assert "lightning_monitor.halted" not in tags
+    assert not own_files_in(mlruns)
+    assert not (tmp_path / "root" / "lightning_monitor").exists()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        client.search_experiments()
+    assert not [r for r in caplog.records if "Malformed" in r.getMessage()]
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated:DeprecationWarning")  # MLflow's
+def test_mlflow_sqlite_halt_keeps_its_files_in_the_runs_artifacts(tmp_path, monkeypatch):
+    """SQLite keeps artifacts in `./mlruns/<experiment>/<run>/artifacts`: the run's own, not the working directory."""
+    monkeypatch.chdir(tmp_path)
+    logger = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, max_steps=10)
+    trainer.fit(ScriptedModel(loss_factor={4: float("nan")}), train_dataloaders=loader())
+    (alert,) = monitor.alerts
+    assert alert.halted and trainer.global_step == 5
+
+    client, run_id = logger.experiment, logger.run_id
+    assert [m.step for m in client.get_metric_history(run_id, "grad_norm_layers/layer.0")] == [0, 1, 2, 3, 4]
+    run = client.get_run(run_id)
+    assert run.data.tags["lightning_monitor.alert.1"] == f"[nonfinite_loss] {alert.message}"
+    assert run.data.tags["lightning_monitor.halted"] == "nonfinite_loss"
+    assert monitor.log_dir == Path(run.info.artifact_uri) / "lightning_monitor"
+    assert monitor.log_dir.is_relative_to(tmp_path / "mlruns")
+    bundle = "lightning_monitor/postmortem/step0000004_nonfinite_loss"
+    assert {"lightning_monitor/alerts.jsonl", f"{bundle}/last_good.ckpt", f"{bundle}/README.md"} <= artifacts(logger)
+    assert not own_files_in(tmp_path) and not (tmp_path / "root" / "lightning_monitor").exists()
+
+
+@pytest.mark.usefixtures("mlflow_file_store")
+def test_mlflow_beside_a_csv_logger_gets_the_files_uploaded(tmp_path):
+    """The folder is the CSV logger's; MLflow gets copies at the bundle, the halt and the end of fit."""
+    csv = CSVLogger(tmp_path, name="csv")
+    mlflow = MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], logger=[csv, mlflow], max_steps=10)
+    trainer.fit(ScriptedModel(loss_factor={4: float("nan")}), train_dataloaders=loader())
+    assert monitor.log_dir == Path(csv.log_dir)
+    assert own_files_in(monitor.log_dir) == OWN_FILES
+    bundle = "lightning_monitor/postmortem/step0000004_nonfinite_loss"
+    uploaded = artifacts(mlflow)
+    assert {"lightning_monitor/alerts.jsonl", "lightning_monitor/monitor_settings.json", f"{bundle}/README.md"} <= (
+        uploaded
+    )
+    assert not [p for p in uploaded if "metrics.csv" in p or "hparams" in p]  # only the monitor's own files
+    local = mlflow.experiment.download_artifacts(mlflow.run_id, "lightning_monitor/alerts.jsonl", str(tmp_path))
+    assert jsonl(local) == jsonl(monitor.log_dir / "alerts.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------ W&B
+
+
+@pytest.fixture
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """W&B offline, every folder it writes under ``tmp_path``; the run finished at the end."""
+    wandb = pytest.importorskip("wandb")
+    for name, folder in {"DIR": "wandb", "CACHE_DIR": "cache", "CONFIG_DIR": "config", "DATA_DIR": "data"}.items():
+        monkeypatch.setenv(f"WANDB_{name}", str(tmp_path / folder))
+    monkeypatch.setenv("WANDB_MODE", "offline")  # restored after the test (WandbLogger sets it to "dryrun")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield wandb
+    wandb.finish()
+    wandb.teardown()
+
+
+def wandb_records(run_dir: Path) -> list[Any]:
+    """The records of an offline run's transaction log, ``run-<id>.wandb``.
+
+    The log is W&B's LevelDB-style record log: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of
+    chunks, each a 7-byte header (CRC, length, type: full, first, middle, last) and its bytes; a record is a
+    ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    records, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding to the end of the block
+            pos += block - pos % block
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offline):
+    logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
+    monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem="alert")
+    trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, max_steps=10)
+    trainer.fit(ScriptedModel(loss_factor={2: float("nan"), 5: float("nan")}), train_dataloaders=loader())
+    wandb_offline.finish()
+    wandb_offline.teardown()  # the W&B service writes the run's log to its end, and exits
+    assert [(a.kind.value, a.step) for a in monitor.alerts] == [("nonfinite_loss", 2), ("nonfinite_loss", 5)]
+
+    files = Path(logger.experiment.dir)  # <save_dir>/wandb/offline-run-<time>-<id>/files
+    assert monitor.log_dir == files / "lightning_monitor"
+    assert files.parent.parent == tmp_path / "save" / "wandb"
+    assert jsonl(monitor.log_dir / "alerts.jsonl") == [a.to_dict() for a in monitor.alerts]
+    bundles = sorted(p.name for p in (monitor.log_dir / "postmortem").iterdir())
+    assert bundles == ["step0000002_nonfinite_loss", "step0000005_nonfinite_loss"]
+    assert not own_files_in(tmp_path / "save") and not (tmp_path / "root" / "lightning_monitor").exists()
+
+    records = wandb_records(files.parent)
+    saved = {f.path: f.policy for r in records if r.HasField("files") for f in r.files.files}
+    live = saved["lightning_monitor/alerts.jsonl"]
+    assert saved["lightning_monitor/monitor_settings.json"] == live
+    assert saved[f"lightning_monitor/postmortem/{bundles[1]}/README.md"] == live
+    # One notification per kind a minute, as W&B asks; the text of the latest in the run summary.
+    (notified,) = [r.alert for r in records if r.HasField("alert")]
+    assert (notified.title, notified.text, notified.level) == (
+        "TrainingMonitor: nonfinite_loss",
+        monitor.alerts[0].message,
+        "WARN",
+    )
+    assert notified.wait_duration == WANDB_ALERT_WAIT_S * 1000
+    summary = [
+        json.loads(u.value_json)
+        for r in records
+        if r.HasField("summary")
+        for u in r.summary.update
+        if (u.key or "/".join(u.nested_key)) == "alert_text/nonfinite_loss"
+    ]
+    assert summary == [a.message for a in monitor.alerts]
+    logged = {i.key or "/".join(i.nested_key) for r in records if r.HasField("history") for i in r.history.item}
+    assert {"grad_norm", "grad_norm_layers/layer.0", "grad_norm_layers/layer.2", "alerts/nonfinite_loss"} <= logged
+
+
+# ------------------------------------------------------------------------------------ no logger, TensorBoard
+
+
+def test_two_runs_without_a_logger_in_one_folder_keep_both_bundles(tmp_path):
+    """The issue's overwrite: the second run halting at the same step wrote over the first one's bundle."""
+    folders = []
+    for _ in range(2):
+        monitor = TrainingMonitor(val_loss_key=None)
+        make_trainer(tmp_path, [monitor], max_steps=10).fit(
+            ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
+        )
+        (alert,) = monitor.alerts
+        assert alert.halted
+        folders.append(monitor.log_dir)
+        assert f"Post-mortem bundle: {monitor.log_dir / 'postmortem' / 'step0000003_nonfinite_loss'}" in alert.message
+    assert folders == [tmp_path / "lightning_monitor" / f"version_{n}" for n in (0, 1)]
+    for folder in folders:
+        assert own_files_in(folder) == OWN_FILES
+        assert (folder / "postmortem" / "step0000003_nonfinite_loss" / "last_good.ckpt").is_file()
+        (line,) = jsonl(folder / "alerts.jsonl")
+        assert line["step"] == 3
+    assert not own_files_in(tmp_path)
+
+
+def test_a_bundle_never_overwrites_an_earlier_one_in_a_shared_folder(tmp_path):
+    """A logger with a fixed version shares its folder between runs: the second bundle gets a folder of its own."""
+    messages = []
+    for _ in range(2):
+        monitor = TrainingMonitor(val_loss_key=None)
+        logger = TensorBoardLogger(tmp_path, name="tb", version="fixed")
+        make_trainer(tmp_path, [monitor], logger=logger, max_steps=10).fit(
+            ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
+        )
+        messages.append(monitor.alerts[0].message)
+    postmortem = tmp_path / "tb" / "fixed" / "postmortem"
+    names = ["step0000003_nonfinite_loss", "step0000003_nonfinite_loss_2"]
+    assert sorted(p.name for p in postmortem.iterdir()) == names
+    for message, name in zip(messages, names, strict=True):
+        assert message.endswith(f"Post-mortem bundle: {postmortem / name}")
+        assert (postmortem / name / "last_good.ckpt").is_file()
+
+
+def test_tensorboard_run_is_unchanged(tmp_path):
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    monitor = TrainingMonitor(val_loss_key=None)
+    make_trainer(tmp_path, [monitor], logger=tb, max_steps=10).fit(
+        ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
+    )
+    assert monitor.log_dir == Path(tb.log_dir) == tmp_path / "tb" / "version_0"
+    assert own_files_in(monitor.log_dir) == OWN_FILES
+    ((step, text),) = tb_texts(tb.log_dir)
+    assert step == 3 and monitor.alerts[0].message in text
+    charts = TENSORBOARD_LAYOUT["lightning-monitor"]
+    assert charts["gradient norm per layer"] == ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]]
+    assert not (tmp_path / "lightning_monitor").exists()
+
+
+# ------------------------------------------------------------------------------------------------ key names
+
+
+def test_the_report_reads_runs_logged_with_the_earlier_layer_keys(tmp_path, capsys):
+    """Runs logged `grad_norm/<layer>` before the per-layer norms moved: the total is read, the layers are not."""
+    run_dir = tmp_path / "version_0"
+    run_dir.mkdir()
+    (run_dir / "metrics.csv").write_text(
+        "step,train_loss,grad_norm_opt0,grad_norm_opt0/layer.0,grad_norm/layer.2,grad_norm_layers/layer.4\n"
+        "0,2.0,5.0,3.0,4.0,1.0\n1,1.5,4.0,2.0,3.0,1.0\n"
+    )
+    run = load_run(run_dir)
+    assert detect_keys(run).grad_norm == ("grad_norm_opt0",)
+    assert main(["report", str(run_dir), "--no-plot", "--loss-key", "missing"]) == 2
+    assert "logged keys: grad_norm_opt0, train_loss\n" in capsys.readouterr().err
+
+
+def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
+    code = (
+        "import sys, lightning.pytorch as pl\n"
+        "from lightning_monitor import TrainingMonitor\n"
+        "import lightning_monitor.responder, lightning_monitor.run_folder, lightning_monitor.logger_sinks\n"
+        "trainer = pl.Trainer(logger=False, callbacks=[TrainingMonitor()], enable_progress_bar=False)\n"
+        "print(sorted({'wandb', 'mlflow'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
