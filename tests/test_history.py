@@ -183,9 +183,10 @@ def test_a_folder_with_nothing_to_draw_says_so(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_an_unwritable_history_warns_once_and_the_run_goes_on(tmp_path: Path) -> None:
-    (tmp_path / HISTORY_FILE).mkdir()  # a folder where the file should be
+    tb = TensorBoardLogger(tmp_path, name="tb", version=0)  # the run's folder: tb/version_0
+    (tmp_path / "tb" / "version_0" / HISTORY_FILE).mkdir(parents=True)  # a folder where the file should be
     monitor = TrainingMonitor(val_loss_key=None)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=4, log_every_n_steps=1)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=4, log_every_n_steps=1, logger=tb)
     with pytest.warns(RuntimeWarning, match="could not write its history") as caught:
         trainer.fit(ScriptedModel(loss_factor={1: float("nan")}, default_factor=1.0), train_dataloaders=loader())
     assert len([w for w in caught if "history" in str(w.message)]) == 1
@@ -220,7 +221,7 @@ def test_without_a_logger_the_history_keeps_lightnings_interval(tmp_path, check_
     monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=check_every)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=log_every)
     trainer.fit(ScriptedModel(), train_dataloaders=loader())
-    assert [line["step"] for line in history_lines(tmp_path)] == recorded
+    assert [line["step"] for line in history_lines(monitor.log_dir)] == recorded
 
 
 def test_a_tensor_learning_rate_costs_no_host_read_on_the_hot_path(tmp_path: Path) -> None:
@@ -241,9 +242,13 @@ def test_a_tensor_learning_rate_costs_no_host_read_on_the_hot_path(tmp_path: Pat
 
 
 def test_a_fresh_run_in_the_same_folder_sets_the_earlier_history_aside(tmp_path: Path) -> None:
+    folder = tmp_path / "tb" / "fixed"  # a logger whose `version` is fixed: two runs in one folder
     for max_steps in (3, 2):
         monitor = TrainingMonitor(val_loss_key=None)
-        make_trainer(tmp_path, [monitor], max_steps=max_steps).fit(ScriptedModel(), train_dataloaders=loader())
-    assert [line["step"] for line in history_lines(tmp_path)] == [0, 1]
-    earlier = [json.loads(line)["step"] for line in (tmp_path / f"{HISTORY_FILE}.1").read_text().splitlines()]
+        tb = TensorBoardLogger(tmp_path, name="tb", version="fixed")
+        trainer = make_trainer(tmp_path, [monitor], max_steps=max_steps, logger=tb)
+        trainer.fit(ScriptedModel(), train_dataloaders=loader())
+        assert monitor.log_dir == folder
+    assert [line["step"] for line in history_lines(folder)] == [0, 1]
+    earlier = [json.loads(line)["step"] for line in (folder / f"{HISTORY_FILE}.1").read_text().splitlines()]
     assert earlier == [0, 1, 2]

@@ -86,9 +86,9 @@ def test_a_frozen_layer_is_not_logged_and_a_zero_gradient_is(tmp_path):
     make_trainer(tmp_path, [monitor, probe], max_steps=4).fit(model, DataLoader(torch.randn(8, 32), batch_size=2))
     assert len(probe.latest) == len(model.reference) == 4
     for seen, ref in zip(probe.latest, model.reference, strict=True):
-        assert set(seen) == {"loss", "grad_norm", "grad_norm/layer.2", "grad_norm/layer.4"}
-        assert seen["grad_norm/layer.4"] == 0.0
-        assert close(seen["grad_norm/layer.2"], ref["layer.2"])
+        assert set(seen) == {"loss", "grad_norm", "grad_norm_layers/layer.2", "grad_norm_layers/layer.4"}
+        assert seen["grad_norm_layers/layer.4"] == 0.0
+        assert close(seen["grad_norm_layers/layer.2"], ref["layer.2"])
         assert close(seen["grad_norm"], ref["total"])
 
 
@@ -138,11 +138,12 @@ def test_peft_lora_layers_are_named_as_in_the_base_model_and_frozen_layers_are_n
     assert len(probe.latest) == len(model.reference) == 4
     for seen, ref in zip(probe.latest, model.reference, strict=True):
         # Neither `base_model.model.` nor the frozen embeddings and final norm.
-        assert set(seen) == {"loss", "grad_norm", "grad_norm/model.transformer.h.0", "grad_norm/model.transformer.h.1"}
+        blocks = {f"grad_norm_layers/model.transformer.h.{i}" for i in (0, 1)}
+        assert set(seen) == {"loss", "grad_norm", *blocks}
         assert close(seen["grad_norm"], ref["total"])
         for i in (0, 1):
             assert ref[str(i)] > 0.0
-            assert close(seen[f"grad_norm/model.transformer.h.{i}"], ref[str(i)])
+            assert close(seen[f"grad_norm_layers/model.transformer.h.{i}"], ref[str(i)])
 
 
 class HeadFirst(nn.Module):

@@ -124,8 +124,8 @@ def test_grad_norm_is_the_optimizers_under_a_pytorch_lightning_trainer(tmp_path)
     assert len(probe.latest) == len(model.reference) == 8
     for seen, ref, layers in zip(probe.latest, model.reference, model.per_layer, strict=True):
         assert close(seen["grad_norm"], ref)
-        assert close(seen["grad_norm/layer.0"], layers[0])
-        assert close(seen["grad_norm/layer.2"], layers[2])
+        assert close(seen["grad_norm_layers/layer.0"], layers[0])
+        assert close(seen["grad_norm_layers/layer.2"], layers[2])
 
 
 def test_a_fault_reaches_pytorch_lightnings_tensorboard_and_halts(tmp_path):
@@ -311,4 +311,4 @@ def test_the_package_works_with_either_package_alone(tmp_path, installed, missin
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "['grad_norm', 'grad_norm/layer', 'loss']"
+    assert done.stdout.splitlines()[-1] == "['grad_norm', 'grad_norm_layers/layer', 'loss']"
