@@ -13,7 +13,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -25,32 +25,25 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monitor._host import world_size
-from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step, state_under_another_key
+from lightning_monitor._lightning import (
+    grad_scaler,
+    is_logging_step,
+    log_every,
+    logging_step,
+    may_be_last_step,
+    state_under_another_key,
+)
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.checks import OptimizerChecks, TrainingLoss
 from lightning_monitor.grad_norms import layer_name
-from lightning_monitor.responder import Responder, StepContext
+from lightning_monitor.recovery import CheckStatistics, Recovery
+from lightning_monitor.responder import Kept, Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
-
-_T = TypeVar("_T")
-
-
-class _Kept(Generic[_T]):
-    """An attribute of the monitor that its responder keeps: read and written there."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, monitor: TrainingMonitor, owner: type | None = None) -> _T:
-        return getattr(monitor._responder, self.name)
-
-    def __set__(self, monitor: TrainingMonitor, value: _T) -> None:
-        setattr(monitor._responder, self.name, value)
 
 
 class TrainingMonitor(Callback):
@@ -132,6 +125,17 @@ class TrainingMonitor(Callback):
         spike_patience: Consecutive outlying checks that make a spike alert.
         skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
             halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
+        recover_on: Alert kinds that rewind the run instead (:mod:`~lightning_monitor.recovery`): the newest good
+            state (weights, optimizer and LR scheduler states, the detectors) is copied back on every rank, the step
+            and the next batches still beyond the limit are skipped, and a ``recovered`` alert says so. A kind also in
+            ``halt_on`` halts only when recovery is exhausted; every kind here halts then, with the bundle.
+        recovery_every_n_steps: Optimizer steps between two kept states (at a check no figure is beyond a
+            ``recover_on`` limit): 100, as far back as PaLM restarted from, costs well under 1% of a step.
+        recovery_skip_limit: Batches after a restore skipped while still outliers; one more halts. 500 is the upper
+            end of PaLM's 200-500 skipped batches; only outliers are skipped, so a clean continuation loses none.
+        max_recoveries: Restores per run before the next alert halts: a run that keeps spiking needs a fix.
+        recovery_storage: Keep the state in host ``"memory"`` (pinned from a GPU), or on ``"disk"``, one file
+            per rank under ``<log_dir>/recovery``, for a state that does not fit the host's memory.
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
         token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``. A batch without logits and labels is left
             out, with one warning (none for a batch ``training_step`` skipped by returning ``None``).
@@ -216,6 +220,11 @@ class TrainingMonitor(Callback):
         spike_warmup: int = 64,
         spike_patience: int = 1,
         skip_on: Sequence[str] = (),
+        recover_on: Sequence[str] = (),
+        recovery_every_n_steps: int = 100,
+        recovery_skip_limit: int = 500,
+        max_recoveries: int = 5,
+        recovery_storage: Literal["memory", "disk"] = "memory",
         postmortem: Literal["halt", "alert"] | None = "halt",
         token_accuracy: bool = True,
         epoch_token_accuracy: bool = False,
@@ -253,7 +262,7 @@ class TrainingMonitor(Callback):
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
         self._checks = OptimizerChecks(self.config.step, self.config.spikes)
-        self._responder = Responder(self.config.response)
+        self._responder = Responder(self.config.response, Recovery(self.config.recovery, CheckStatistics(self._checks)))
         self._checks.guard = self._responder.guard
         self._tokens = TokenAccuracyTracker.from_settings(self.config.tokens)
         self._validation = ValidationCheck(self.config.validation)
@@ -270,10 +279,10 @@ class TrainingMonitor(Callback):
         return config.get(name)
 
     # What the run did so far, kept by the responder (see "Attributes" above).
-    alerts = _Kept[list[Alert]]()
-    stopping_reason = _Kept[AlertKind | None]()
-    stopping_reason_message = _Kept[str | None]()
-    skipped_steps = _Kept[int]()
+    alerts = Kept[list[Alert]]()
+    stopping_reason = Kept[AlertKind | None]()
+    stopping_reason_message = Kept[str | None]()
+    skipped_steps = Kept[int]()
 
     @property
     @override
@@ -316,6 +325,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._responder.finish(trainer)  # the record of a recovery still under way
         self._close_hooks()
 
     @override
@@ -356,7 +366,7 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
-        if not (check.count_step(self._every_n) or logs or _may_be_last_step(trainer)):
+        if not (check.count_step(self._every_n) or logs or may_be_last_step(trainer)):
             check.hold(self._scaler)
             return
 
@@ -488,13 +498,3 @@ class TrainingMonitor(Callback):
                 hooks.close()
         self._checks.order, self._activations, self._batches = None, None, []
         self._responder.guard.remove()
-
-
-def _may_be_last_step(trainer: pl.Trainer) -> bool:
-    """Whether this optimizer step may be the run's last: the last batch of an epoch, or ``max_steps`` near.
-
-    ``global_step`` counts the steps of every optimizer, so with several the last batch begins short of it.
-    """
-    max_steps = trainer.max_steps
-    near = trainer.global_step + max(len(trainer.optimizers), 1)
-    return trainer.is_last_batch or (max_steps is not None and 0 <= max_steps <= near)
