@@ -269,6 +269,7 @@ class Recovery:
             if hits or beyond:  # a batch still outlying after the restore
                 if window.budget > window.skipped:
                     window.skipped += 1
+                    self._reload_statistics()  # the next batch too is judged against the pre-episode level
                     return RecoveryPlan([d for d in detections if d.kind not in kinds], skip=True)
                 finished = self._close()
                 why = (
@@ -294,6 +295,11 @@ class Recovery:
         halt = _exhausted(trigger, why)
         others = [d for d in detections if d is not trigger]
         return RecoveryPlan([halt, *others], forced=frozenset({halt.kind}), finished=finished)
+
+    def _reload_statistics(self) -> None:
+        """Put the kept statistics back: a skipped outlier must not teach the detectors a new level."""
+        if self.statistics is not None and self.kept is not None and self.kept.statistics is not None:
+            self.statistics.load_state_dict(copy.deepcopy(self.kept.statistics))
 
     def _cannot_recover(self) -> str | None:
         """Why no recovery is possible now, or ``None``."""
@@ -374,8 +380,9 @@ class Recovery:
             statistics.load_state_dict(copy.deepcopy(kept.statistics))
         parts = ["weights", "optimizer state" if sources.optimizers else ""]
         parts += [f"{len(sources.schedulers)} LR scheduler(s)" if sources.schedulers else ""]
-        parts += ["monitor's statistics" if statistics is not None else ""]
-        self._restored_words = ", ".join(p for p in parts if p)
+        parts += ["detector statistics" if statistics is not None else ""]
+        *most, last = [p for p in parts if p]
+        self._restored_words = f"{', '.join(most)} and {last}" if most else last
         self.recoveries += 1
         self._restored_from = kept.step
         if self._window is not None:  # no new state before the recovery is over and an interval has passed
