@@ -292,9 +292,8 @@ class Recovery:
         if self.kept is None:  # nothing to restore yet: as without recovery
             self.warn_once("nothing kept", f"TrainingMonitor could not recover from {trigger.kind.value}: {why}.")
             return RecoveryPlan(detections, finished=finished)
-        halt = _exhausted(trigger, why)
-        others = [d for d in detections if d is not trigger]
-        return RecoveryPlan([halt, *others], forced=frozenset({halt.kind}), finished=finished)
+        halts = [_exhausted(d, why) if d.kind in kinds else d for d in detections]
+        return RecoveryPlan(halts, forced=frozenset(d.kind for d in hits), finished=finished)
 
     def _reload_statistics(self) -> None:
         """Put the kept statistics back: a skipped outlier must not teach the detectors a new level."""
