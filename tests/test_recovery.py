@@ -21,7 +21,7 @@ import torch.distributed as dist
 from helpers import csv_column, jsonl
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -128,11 +128,21 @@ class StateProbe(pl.Callback):
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, default=str))
 
 
+class _SpawnShards(_MultiProcessingLauncher):
+    """Spawns the ranks, and leaves the sharded weights there: the test reads each rank's report instead (the
+    launcher would hand rank 0's DTensor state_dict back to the test process, where it does not unpickle)."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        if self._strategy.local_rank != 0:
+            return None
+        return _WorkerOutput(None, None, trainer.state, results, self.get_extra_results(trainer))
+
+
 class SpawnModelParallel(ModelParallelStrategy):
     """``ModelParallelStrategy`` started with ``spawn`` (it relaunches the script by default, which pytest is not)."""
 
     def _configure_launcher(self) -> None:
-        self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+        self._launcher = _SpawnShards(self, start_method="spawn")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
