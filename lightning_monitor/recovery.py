@@ -276,23 +276,27 @@ class Recovery:
                     f"the {window.trigger.kind.value} episode of step {window.at} goes on after the recovery skipped"
                     f" {window.skipped} batch(es) (recovery_skip_limit={self.settings.recovery_skip_limit})"
                 )
-                halt = _exhausted(hits[0] if hits else window.trigger, why)
-                rest = [d for d in detections if d.kind not in kinds]
-                return RecoveryPlan([halt, *rest], forced=frozenset({halt.kind}), skip=True, finished=finished)
+                if hits:
+                    halts = [_exhausted(d, why) if d.kind in kinds else d for d in detections]
+                else:  # beyond the limit, but no detection (the episode's first was absorbed): the episode's kind
+                    trigger = window.trigger
+                    halts = [Detection(trigger.kind, trigger.value, trigger.threshold, why), *detections]
+                forced = frozenset(d.kind for d in halts if d.kind in kinds)
+                return RecoveryPlan(halts, forced=forced, skip=True, finished=finished)
             finished = self._close()
         if not hits:
             due = first and at >= self._next_keep and not (beyond or unsafe)
             return RecoveryPlan(detections, keep=due, finished=finished)
-        trigger, why = hits[0], self._cannot_recover()
-        if why is None:  # restore: the alerts are still given, and none of these kinds halts at this check
+        trigger, cannot = hits[0], self._cannot_recover()
+        if cannot is None:  # restore: the alerts are still given, and none of these kinds halts at this check
             kept = self.kept
             assert kept is not None  # `_cannot_recover` says so
             self._window = _Window(trigger, at, kept.step, self.settings.recovery_skip_limit)
             return RecoveryPlan(detections, spared=kinds, restore=True, skip=True, finished=finished)
         if self.kept is None:  # nothing to restore yet: as without recovery
-            self.warn_once("nothing kept", f"TrainingMonitor could not recover from {trigger.kind.value}: {why}.")
+            self.warn_once("nothing kept", f"TrainingMonitor could not recover from {trigger.kind.value}: {cannot}.")
             return RecoveryPlan(detections, finished=finished)
-        halts = [_exhausted(d, why) if d.kind in kinds else d for d in detections]
+        halts = [_exhausted(d, cannot) if d.kind in kinds else d for d in detections]
         return RecoveryPlan(halts, forced=frozenset(d.kind for d in hits), finished=finished)
 
     def _reload_statistics(self) -> None:
@@ -396,14 +400,15 @@ class Recovery:
         copier.wait()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            torch.save({"module": kept.module, "optimizers": kept.optimizers}, path)
+            torch.save({"module": kept.module, "state": [opt["state"] for opt in kept.optimizers]}, path)
         except OSError as err:
             self.warn_once(
                 "disk", f"TrainingMonitor could not write its recovery state to {str(path)!r} ({err}): kept in memory."
             )
             return
         self._on_disk = path
-        kept.module, kept.optimizers = _ON_DISK, []
+        kept.module = _ON_DISK  # the groups' settings (plain values, any type) stay in memory
+        kept.optimizers = [{"state": _ON_DISK, "groups": opt["groups"]} for opt in kept.optimizers]
 
     def warn_once(self, key: str, message: str) -> None:
         """One ``RuntimeWarning`` per ``key``."""
@@ -430,9 +435,19 @@ def _exhausted(detection: Detection, why: str) -> Detection:
 
 
 def _read(path: Path, kept: KeptState) -> KeptState:
-    """The state written to ``path``, with the parts kept in memory."""
-    written = torch.load(path, map_location="cpu", weights_only=True)
-    return KeptState(kept.step, written["module"], written["optimizers"], kept.schedulers, kept.statistics)
+    """The state written to ``path``, with the parts kept in memory.
+
+    Raises:
+        RuntimeError: If the file cannot be read (removed or damaged since it was written).
+    """
+    try:
+        written = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise RuntimeError(f"TrainingMonitor could not read its kept state back from {str(path)!r}: {err}") from err
+    optimizers = [
+        {"state": state, "groups": opt["groups"]} for state, opt in zip(written["state"], kept.optimizers, strict=True)
+    ]
+    return KeptState(kept.step, written["module"], optimizers, kept.schedulers, kept.statistics)
 
 
 class _HostCopier:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import copy
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +279,22 @@ def test_exhausted_recovery_halts_with_the_bundle(tmp_path, halting):
     assert (tmp_path / "postmortem" / "step0000170_loss_spike" / "README.md").exists()
 
 
+def test_outliers_beyond_the_skip_limit_halt_with_the_bundle(tmp_path):
+    # 5 poisoned batches are skipped after the restore at step 140; the 6th (step 146) halts.
+    monitor = recovering(recovery_skip_limit=5, halt_on=[])
+    trainer, model, _ = fit(tmp_path, monitor)
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts if a.step >= 146] == [
+        ("recovered", 146, False),
+        ("loss_spike", 146, True),
+        ("exploding_grad", 146, True),
+    ]
+    for alert in monitor.alerts[-2:]:
+        assert "; the loss_spike episode of step 140 goes on after the recovery skipped 5 batch(es)" in alert.message
+    assert monitor.stopping_reason is AlertKind.LOSS_SPIKE and trainer.global_step == 147
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (tmp_path / "csv" / "version_0" / "postmortem" / "step0000146_loss_spike" / "README.md").exists()
+
+
 # ---------------------------------------------------------------------------------------------------- several ranks
 
 
@@ -429,8 +446,8 @@ def test_plan_halts_when_the_episode_comes_back_or_outlasts_the_skip_limit():
     plan = recovery.plan([], beyond=True, unsafe=False, at=5, first=True)  # one more: the episode goes on
     assert plan.forced == {AlertKind.LOSS_SPIKE} and plan.finished is not None
     (halt,) = plan.detections
-    assert halt.reason.endswith(
-        "; the loss_spike episode of step 3 goes on after the recovery skipped 1 batch(es) (recovery_skip_limit=1)"
+    assert halt.reason == (
+        "the loss_spike episode of step 3 goes on after the recovery skipped 1 batch(es) (recovery_skip_limit=1)"
     )
     # No new state was kept since: the episode coming back halts too.
     plan = recovery.plan([_spike()], beyond=True, unsafe=False, at=6, first=True)
@@ -478,3 +495,51 @@ def test_recovery_is_off_by_default():
     monitor = TrainingMonitor()
     assert monitor.recover_on == frozenset() and not monitor._responder.recovery.on
     assert (monitor.recovery_every_n_steps, monitor.recovery_skip_limit, monitor.max_recoveries) == (100, 500, 5)
+
+
+def test_keeping_a_state_makes_no_host_sync():
+    from lightning_monitor.sync_count import HostSyncCounter
+
+    model, opt, scheduler = _adam_run()
+    _train(model, opt, scheduler, 1)
+    recovery = Recovery(_settings(), Counter())
+    sources = StateSources(model, [opt], [scheduler])
+    recovery.keep(sources, 0)  # the first allocates the host buffers
+    with HostSyncCounter() as counter:
+        recovery.keep(sources, 10)
+    assert counter.count == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_state_is_kept_in_pinned_buffers_without_a_sync_and_restored_exactly():
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    _train_cuda = lambda steps: [  # noqa: E731
+        (
+            opt.zero_grad(),
+            model(torch.randn(8, 64, device="cuda")).pow(2).mean().backward(),
+            opt.step(),
+            scheduler.step(),
+        )
+        for _ in range(steps)
+    ]
+    _train_cuda(2)
+    recovery = Recovery(_settings())
+    sources = StateSources(model, [opt], [scheduler])
+    recovery.keep(sources, 2)  # allocates the pinned buffers
+    _train_cuda(1)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            kept = recovery.keep(sources, 3)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not [w for w in caught if str(w.message).startswith("called a synchronizing CUDA operation")]
+    assert all(t.is_pinned() for t in kept.module.values() if t.numel())
+    reference = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    _train_cuda(3)
+    recovery.restore(sources)
+    assert _equal(reference[0], model.state_dict()) and _equal(reference[1], opt.state_dict())
