@@ -178,7 +178,7 @@ class RecoveryPlan(NamedTuple):
 
     def halt_on(self, halt_on: frozenset[AlertKind]) -> frozenset[AlertKind]:
         """The kinds that halt at this check."""
-        return (halt_on - self.spared) | self.forced
+        return (halt_on - self.spared) | self.forced if self.spared or self.forced else halt_on
 
 
 class _Window:

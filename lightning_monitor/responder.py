@@ -243,7 +243,7 @@ class Responder:
     def _plan_recovery(self, detections: list[Detection], step: StepContext) -> RecoveryPlan:
         """What ``recover_on`` makes of this check's detections (nothing without it)."""
         recovery = self.recovery
-        if recovery is None or not recovery.on:
+        if recovery is None or not recovery.on:  # the common case: nothing to decide
             return RecoveryPlan(detections)
         beyond, first = step.check.beyond(recovery.settings.recover_on), step.check.index == 0
         return recovery.plan(detections, beyond, step.figures.unsafe, step.at, first)
