@@ -129,13 +129,13 @@ class TrainingMonitor(Callback):
             state (weights, optimizer and LR scheduler states, the detectors) is copied back on every rank, the step
             and the next batches still beyond the limit are skipped, and a ``recovered`` alert says so. A kind also in
             ``halt_on`` halts only when recovery is exhausted; every kind here halts then, with the bundle.
-        recovery_every_n_steps: Optimizer steps between two kept states (at a check no figure is beyond a
-            ``recover_on`` limit): 100, as far back as PaLM restarted from, costs well under 1% of a step.
-        recovery_skip_limit: Batches after a restore skipped while still outliers; one more halts. 500 is the upper
-            end of PaLM's 200-500 skipped batches; only outliers are skipped, so a clean continuation loses none.
-        max_recoveries: Restores per run before the next alert halts: a run that keeps spiking needs a fix.
-        recovery_storage: Keep the state in host ``"memory"`` (pinned from a GPU), or on ``"disk"``, one file
-            per rank under ``<log_dir>/recovery``, for a state that does not fit the host's memory.
+        recovery_every_n_steps: Optimizer steps between kept states (taken where no ``recover_on`` figure is beyond
+            its limit). 100: PaLM restarted about 100 steps before a spike; a keep per 100 steps costs under 0.1%.
+        recovery_skip_limit: Batches after a restore skipped while still outliers; one more halts. 500: the top of
+            PaLM's 200-500 skipped batches (only outliers are skipped, so a clean continuation loses none).
+        max_recoveries: Restores per run; the next alert halts. 5: each loses up to an interval of updates, and a run
+            that spikes that often needs a lower learning rate, not another rewind.
+        recovery_storage: Host ``"memory"`` (pinned from a GPU) or ``"disk"`` (a file per rank, ``<log_dir>/recovery``).
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
         token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``. A batch without logits and labels is left
             out, with one warning (none for a batch ``training_step`` skipped by returning ``None``).

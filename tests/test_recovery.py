@@ -203,9 +203,11 @@ def test_poisoned_run_is_ruined_without_recovery(tmp_path, clean_loss):
     assert model.final_loss() > 2 * clean_loss
 
 
-def test_poisoned_run_recovers_close_to_a_clean_run(tmp_path, clean_loss):
-    monitor = recovering()
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_poisoned_run_recovers_close_to_a_clean_run(tmp_path, clean_loss, storage):
+    monitor = recovering(recovery_storage=storage)
     trainer, model, probe = fit(tmp_path, monitor)
+    assert (tmp_path / "csv" / "version_0" / "recovery" / "rank0.pt").exists() is (storage == "disk")
     assert trainer.global_step == STEPS and monitor.stopping_reason is None
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert abs(model.final_loss() - clean_loss) < CLOSE * clean_loss
