@@ -117,9 +117,15 @@ class StateProbe(pl.Callback):
             atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.folder is None:  # one process: kept for the exactness test
+        # This rank's own weights and optimizer state (a DTensor's local shard): every step on one process, else the
+        # kept step and the restore's (see EXPECTED).
+        if self.folder is None or trainer.global_step in (125, 140):
             weights = [_local(p).detach().clone() for p in pl_module.parameters()]
-            self.states[trainer.global_step] = (weights, copy.deepcopy(optimizer.state_dict()))
+            state = {
+                i: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for i, s in enumerate(optimizer.state.values())
+            }
+            self.states[trainer.global_step] = (weights, copy.deepcopy(optimizer.state_dict()) | {"local": state})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.folder is None:
@@ -131,6 +137,10 @@ class StateProbe(pl.Callback):
             "finite": all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters()),
             "final_loss": pl_module.final_loss(),  # a collective under FSDP2: every rank runs it
             "shard": [_local(p).detach().flatten().tolist() for p in pl_module.parameters()],
+            "restored_exactly": 125 in self.states
+            and 140 in self.states
+            and all(torch.equal(a, b) for a, b in zip(self.states[125][0], self.states[140][0], strict=True))
+            and _equal(self.states[125][1]["local"], self.states[140][1]["local"]),
         }
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, default=str))
 
@@ -304,6 +314,7 @@ def test_every_rank_recovers_at_the_same_step(tmp_path, clean_loss, strategy):
     rank0, rank1 = _reports(tmp_path)
     for report in (rank0, rank1):
         assert report["finite"] and report["global_step"] == STEPS
+        assert report["restored_exactly"]  # this rank's weights and momenta at step 140 are those of step 125
         (recovered,) = [a for a in report["alerts"] if a["kind"] == "recovered"]
         assert recovered["step"] == 160 and recovered["message"].startswith(EXPECTED)
         assert abs(report["final_loss"] - clean_loss) < CLOSE * clean_loss
