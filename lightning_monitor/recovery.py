@@ -20,21 +20,22 @@ batches stay outliers beyond ``recovery_skip_limit``, or when the episode comes 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_monitor.alerts import AlertKind, Detection
 from lightning_monitor.settings import RecoverySettings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # no trainer package at run time: this module works with either (or none)
+    import lightning.pytorch as pl
+
     from lightning_monitor.checks import OptimizerChecks
 
 __all__ = ["CheckStatistics", "KeptState", "Recovery", "RecoveryPlan", "RecoveryRecord", "StateSources"]
@@ -235,7 +236,8 @@ class Recovery:
         self._next_keep = 0  # the first step at which a state may be kept
         self._copier = _HostCopier()
         self._on_disk: Path | None = None
-        self._warned: set[str] = set()
+        #: How a warning is given, once per key: the responder hands its own (``rank_zero_warn``, once).
+        self.warn: Callable[[str, str], None] = _warn_once(set())
         self._restored_words = "weights"  # what the last restore restored, in words
 
     @property
@@ -294,7 +296,7 @@ class Recovery:
             self._window = _Window(trigger, at, kept.step, self.settings.recovery_skip_limit)
             return RecoveryPlan(detections, spared=kinds, restore=True, skip=True, finished=finished)
         if self.kept is None:  # nothing to restore yet: as without recovery
-            self.warn_once("nothing kept", f"TrainingMonitor could not recover from {trigger.kind.value}: {cannot}.")
+            self.warn("nothing kept", f"TrainingMonitor could not recover from {trigger.kind.value}: {cannot}.")
             return RecoveryPlan(detections, finished=finished)
         halts = [_exhausted(d, cannot) if d.kind in kinds else d for d in detections]
         return RecoveryPlan(halts, forced=frozenset(d.kind for d in hits), finished=finished)
@@ -402,19 +404,13 @@ class Recovery:
             self.folder.mkdir(parents=True, exist_ok=True)
             torch.save({"module": kept.module, "state": [opt["state"] for opt in kept.optimizers]}, path)
         except OSError as err:
-            self.warn_once(
+            self.warn(
                 "disk", f"TrainingMonitor could not write its recovery state to {str(path)!r} ({err}): kept in memory."
             )
             return
         self._on_disk = path
         kept.module = _ON_DISK  # the groups' settings (plain values, any type) stay in memory
         kept.optimizers = [{"state": _ON_DISK, "groups": opt["groups"]} for opt in kept.optimizers]
-
-    def warn_once(self, key: str, message: str) -> None:
-        """One ``RuntimeWarning`` per ``key``."""
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message, category=RuntimeWarning)
 
     def state_dict(self) -> dict[str, Any]:
         """The count of recoveries, as a plain value (the kept state itself is not checkpointed)."""
@@ -427,6 +423,17 @@ class Recovery:
 
 #: Stands for the module's tensors of a state written to disk.
 _ON_DISK: dict[str, Any] = {}
+
+
+def _warn_once(seen: set[str]) -> Callable[[str, str], None]:
+    """One ``RuntimeWarning`` per key (without a responder: in tests, and when used alone)."""
+
+    def warn(key: str, message: str) -> None:
+        if key not in seen:
+            seen.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    return warn
 
 
 def _exhausted(detection: Detection, why: str) -> Detection:

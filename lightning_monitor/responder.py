@@ -95,6 +95,8 @@ class Responder:
         self._jsonl: JsonlSink | None = None
         self._warned: set[str] = set()
         self.guard = StepGuard()  # skips an optimizer step exactly, its gradients left in place
+        if recovery is not None:
+            recovery.warn = self.warn_once
 
     # ------------------------------------------------------------------------------------------------ a run
 
@@ -253,7 +255,8 @@ class Responder:
         reason = record.reason()
         at = logging_step(trainer)
         message = f"{reason[:1].upper()}{reason[1:]}. {ADVICE[AlertKind.RECOVERED]}"
-        return Alert(AlertKind.RECOVERED, at, trainer.current_epoch, float(record.skipped), None, message)
+        epoch, skipped = trainer.current_epoch, float(record.skipped)
+        return Alert(kind=AlertKind.RECOVERED, step=at, epoch=epoch, value=skipped, threshold=None, message=message)
 
     def warn_once(self, key: str, message: str) -> None:
         """One ``RuntimeWarning`` per ``key`` and monitor."""
