@@ -58,7 +58,6 @@ class PoisonedModel(pl.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
         self.poison, self.sharded = poison, sharded
-        self.probed: dict[int, tuple[list[torch.Tensor], dict[str, Any]]] = {}
 
     def configure_model(self) -> None:
         if self.sharded:  # FSDP2: every Linear, then the whole net, sharded over the data-parallel mesh
@@ -208,9 +207,13 @@ def clean_loss(tmp_path_factory: pytest.TempPathFactory) -> float:
     return fit(tmp_path_factory.mktemp("clean"), None, poison=(0, 0))[1].final_loss()
 
 
-def test_poisoned_run_is_ruined_without_recovery(tmp_path, clean_loss):
-    _, model, _ = fit(tmp_path, None)
-    assert model.final_loss() > 2 * clean_loss
+def test_poisoned_run_is_ruined_without_recovery_and_halted_by_the_defaults(tmp_path, clean_loss):
+    _, model, _ = fit(tmp_path / "bare", None)
+    assert model.final_loss() > 2 * clean_loss  # 0.277 against 0.113
+    # The default monitor halts the run instead, on the poisoned gradients (`exploding_grad` is in `halt_on`).
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    trainer, _, _ = fit(tmp_path / "halted", monitor)
+    assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD and trainer.global_step < STEPS
 
 
 @pytest.mark.parametrize("storage", ["memory", "disk"])
