@@ -36,6 +36,7 @@ __all__ = [
     "is_wandb_logger",
     "log_every",
     "logging_step",
+    "may_be_last_step",
     "mirror_callback_metrics",
     "state_under_another_key",
 ]
@@ -68,6 +69,16 @@ def is_logging_step(trainer: pl.Trainer, step: int, every: int) -> bool:
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning writes this batch's metrics at (the one ``LearningRateMonitor`` uses too)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def may_be_last_step(trainer: pl.Trainer) -> bool:
+    """Whether this optimizer step may be the run's last: the last batch of an epoch, or ``max_steps`` near.
+
+    ``global_step`` counts the steps of every optimizer, so with several the last batch begins short of it.
+    """
+    max_steps = trainer.max_steps
+    near = trainer.global_step + max(len(trainer.optimizers), 1)
+    return trainer.is_last_batch or (max_steps is not None and 0 <= max_steps <= near)
 
 
 def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:

@@ -32,6 +32,7 @@ class AlertKind(str, Enum):
     LOSS_SPIKE = "loss_spike"
     GRAD_SPIKE = "grad_spike"
     TOKEN_ACC_STALL = "token_acc_stall"
+    RECOVERED = "recovered"
 
     @classmethod
     def parse(cls, name: str | AlertKind, argument: str) -> AlertKind:
@@ -87,6 +88,10 @@ ADVICE: dict[AlertKind, str] = {
     AlertKind.TOKEN_ACC_STALL: (
         "Compare the validation data with the training data (a shift?), look at which tokens are wrong, and "
         "consider stopping at the best-accuracy checkpoint."
+    ),
+    AlertKind.RECOVERED: (
+        "Look at the skipped batches (`postmortem='alert'` saves them); if recoveries recur, lower the learning "
+        "rate or lengthen the warm-up."
     ),
 }
 

@@ -13,7 +13,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -22,11 +22,19 @@ from typing_extensions import override
 
 from lightning_monitor._compat import FITTING, Callback, rank_zero_info
 from lightning_monitor._host import world_size
-from lightning_monitor._lightning import grad_scaler, is_logging_step, log_every, logging_step, state_under_another_key
+from lightning_monitor._lightning import (
+    grad_scaler,
+    is_logging_step,
+    log_every,
+    logging_step,
+    may_be_last_step,
+    state_under_another_key,
+)
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.checks import OptimizerChecks, TrainingLoss
-from lightning_monitor.responder import Responder, StepContext
+from lightning_monitor.recovery import CheckStatistics, Recovery
+from lightning_monitor.responder import Kept, Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
@@ -35,21 +43,6 @@ __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-_T = TypeVar("_T")
-
-
-class _Kept(Generic[_T]):
-    """An attribute of the monitor that its responder keeps: read and written there."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, monitor: TrainingMonitor, owner: type | None = None) -> _T:
-        return getattr(monitor._responder, self.name)
-
-    def __set__(self, monitor: TrainingMonitor, value: _T) -> None:
-        setattr(monitor._responder, self.name, value)
 
 
 class TrainingMonitor(Callback):
@@ -133,6 +126,17 @@ class TrainingMonitor(Callback):
         spike_patience: Consecutive outlying checks that make a spike alert.
         skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
             halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
+        recover_on: Alert kinds that rewind the run instead (:mod:`~lightning_monitor.recovery`): the newest good
+            state (weights, optimizer and LR scheduler states, the detectors) is copied back on every rank, the step
+            and the next batches still beyond the limit are skipped, and a ``recovered`` alert says so. A kind also in
+            ``halt_on`` halts only when recovery is exhausted; every kind here halts then, with the bundle.
+        recovery_every_n_steps: Optimizer steps between kept states (taken where no ``recover_on`` figure is beyond
+            its limit). 100: PaLM restarted about 100 steps before a spike; a keep per 100 steps costs under 0.1%.
+        recovery_skip_limit: Batches after a restore skipped while still outliers; one more halts. 500: the top of
+            PaLM's 200-500 skipped batches (only outliers are skipped, so a clean continuation loses none).
+        max_recoveries: Restores per run; the next alert halts. 5: each loses up to an interval of updates, and a run
+            that spikes that often needs a lower learning rate, not another rewind.
+        recovery_storage: Host ``"memory"`` (pinned from a GPU) or ``"disk"`` (a file per rank, ``<log_dir>/recovery``).
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
         token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``; a batch without logits and labels is left
             out, with one warning. ``"auto"``: the same, but a ``training_step`` whose first output has none (a model
@@ -218,6 +222,11 @@ class TrainingMonitor(Callback):
         spike_warmup: int = 64,
         spike_patience: int = 1,
         skip_on: Sequence[str] = (),
+        recover_on: Sequence[str] = (),
+        recovery_every_n_steps: int = 100,
+        recovery_skip_limit: int = 500,
+        max_recoveries: int = 5,
+        recovery_storage: Literal["memory", "disk"] = "memory",
         postmortem: Literal["halt", "alert"] | None = "halt",
         token_accuracy: bool | Literal["auto"] = "auto",
         epoch_token_accuracy: bool = False,
@@ -254,7 +263,7 @@ class TrainingMonitor(Callback):
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
         self._checks = OptimizerChecks(self.config.step, self.config.spikes)
-        self._responder = Responder(self.config.response)
+        self._responder = Responder(self.config.response, Recovery(self.config.recovery, CheckStatistics(self._checks)))
         self._checks.guard = self._responder.guard
         self._tokens = TokenAccuracyTracker.from_settings(self.config.tokens)
         self._validation = ValidationCheck(self.config.validation)
@@ -271,11 +280,11 @@ class TrainingMonitor(Callback):
         return config.get(name)
 
     # What the run did so far, kept by the responder (see "Attributes" above).
-    alerts = _Kept[list[Alert]]()
-    stopping_reason = _Kept[AlertKind | None]()
-    stopping_reason_message = _Kept[str | None]()
-    skipped_steps = _Kept[int]()
-    log_dir = _Kept[Path]()
+    alerts = Kept[list[Alert]]()
+    stopping_reason = Kept[AlertKind | None]()
+    stopping_reason_message = Kept[str | None]()
+    skipped_steps = Kept[int]()
+    log_dir = Kept[Path]()
 
     @property
     @override
@@ -317,6 +326,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._responder.end_training(trainer)  # the record of a recovery still under way
         self._close_hooks()
 
     @override
@@ -358,7 +368,7 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
-        if not (check.count_step(self._every_n) or logs or _may_be_last_step(trainer)):
+        if not (check.count_step(self._every_n) or logs or may_be_last_step(trainer)):
             check.hold(self._scaler)
             return
 
@@ -490,13 +500,3 @@ class TrainingMonitor(Callback):
                 hooks.close()
         self._checks.order, self._activations, self._batches = None, None, []
         self._responder.close()
-
-
-def _may_be_last_step(trainer: pl.Trainer) -> bool:
-    """Whether this optimizer step may be the run's last: the last batch of an epoch, or ``max_steps`` near.
-
-    ``global_step`` counts the steps of every optimizer, so with several the last batch begins short of it.
-    """
-    max_steps = trainer.max_steps
-    near = trainer.global_step + max(len(trainer.optimizers), 1)
-    return trainer.is_last_batch or (max_steps is not None and 0 <= max_steps <= near)

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import torch
 from torch.optim import Optimizer
@@ -27,6 +27,7 @@ from lightning_monitor.checks import OptimizerCheck
 from lightning_monitor.halting import StepGuard, TrainingHalted
 from lightning_monitor.history import HISTORY_FILE, RunHistory, alert_learning_rate
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
+from lightning_monitor.recovery import Recovery, RecoveryPlan, RecoveryRecord, StateSources
 from lightning_monitor.run_folder import new_folder, run_folder
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -35,7 +36,7 @@ from lightning_monitor.step_figures import StepFigures
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Responder", "StepContext"]
+__all__ = ["Kept", "Responder", "StepContext"]
 
 #: How many checks the post-mortem bundle's history keeps.
 HISTORY = 256
@@ -74,6 +75,7 @@ class Responder:
 
     Args:
         settings: What halts and how, what skips, what is written where.
+        recovery: What rewinds the run on an alert instead (``recover_on``), or ``None``.
 
     Attributes:
         alerts: Every alert so far, oldest first (restored from checkpoints).
@@ -85,8 +87,9 @@ class Responder:
         run_history: The run's compact history in the run folder (``monitor_history.jsonl``), for the report.
     """
 
-    def __init__(self, settings: ResponseSettings) -> None:
+    def __init__(self, settings: ResponseSettings, recovery: Recovery | None = None) -> None:
         self.settings = settings
+        self.recovery = recovery
         self.alerts: list[Alert] = []
         self.stopping_reason: AlertKind | None = None
         self.stopping_reason_message: str | None = None
@@ -99,6 +102,8 @@ class Responder:
         self._jsonl: JsonlSink | None = None
         self._warned: set[str] = set()
         self.guard = StepGuard()  # skips an optimizer step exactly, its gradients left in place
+        if recovery is not None:
+            recovery.warn = self.warn_once
 
     # ------------------------------------------------------------------------------------------------ a run
 
@@ -117,6 +122,8 @@ class Responder:
         self.history.clear()
         self.run_history.begin(log_dir / HISTORY_FILE if trainer.is_global_zero else None)
         self.stopping_reason, self.stopping_reason_message = None, None
+        if self.recovery is not None:
+            self.recovery.begin(log_dir / "recovery", trainer.global_rank)
         if trainer.is_global_zero:
             write_settings(log_dir / SETTINGS_FILE, settings)
             self._loggers.add_layout()
@@ -145,12 +152,15 @@ class Responder:
             "skipped_steps": self.skipped_steps,
             "stopping_reason": None if self.stopping_reason is None else self.stopping_reason.value,
             "stopping_reason_message": self.stopping_reason_message,
+            **({} if self.recovery is None else self.recovery.state_dict()),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the alerts and the skipped steps (not the stopping reason: a resumed run has not halted)."""
         self.alerts = [Alert.from_dict(a) for a in state.get("alerts", [])]
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.recovery is not None:
+            self.recovery.load_state_dict(state)
 
     def log_figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
         """Write host figures to every logger (rank zero) and mirror them in ``trainer.callback_metrics``."""
@@ -194,20 +204,24 @@ class Responder:
         notice = getattr(check.detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self.warn_once("exploding_grad_scale", notice)
+        plan = self._plan_recovery(detections, step)  # a recovery may rewind, skip, spare or force a halt
+        detections, halt_on = plan.detections, plan.halt_on(settings.halt_on)
         skip = (
-            any(d.kind in settings.halt_on for d in detections)
+            any(d.kind in halt_on for d in detections)
             or found.unsafe
             or check.beyond(settings.skip_on)
             or self.stopping_reason is not None
+            or plan.skip
         )
         bundle, weights_ok = None, True
         if detections:
             # A message names a bundle only once its folder exists, and says the weights are unchanged only when they
             # are: steps held since the last check were applied unchecked, and a bundle must not keep bad weights.
-            bundle = self._open_bundle(trainer, detections)
+            bundle = self._open_bundle(trainer, detections, halt_on)
             if bundle is not None or found.checked_steps > 1:
                 weights_ok = _weights_finite(trainer)
-        alerts = [self._alert(trainer, d, step, bundle, skip, weights_ok) for d in detections]
+        said = skip and not plan.restore  # a restore changes the weights: no alert may say they are unchanged
+        alerts = [self._alert(trainer, d, step, bundle, said, weights_ok, halt_on) for d in detections]
         halting = [a for a in alerts if a.halted]
         if skip and not self.guard.skip(step.optimizer):
             for group in step.optimizer.param_groups:  # not wrapped (replaced mid-step): drop what it would apply
@@ -219,6 +233,8 @@ class Responder:
         self.skipped_steps += found.overflow_steps  # the GradScaler skips these itself
         if self.skipped_steps:  # absent means none: no constant zero written at every logging step
             step.latest["skipped_steps"] = step.logged["skipped_steps"] = float(self.skipped_steps)
+        if plan.finished is not None:  # a recovery that ended here: its record comes before this check's alerts
+            self._emit(trainer, self._recovered(trainer, plan.finished))
         for alert in alerts:
             self._emit(trainer, alert)
         if step.logs or halting:
@@ -227,8 +243,18 @@ class Responder:
         if bundle is not None:
             batches = step.batches
             self._write_bundle(trainer, bundle, alerts, bool(halting), skip, batches, found.checked_steps, weights_ok)
+        if self.recovery is not None and plan.restore:
+            self.recovery.restore(StateSources.of(trainer))
+        elif self.recovery is not None and plan.keep and not (skip or halting):
+            self.recovery.keep(StateSources.of(trainer), step.at)
         if halting:
             self._halt(trainer, halting[0])
+
+    def end_training(self, trainer: pl.Trainer) -> None:
+        """At the end of training: the ``recovered`` alert of a recovery still under way."""
+        record = None if self.recovery is None else self.recovery.finish()
+        if record is not None:
+            self._emit(trainer, self._recovered(trainer, record))
 
     def respond_to_validation(self, trainer: pl.Trainer, detections: list[Detection]) -> None:
         """Act on the detections of a validation run: alert, bundle, halt."""
@@ -244,6 +270,22 @@ class Responder:
             self._write_bundle(trainer, bundle, alerts, bool(halting), None, [], 1, weights_ok)
         if halting:
             self._halt(trainer, halting[0])
+
+    def _plan_recovery(self, detections: list[Detection], step: StepContext) -> RecoveryPlan:
+        """What ``recover_on`` makes of this check's detections (nothing without it)."""
+        recovery = self.recovery
+        if recovery is None or not recovery.on:  # the common case: nothing to decide
+            return RecoveryPlan(detections)
+        beyond, first = step.check.beyond(recovery.settings.recover_on), step.check.index == 0
+        return recovery.plan(detections, beyond, step.figures.unsafe, step.at, first)
+
+    def _recovered(self, trainer: pl.Trainer, record: RecoveryRecord) -> Alert:
+        """The ``recovered`` alert of a recovery: what was restored, from which step, how many batches were skipped."""
+        reason = record.reason()
+        at = logging_step(trainer)
+        message = f"{reason[:1].upper()}{reason[1:]}. {ADVICE[AlertKind.RECOVERED]}"
+        epoch, skipped = trainer.current_epoch, float(record.skipped)
+        return Alert(kind=AlertKind.RECOVERED, step=at, epoch=epoch, value=skipped, threshold=None, message=message)
 
     def warn_once(self, key: str, message: str) -> None:
         """One ``RuntimeWarning`` per ``key`` and monitor."""
@@ -261,13 +303,14 @@ class Responder:
         bundle: Path | None,
         skipped: bool,
         weights_ok: bool,
+        halt_on: frozenset[AlertKind] | None = None,
     ) -> Alert:
         """Turn a detection into an alert: where and when, what was done about it, and what to try.
 
         The step is the one Lightning logs at (``_batches_that_stepped``), where the run's figures are, not
         ``global_step``, which counts the steps of every optimizer.
         """
-        halted = detection.kind in self.settings.halt_on
+        halted = detection.kind in (self.settings.halt_on if halt_on is None else halt_on)
         figures = None if step is None else step.figures
         traced = None if figures is None else figures.attribution(detection.kind)
         rank = None if traced is None else traced[0]
@@ -337,7 +380,9 @@ class Responder:
         """Make the files among ``paths`` that were written part of every W&B and MLflow run (rank zero)."""
         self._loggers.add_files([path for path in paths if path.is_file()])
 
-    def _open_bundle(self, trainer: pl.Trainer, detections: Sequence[Detection]) -> Path | None:
+    def _open_bundle(
+        self, trainer: pl.Trainer, detections: Sequence[Detection], halt_on: frozenset[AlertKind] | None = None
+    ) -> Path | None:
         """Create this check's post-mortem folder on every rank, if it calls for one; ``None`` if any rank cannot.
 
         Every rank must agree before ``save_checkpoint``, which all ranks join: one rank failing alone would hang.
@@ -345,7 +390,8 @@ class Responder:
         tells the others.
         """
         postmortem = self.settings.postmortem
-        cause = [d for d in detections if postmortem == "alert" or d.kind in self.settings.halt_on]
+        halt_on = self.settings.halt_on if halt_on is None else halt_on
+        cause = [d for d in detections if postmortem == "alert" or d.kind in halt_on]
         if postmortem is None or not cause:
             return None
         folder = self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
@@ -411,3 +457,19 @@ def _weights_finite(trainer: pl.Trainer) -> bool:
     params = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.lightning_module.parameters()]
     flags = [torch.isfinite(p).all().to(device) for p in params if p.numel()]
     return all(ranks_where(torch.stack(flags).all() if flags else True, device))
+
+
+_T = TypeVar("_T")
+
+
+class Kept(Generic[_T]):
+    """An attribute of the monitor that its responder keeps: read and written there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, monitor: Any, owner: type | None = None) -> _T:
+        return getattr(monitor._responder, self.name)
+
+    def __set__(self, monitor: Any, value: _T) -> None:
+        setattr(monitor._responder, self.name, value)

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_HALT_ON",
     "STEP_KINDS",
     "MonitorSettings",
+    "RecoverySettings",
     "ResponseSettings",
     "SpikeSettings",
     "StepSettings",
@@ -33,8 +34,8 @@ __all__ = [
 
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
 DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
-#: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``).
-STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL}
+#: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``) or recovered from (``recover_on``).
+STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL, AlertKind.RECOVERED}
 
 TokenAccuracyFn = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 
@@ -149,12 +150,9 @@ class ResponseSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "halt_on", _kinds("halt_on", self.halt_on))
-        object.__setattr__(self, "skip_on", _kinds("skip_on", self.skip_on))
-        if self.skip_on - STEP_KINDS:
-            raise ValueError(
-                "Expected argument `skip_on` to hold alert kinds raised at an optimizer step, "
-                f"but got {sorted(k.value for k in self.skip_on - STEP_KINDS)}"
-            )
+        object.__setattr__(self, "skip_on", _step_kinds("skip_on", self.skip_on))
+        if AlertKind.RECOVERED in self.halt_on:
+            raise ValueError("Expected argument `halt_on` to hold alert kinds that can halt, but got 'recovered'")
         if self.halt_mode not in ("stop", "raise"):
             raise ValueError(f"Expected argument `halt_mode` to be 'stop' or 'raise', but got {self.halt_mode!r}")
         if self.postmortem not in ("halt", "alert", None):
@@ -165,7 +163,28 @@ class ResponseSettings:
         _flag(self, "summary_on_fit_end")
 
 
-_GROUPS = (StepSettings, SpikeSettings, ValidationSettings, TokenSettings, ResponseSettings)
+@dataclass(frozen=True)
+class RecoverySettings:
+    """What rewinds the run instead of halting it, how often a good state is kept, and how much a recovery may skip."""
+
+    recover_on: frozenset[AlertKind]
+    recovery_every_n_steps: int
+    recovery_skip_limit: int
+    max_recoveries: int
+    recovery_storage: Literal["memory", "disk"]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recover_on", _step_kinds("recover_on", self.recover_on))
+        _count(self, "recovery_every_n_steps", 1)
+        _count(self, "recovery_skip_limit", 0)
+        _count(self, "max_recoveries", 1)
+        if self.recovery_storage not in ("memory", "disk"):
+            raise ValueError(
+                f"Expected argument `recovery_storage` to be 'memory' or 'disk', but got {self.recovery_storage!r}"
+            )
+
+
+_GROUPS = (StepSettings, SpikeSettings, ValidationSettings, TokenSettings, ResponseSettings, RecoverySettings)
 
 
 @dataclass(frozen=True)
@@ -190,6 +209,7 @@ class MonitorSettings:
     validation: ValidationSettings
     tokens: TokenSettings
     response: ResponseSettings
+    recovery: RecoverySettings
 
     def __post_init__(self) -> None:
         # An argument that another one makes do nothing: say so now, not with a figure or an alert that never comes.
@@ -228,7 +248,7 @@ class MonitorSettings:
     def as_dict(self) -> dict[str, Any]:
         """Every setting by its argument's name, as plain JSON values (alert kinds as sorted names)."""
         out: dict[str, Any] = {}
-        for group in (self.step, self.spikes, self.validation, self.tokens, self.response):
+        for group in (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery):
             for f in fields(group):
                 value = getattr(group, f.name)
                 if isinstance(value, frozenset):
@@ -243,7 +263,7 @@ class MonitorSettings:
         Raises:
             AttributeError: If no argument has that name.
         """
-        for group in (self.step, self.spikes, self.validation, self.tokens, self.response):
+        for group in (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery):
             if name in group.__dataclass_fields__:
                 return getattr(group, name)
         raise AttributeError(name)
@@ -298,6 +318,17 @@ def _text(group: Any, name: str, *, optional: bool = False) -> None:
     if not (isinstance(value, str) and value):
         expected = "a non-empty string or None" if optional else "a non-empty string"
         raise ValueError(f"Expected argument `{name}` to be {expected}, but got {value!r}")
+
+
+def _step_kinds(argument: str, kinds: Any) -> frozenset[AlertKind]:
+    """A collection of alert kinds raised at an optimizer step."""
+    found = _kinds(argument, kinds)
+    if found - STEP_KINDS:
+        raise ValueError(
+            f"Expected argument `{argument}` to hold alert kinds raised at an optimizer step, "
+            f"but got {sorted(k.value for k in found - STEP_KINDS)}"
+        )
+    return found
 
 
 def _kinds(argument: str, kinds: Any) -> frozenset[AlertKind]:

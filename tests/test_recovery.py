@@ -1,0 +1,554 @@
+"""``recover_on``: a run whose batches are poisoned for a window of steps rewinds to a good state and goes on.
+
+The poisoned batches (inputs scaled 1000x, every label wrong) ruin a run without recovery. With
+``recover_on=["loss_spike", "exploding_grad"]`` the run restores the newest good state, skips the poisoned batches and
+ends close to a clean run, on one process, on 2 DDP ranks and under FSDP2 (``ModelParallelStrategy``), all on CPU.
+The unit tests drive :class:`~lightning_monitor.recovery.Recovery` without a Trainer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import csv_column, jsonl
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor.alerts import AlertKind, Detection
+from lightning_monitor.recovery import Recovery, StateSources
+from lightning_monitor.settings import RecoverySettings
+
+#: The steps whose batches are poisoned, the run's length and the interval between kept states.
+POISON, STEPS, EVERY = (140, 160), 200, 25
+#: The ``recovered`` alert of every run here: the spike at the first poisoned step restores the state kept at step 125
+#: (one every 25 clean steps: 0, 25, ... 125), and the 19 poisoned batches after it are skipped as still outlying.
+EXPECTED = (
+    "Recovered from loss_spike at step 140: restored the weights, optimizer state, 1 LR scheduler(s) and detector"
+    " statistics kept at step 125 (before its update), leaving out the updates of 35 batch(es): the 16 of steps"
+    " 125 to 140, and 19 later batch(es) that were still outliers."
+)
+#: The final loss of a clean run of :class:`PoisonedModel`, and how close a recovered run must come to it.
+CLOSE = 0.15
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:DeprecationWarning"),
+]
+
+
+class PoisonedModel(pl.LightningModule):
+    """A small classifier whose batches of ``poison`` steps have their inputs scaled 1000x and every label wrong."""
+
+    def __init__(self, poison: tuple[int, int] = POISON, sharded: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.poison, self.sharded = poison, sharded
+
+    def configure_model(self) -> None:
+        if self.sharded:  # FSDP2: every Linear, then the whole net, sharded over the data-parallel mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.poison[0] <= self.global_step < self.poison[1]:
+            g = torch.Generator().manual_seed(self.global_step)
+            x, y = x * 1000.0, (y + 1 + torch.randint(0, 3, y.shape, generator=g)) % 4
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 50, 0.9), "interval": "step"},
+        }
+
+    def final_loss(self) -> float:
+        """The loss on a fixed held-out set."""
+        x, y = held_out()
+        with torch.no_grad():
+            return nn.functional.cross_entropy(self.net(x), y).item()
+
+
+def _task(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
+    return x, (x @ torch.randn(16, 4, generator=torch.Generator().manual_seed(2))).argmax(1)
+
+
+def held_out() -> tuple[torch.Tensor, torch.Tensor]:
+    return _task(512, 1)
+
+
+def data(batch_size: int = 64) -> DataLoader:
+    return DataLoader(TensorDataset(*_task(STEPS * 64, 0)), batch_size=batch_size)
+
+
+class StateProbe(pl.Callback):
+    """Placed after the monitor: the weights and optimizer state at every ``on_before_optimizer_step`` (a reference
+    taken independently of the monitor), and, on every rank, a report of the run."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder
+        self.states: dict[int, tuple[list[torch.Tensor], dict[str, Any]]] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1:  # see tests/test_distributed.py: destroy gloo's group while Python is whole
+            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # This rank's own weights and optimizer state (a DTensor's local shard): every step on one process, else the
+        # kept step and the restore's (see EXPECTED).
+        if self.folder is None or trainer.global_step in (125, 140):
+            weights = [_local(p).detach().clone() for p in pl_module.parameters()]
+            state = {
+                i: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for i, s in enumerate(optimizer.state.values())
+            }
+            self.states[trainer.global_step] = (weights, copy.deepcopy(optimizer.state_dict()) | {"local": state})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.folder is None:
+            return
+        (monitor,) = [c for c in trainer.callbacks if isinstance(c, TrainingMonitor)]
+        report = {
+            "alerts": [a.to_dict() for a in monitor.alerts],
+            "global_step": trainer.global_step,
+            "finite": all(bool(torch.isfinite(_local(p)).all()) for p in pl_module.parameters()),
+            "final_loss": pl_module.final_loss(),  # a collective under FSDP2: every rank runs it
+            "shard": [_local(p).detach().flatten().tolist() for p in pl_module.parameters()],
+            "restored_exactly": 125 in self.states
+            and 140 in self.states
+            and all(torch.equal(a, b) for a, b in zip(self.states[125][0], self.states[140][0], strict=True))
+            and _equal(self.states[125][1]["local"], self.states[140][1]["local"]),
+        }
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, default=str))
+
+
+class _SpawnShards(_MultiProcessingLauncher):
+    """Spawns the ranks, and leaves the sharded weights there: the test reads each rank's report instead (the
+    launcher would hand rank 0's DTensor state_dict back to the test process, where it does not unpickle)."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        if self._strategy.local_rank != 0:
+            return None
+        return _WorkerOutput(None, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+class SpawnModelParallel(ModelParallelStrategy):
+    """``ModelParallelStrategy`` started with ``spawn`` (it relaunches the script by default, which pytest is not)."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _SpawnShards(self, start_method="spawn")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fit(
+    tmp_path: Path, monitor: TrainingMonitor | None, poison: tuple[int, int] = POISON, **kwargs: Any
+) -> tuple[pl.Trainer, PoisonedModel, StateProbe]:
+    torch.manual_seed(0)
+    model = PoisonedModel(poison, sharded=isinstance(kwargs.get("strategy"), ModelParallelStrategy))
+    probe = StateProbe(kwargs.pop("report", None))
+    options: dict[str, Any] = {
+        "default_root_dir": tmp_path,
+        "max_steps": STEPS,
+        "accelerator": "cpu",
+        "devices": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": CSVLogger(tmp_path, name="csv", version=0),
+        "log_every_n_steps": 1,
+    }
+    options.update(kwargs)
+    callbacks = [c for c in (monitor, probe) if c is not None]
+    trainer = pl.Trainer(callbacks=callbacks, **options)
+    trainer.fit(model, train_dataloaders=data(64 // options["devices"]))
+    return trainer, model, probe
+
+
+def recovering(**kwargs: Any) -> TrainingMonitor:
+    options: dict[str, Any] = {
+        "val_loss_key": None,
+        "token_accuracy": False,
+        "recover_on": ["loss_spike", "exploding_grad"],
+        "recovery_every_n_steps": EVERY,
+    }
+    return TrainingMonitor(**{**options, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------------- one process
+
+
+@pytest.fixture(scope="module")
+def clean_loss(tmp_path_factory: pytest.TempPathFactory) -> float:
+    return fit(tmp_path_factory.mktemp("clean"), None, poison=(0, 0))[1].final_loss()
+
+
+def test_poisoned_run_is_ruined_without_recovery_and_halted_by_the_defaults(tmp_path, clean_loss):
+    _, model, _ = fit(tmp_path / "bare", None)
+    assert model.final_loss() > 2 * clean_loss  # 0.277 against 0.113
+    # The default monitor halts the run instead, on the poisoned gradients (`exploding_grad` is in `halt_on`).
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    trainer, _, _ = fit(tmp_path / "halted", monitor)
+    assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD and trainer.global_step < STEPS
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_poisoned_run_recovers_close_to_a_clean_run(tmp_path, clean_loss, storage):
+    monitor = recovering(recovery_storage=storage)
+    trainer, model, probe = fit(tmp_path, monitor)
+    assert (tmp_path / "csv" / "version_0" / "recovery" / "rank0.pt").exists() is (storage == "disk")
+    assert trainer.global_step == STEPS and monitor.stopping_reason is None
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert abs(model.final_loss() - clean_loss) < CLOSE * clean_loss
+    # Step 160 is clean and ends the recovery (see EXPECTED).
+    recovered = [a for a in monitor.alerts if a.kind is AlertKind.RECOVERED]
+    assert [(a.step, a.value, a.halted) for a in recovered] == [(160, 35.0, False)]
+    assert recovered[0].message.startswith(EXPECTED)
+    # Everywhere alerts go: the alerts file and the loggers.
+    lines = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
+    assert [line["step"] for line in lines if line["kind"] == "recovered"] == [160]
+    assert csv_column(tmp_path / "csv" / "version_0" / "metrics.csv", "alerts/recovered") == [(160, 1.0)]
+    # Exactness: right after the restore the weights and optimizer state are those kept, bit for bit; the probe
+    # (after the monitor) saw them at step 125 before its update, and at step 140 after the restore.
+    kept_weights, kept_opt = probe.states[125]
+    weights, opt = probe.states[140]
+    assert all(torch.equal(a, b) for a, b in zip(kept_weights, weights, strict=True))
+    assert _equal(kept_opt, opt)
+    # And the poisoned updates never reached the weights: every step from 140 to 159 is skipped.
+    for step in range(141, 160):
+        assert all(torch.equal(a, b) for a, b in zip(probe.states[step][0], kept_weights, strict=True))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Nested dicts, lists and tensors equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("halting", [("exploding_grad",), ()])
+def test_exhausted_recovery_halts_with_the_bundle(tmp_path, halting):
+    monitor = recovering(max_recoveries=1, halt_on=halting)
+
+    class Twice(PoisonedModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.poison = (140, 150) if self.global_step < 165 else (170, 180)
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        callbacks=[monitor],
+        default_root_dir=tmp_path,
+        max_steps=STEPS,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+    model = Twice()
+    trainer.fit(model, train_dataloaders=data())
+    summary = [(a.kind.value, a.step, a.halted) for a in monitor.alerts]
+    assert ("recovered", 150, False) in summary
+    # The second episode halts, whether `halt_on` has a kind of it (the default has `exploding_grad`) or not.
+    halted = [a for a in monitor.alerts if a.halted]
+    assert (halted[0].kind.value, halted[0].step) == ("loss_spike", 170)
+    assert all("recovery is exhausted (max_recoveries=1 reached)" in a.message for a in halted)
+    assert monitor.stopping_reason is AlertKind.LOSS_SPIKE and trainer.global_step == 171
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (tmp_path / "postmortem" / "step0000170_loss_spike" / "README.md").exists()
+
+
+def test_outliers_beyond_the_skip_limit_halt_with_the_bundle(tmp_path):
+    # 5 poisoned batches are skipped after the restore at step 140; the 6th (step 146) halts.
+    monitor = recovering(recovery_skip_limit=5, halt_on=[])
+    trainer, model, _ = fit(tmp_path, monitor)
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts if a.step >= 146] == [
+        ("recovered", 146, False),
+        ("loss_spike", 146, True),
+        ("exploding_grad", 146, True),
+    ]
+    for alert in monitor.alerts[-2:]:
+        assert "; the loss_spike episode of step 140 goes on after the recovery skipped 5 batch(es)" in alert.message
+    assert monitor.stopping_reason is AlertKind.LOSS_SPIKE and trainer.global_step == 147
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (tmp_path / "csv" / "version_0" / "postmortem" / "step0000146_loss_spike" / "README.md").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- several ranks
+
+
+def _reports(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "fsdp2"])
+def test_every_rank_recovers_at_the_same_step(tmp_path, clean_loss, strategy):
+    chosen = SpawnModelParallel(data_parallel_size=2, tensor_parallel_size=1) if strategy == "fsdp2" else strategy
+    fit(tmp_path, recovering(), devices=2, strategy=chosen, report=tmp_path)
+    rank0, rank1 = _reports(tmp_path)
+    for report in (rank0, rank1):
+        assert report["finite"] and report["global_step"] == STEPS
+        assert report["restored_exactly"]  # this rank's weights and momenta at step 140 are those of step 125
+        (recovered,) = [a for a in report["alerts"] if a["kind"] == "recovered"]
+        assert recovered["step"] == 160 and recovered["message"].startswith(EXPECTED)
+        assert abs(report["final_loss"] - clean_loss) < CLOSE * clean_loss
+    assert rank0["final_loss"] == rank1["final_loss"]
+    if strategy == "ddp_spawn":  # replicas: the same weights on both ranks
+        assert rank0["shard"] == rank1["shard"]
+    else:  # shards: each rank kept and restored its own, half of each parameter
+        assert rank0["shard"] != rank1["shard"]
+
+
+# ---------------------------------------------------------------------------------------------------- no Trainer
+
+
+def _settings(**kwargs: Any) -> RecoverySettings:
+    values: dict[str, Any] = {
+        "recover_on": frozenset({AlertKind.LOSS_SPIKE}),
+        "recovery_every_n_steps": 10,
+        "recovery_skip_limit": 2,
+        "max_recoveries": 2,
+        "recovery_storage": "memory",
+    }
+    return RecoverySettings(**{**values, **kwargs})
+
+
+class Counter:
+    """Statistics to keep and restore: a count."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.count = state_dict["count"]
+
+
+def _adam_run() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    return model, opt, scheduler
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, scheduler: Any, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(6, 4)).pow(2).mean().backward()
+        opt.step()
+        scheduler.step()
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_restore_is_exact_bit_for_bit(tmp_path, storage):
+    model, opt, scheduler = _adam_run()
+    _train(model, opt, scheduler, 3)
+    statistics = Counter()
+    statistics.count = 7
+    recovery = Recovery(_settings(recovery_storage=storage), statistics)
+    recovery.begin(tmp_path / "recovery", 0)
+    sources = StateSources(model, [opt], [scheduler])
+    recovery.keep(sources, step=3)
+    reference = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), scheduler.state_dict())
+    if storage == "disk":
+        assert (tmp_path / "recovery" / "rank0.pt").exists()
+    _train(model, opt, scheduler, 4)
+    statistics.count = 11
+    assert not _equal(reference[0], model.state_dict())
+    assert recovery.restore(sources).step == 3
+    assert _equal(reference[0], model.state_dict())  # weights and BatchNorm's running statistics
+    assert _equal(reference[1], opt.state_dict())  # moments, steps, and the learning rate of each group
+    assert scheduler.state_dict() == reference[2] and scheduler.get_last_lr() == [0.1 * 0.5**3]
+    assert statistics.count == 7
+    assert recovery.recoveries == 1
+
+
+def test_a_state_kept_before_the_first_step_restores_an_empty_optimizer_state():
+    model, opt, scheduler = _adam_run()
+    recovery = Recovery(_settings())
+    sources = StateSources(model, [opt])
+    recovery.keep(sources, step=0)
+    _train(model, opt, scheduler, 2)
+    recovery.restore(sources)
+    assert opt.state_dict()["state"] == {}
+    _train(model, opt, scheduler, 1)  # and the optimizer steps on from there
+    assert opt.state_dict()["state"][0]["step"] == 1
+
+
+def test_kept_state_memory_is_the_size_of_weights_and_moments():
+    model, opt, scheduler = _adam_run()
+    _train(model, opt, scheduler, 1)
+    kept = Recovery(_settings()).keep(StateSources(model, [opt]), step=1)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    steps = len(list(model.parameters()))  # AdamW's 0-d float32 step, per parameter
+    assert kept.nbytes == 4 * params + buffers + 2 * 4 * params + 4 * steps
+
+
+def _spike(value: float = 50.0) -> Detection:
+    return Detection(AlertKind.LOSS_SPIKE, value, 5.0, f"training loss {value} is far above its recent level")
+
+
+def test_plan_restores_skips_the_outliers_then_records_the_recovery():
+    statistics = Counter()
+    recovery = Recovery(_settings(), statistics)
+    model, opt, _ = _adam_run()
+    sources = StateSources(model, [opt])
+    plan = recovery.plan([], beyond=False, unsafe=False, at=0, first=True)
+    assert plan.keep and not plan.skip
+    recovery.keep(sources, 0)
+    assert not recovery.plan([], beyond=False, unsafe=False, at=5, first=True).keep  # within the interval
+    statistics.count = 3  # the detectors saw the spike
+    plan = recovery.plan([_spike()], beyond=True, unsafe=False, at=6, first=True)
+    assert plan.restore and plan.skip and plan.spared == {AlertKind.LOSS_SPIKE} and plan.detections == [_spike()]
+    recovery.restore(sources)
+    assert statistics.count == 0
+    statistics.count = 4  # the next batch is an outlier too: skipped, no alert, and judged against the kept level
+    plan = recovery.plan([_spike()], beyond=True, unsafe=False, at=7, first=True)
+    assert plan.skip and plan.detections == [] and not plan.restore and statistics.count == 0
+    plan = recovery.plan([], beyond=False, unsafe=False, at=8, first=True)
+    assert not plan.skip and not plan.keep  # the next keep waits an interval after the recovery
+    assert plan.finished is not None
+    assert (plan.finished.at, plan.finished.kept_step, plan.finished.lost, plan.finished.skipped_after) == (6, 0, 7, 1)
+    assert recovery.plan([], beyond=False, unsafe=False, at=16, first=True).keep
+
+
+def test_plan_halts_when_the_episode_comes_back_or_outlasts_the_skip_limit():
+    recovery = Recovery(_settings(recovery_skip_limit=1))
+    model, opt, _ = _adam_run()
+    sources = StateSources(model, [opt])
+    recovery.keep(sources, 0)
+    assert recovery.plan([_spike()], beyond=True, unsafe=False, at=3, first=True).restore
+    recovery.restore(sources)
+    assert recovery.plan([], beyond=True, unsafe=False, at=4, first=True).skip  # the one skip allowed
+    plan = recovery.plan([], beyond=True, unsafe=False, at=5, first=True)  # one more: the episode goes on
+    assert plan.forced == {AlertKind.LOSS_SPIKE} and plan.finished is not None
+    (halt,) = plan.detections
+    assert halt.reason == (
+        "the loss_spike episode of step 3 goes on after the recovery skipped 1 batch(es) (recovery_skip_limit=1)"
+    )
+    # No new state was kept since: the episode coming back halts too.
+    plan = recovery.plan([_spike()], beyond=True, unsafe=False, at=6, first=True)
+    assert plan.forced == {AlertKind.LOSS_SPIKE} and not plan.restore
+    assert "the episode came back before a good state newer than the one of step 0" in plan.detections[0].reason
+
+
+def test_plan_without_a_kept_state_acts_as_without_recovery():
+    recovery = Recovery(_settings())
+    with pytest.warns(RuntimeWarning, match="could not recover from loss_spike: no good state was kept yet"):
+        plan = recovery.plan([_spike()], beyond=True, unsafe=False, at=0, first=True)
+    assert plan.detections == [_spike()] and not (plan.restore or plan.skip or plan.forced or plan.spared)
+
+
+def test_recoveries_count_through_a_checkpoint():
+    recovery = Recovery(_settings(max_recoveries=1))
+    recovery.recoveries = 1
+    resumed = Recovery(_settings(max_recoveries=1))
+    resumed.load_state_dict(recovery.state_dict())
+    model, opt, _ = _adam_run()
+    resumed.keep(StateSources(model, [opt]), 0)
+    plan = resumed.plan([_spike()], beyond=True, unsafe=False, at=4, first=True)
+    assert plan.forced == {AlertKind.LOSS_SPIKE}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"recover_on": ["diverging_val_loss"]}, "Expected argument `recover_on` to hold alert kinds raised at an"),
+        ({"recover_on": "loss_spike"}, "Expected argument `recover_on` to be a collection of alert kinds"),
+        ({"recover_on": ["recovered"]}, "Expected argument `recover_on` to hold alert kinds raised at an"),
+        ({"halt_on": ["recovered"]}, "Expected argument `halt_on` to hold alert kinds that can halt"),
+        ({"recovery_every_n_steps": 0}, "Expected argument `recovery_every_n_steps` to be at least 1, but got 0"),
+        ({"recovery_skip_limit": -1}, "Expected argument `recovery_skip_limit` to be at least 0, but got -1"),
+        ({"max_recoveries": 1.5}, "Expected argument `max_recoveries` to be an integer of at least 1, but got 1.5"),
+        ({"recovery_storage": "gpu"}, "Expected argument `recovery_storage` to be 'memory' or 'disk', but got 'gpu'"),
+    ],
+)
+def test_bad_recovery_settings_are_refused(arguments, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainingMonitor(**arguments)
+
+
+def test_recovery_is_off_by_default():
+    monitor = TrainingMonitor()
+    assert monitor.recover_on == frozenset()
+    assert (monitor.recovery_every_n_steps, monitor.recovery_skip_limit, monitor.max_recoveries) == (100, 500, 5)
+
+
+def test_keeping_a_state_makes_no_host_sync():
+    from lightning_monitor.sync_count import HostSyncCounter
+
+    model, opt, scheduler = _adam_run()
+    _train(model, opt, scheduler, 1)
+    recovery = Recovery(_settings(), Counter())
+    sources = StateSources(model, [opt], [scheduler])
+    recovery.keep(sources, 0)  # the first allocates the host buffers
+    with HostSyncCounter() as counter:
+        recovery.keep(sources, 10)
+    assert counter.count == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_state_is_kept_in_pinned_buffers_without_a_sync_and_restored_exactly():
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    _train_cuda = lambda steps: [  # noqa: E731
+        (
+            opt.zero_grad(),
+            model(torch.randn(8, 64, device="cuda")).pow(2).mean().backward(),
+            opt.step(),
+            scheduler.step(),
+        )
+        for _ in range(steps)
+    ]
+    _train_cuda(2)
+    recovery = Recovery(_settings())
+    sources = StateSources(model, [opt], [scheduler])
+    recovery.keep(sources, 2)  # allocates the pinned buffers
+    _train_cuda(1)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            kept = recovery.keep(sources, 3)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not [w for w in caught if str(w.message).startswith("called a synchronizing CUDA operation")]
+    assert all(t.is_pinned() for t in kept.module.values() if t.numel())
+    reference = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    _train_cuda(3)
+    recovery.restore(sources)
+    assert _equal(reference[0], model.state_dict()) and _equal(reference[1], opt.state_dict())
