@@ -105,7 +105,7 @@ class StepDetectors:
         if loss_z is not None:  # a loss may be negative (a likelihood, an ELBO): `signed`
             detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike, signed=True)
         if grad_z is not None:
-            detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike)
+            detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike, tail_margin=True)
         return detectors
 
     def present(self) -> dict[str, Any]:

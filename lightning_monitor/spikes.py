@@ -68,11 +68,14 @@ class SpikeDetector:
             linear space.
         signed: The figure may be zero or negative (a loss): switch to linear space at the first such value
             instead of ignoring it.
+        tail_margin: Bar a spike by the largest recent rise in log space too, as in linear space (a heavy-tailed
+            figure: the gradient norm).
 
     Attributes:
         outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
         linear: Whether the detector works on the raw values (after a value at or below zero with ``signed``).
-        peak: In linear space, the largest rise above the reference of the values that were not outliers, decaying.
+        peak: The largest rise above the reference of the values that were not outliers, decaying (in linear space,
+            or with ``tail_margin``).
 
     Example:
         >>> det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5)
@@ -100,6 +103,7 @@ class SpikeDetector:
         min_std: float = 0.05,
         *,
         signed: bool = False,
+        tail_margin: bool = False,
     ) -> None:
         for argument, value in (("threshold", threshold), ("min_std", min_std)):
             if not (math.isfinite(value) and value > 0):
@@ -119,6 +123,7 @@ class SpikeDetector:
         self.patience = patience
         self.min_std = min_std
         self.signed = signed
+        self.tail_margin = tail_margin
         self.seen = 0
         self.level = 0.0
         self.recent = 0.0  # EMA of the last RECENT values
@@ -127,7 +132,7 @@ class SpikeDetector:
         self.magnitude = 0.0  # EMA of |x|, in linear space only
         self.linear = False
         self.linear_seen = 0  # values seen in linear space
-        self.peak = 0.0  # the largest recent rise above the reference, in linear space only
+        self.peak = 0.0  # the largest recent rise above the reference, where it is tracked
         self.count = 0
         self.outlier = False
 
@@ -140,7 +145,7 @@ class SpikeDetector:
     def _go_linear(self) -> None:
         """Carry the log-space state over to linear space (first order: d(exp y) = exp(y) dy)."""
         self.linear = True
-        self.linear_seen = 0
+        self.linear_seen, self.peak = 0, 0.0  # the rises it bars a spike with are learnt afresh on raw values
         if self.seen == 0:
             return
         typical = math.exp(self.level)
@@ -166,14 +171,15 @@ class SpikeDetector:
         rise = y - predicted
         z = rise / std
         bar = self.threshold * std
-        peaked = self.linear and PEAK_MARGIN * self.peak > bar
+        tracked = self.linear or self.tail_margin  # the largest recent rise is tracked, and bars a spike
+        peaked = tracked and PEAK_MARGIN * self.peak > bar
         if peaked:
             bar = PEAK_MARGIN * self.peak
         judged = self.seen >= self.warmup and (not self.linear or self.linear_seen >= self.warmup)
         self.outlier = judged and rise > bar
         clipped = min(y, predicted + self.threshold * std) if judged else y
-        if self.linear:
-            self.linear_seen += 1
+        self.linear_seen += int(self.linear)
+        if tracked:
             self.peak *= 0.5 ** (1.0 / (PEAK_MEMORY * self.window))
             if not self.outlier:
                 self.peak = max(self.peak, rise)
@@ -194,8 +200,11 @@ class SpikeDetector:
             if peaked:
                 jump += f", over {PEAK_MARGIN:g}x its largest recent rise +{format_value(bar / PEAK_MARGIN)}"
         else:
-            typical, limit = math.exp(predicted), math.exp(predicted + self.threshold * std)
+            typical, limit = math.exp(predicted), math.exp(predicted + bar)
             jump = f"{value / typical:.2g}x"
+            if peaked:
+                largest = math.exp(bar / PEAK_MARGIN)
+                jump += f", over {PEAK_MARGIN:g}x its largest recent rise in log space ({largest:.2g}x)"
         reason = (
             f"{self.name} {format_value(value)} is {z:.2g} std above its recent level {format_value(typical)} ({jump})"
         )

@@ -284,7 +284,7 @@ def test_exhausted_recovery_halts_with_the_bundle(tmp_path, halting):
     assert all("recovery is exhausted (max_recoveries=1 reached)" in a.message for a in halted)
     assert monitor.stopping_reason is AlertKind.LOSS_SPIKE and trainer.global_step == 171
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert (tmp_path / "postmortem" / "step0000170_loss_spike" / "README.md").exists()
+    assert (monitor.log_dir / "postmortem" / "step0000170_loss_spike" / "README.md").exists()
 
 
 def test_outliers_beyond_the_skip_limit_halt_with_the_bundle(tmp_path):
