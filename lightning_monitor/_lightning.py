@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 
 __all__ = [
+    "may_be_last_step",
     "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
@@ -100,3 +101,13 @@ def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -
     values = dict(zip(figures, torch.tensor(list(figures.values())).unbind(), strict=True))
     target = getattr(trainer._logger_connector, "_callback_metrics", None)
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
+
+
+def may_be_last_step(trainer: pl.Trainer) -> bool:
+    """Whether this optimizer step may be the run's last: the last batch of an epoch, or ``max_steps`` near.
+
+    ``global_step`` counts the steps of every optimizer, so with several the last batch begins short of it.
+    """
+    max_steps = trainer.max_steps
+    near = trainer.global_step + max(len(trainer.optimizers), 1)
+    return trainer.is_last_batch or (max_steps is not None and 0 <= max_steps <= near)

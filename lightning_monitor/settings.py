@@ -51,6 +51,7 @@ class StepSettings:
     layer_norms: bool
     check_every_n_steps: int
     watch_activations: bool
+    host_sync: Literal["auto", "step", "deferred"] = "auto"
 
     def __post_init__(self) -> None:
         _number(self, "exploding_grad_threshold", optional=True, auto=True)
@@ -60,6 +61,15 @@ class StepSettings:
             _count(self, name, 1)
         for name in ("layer_norms", "watch_activations"):
             _flag(self, name)
+        if self.host_sync not in ("auto", "step", "deferred"):
+            raise ValueError(
+                f"Expected argument `host_sync` to be 'auto', 'step' or 'deferred', but got {self.host_sync!r}"
+            )
+        if self.host_sync == "deferred" and self.watch_activations:
+            raise ValueError(
+                "Expected argument `host_sync` to be 'auto' or 'step' with `watch_activations=True`, whose flags are"
+                " read with the step they are about, but got 'deferred'"
+            )
         low, high = self.vanishing_grad_threshold, self.exploding_grad_threshold
         if isinstance(low, float) and isinstance(high, float) and low >= high:
             raise ValueError(
