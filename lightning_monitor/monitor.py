@@ -357,21 +357,21 @@ class TrainingMonitor(Callback):
         for pending, figures in self._deferred.take(optimizer) if self._deferred else []:
             self._act(trainer, pending, figures)
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
-        at, last = logging_step(trainer), may_be_last_step(trainer)
+        at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
-        if not (check.count_step(self._every_n) or logs or last):
+        if not (check.count_step(self._every_n) or logs or may_be_last_step(trainer)):
             check.hold(self._scaler)
             return
 
-        # Compute: one gather and one host read (deferred: at the next step, but the last, that nothing would read).
+        # Compute: one gather and one host read (deferred: at the next step, or at the end of training).
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
         extras: dict[str, Any] = {"train_token_counts": step_counts}
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
         pending = PendingCheck(optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches)
-        if self._deferred is not None and not last:  # read and decided at this optimizer's next step
+        if self._deferred is not None:  # read and decided at this optimizer's next step
             self._deferred.start(pending, packed, self._responder)
             return
         self._act(trainer, pending, check.combine(packing, gather_ranks(packed, self._ranks)))  # the one host sync

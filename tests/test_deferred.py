@@ -136,8 +136,8 @@ def test_no_host_read_in_the_hooks_of_a_steady_step(tmp_path):
         tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=12, log_every_n_steps=4, val_check_interval=6
     )
     trainer.fit(ProgressBarLoss(val_losses=[1.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
-    # The last step is read at once: nothing would read it afterwards.
-    assert [per_step[b] for b in range(12)] == [0] * 11 + [1]
+    # Not the last step either: the end of training reads it, after the step hooks.
+    assert [per_step[b] for b in range(12)] == [0] * 12
     assert monitor.latest["grad_norm"] > 0
 
 
@@ -212,3 +212,15 @@ def test_host_sync_is_checked():
     with pytest.raises(ValueError, match=r"`host_sync` to be 'auto' or 'step' with `watch_activations=True`"):
         TrainingMonitor(host_sync="deferred", watch_activations=True)
     assert TrainingMonitor().host_sync == "auto"
+
+
+@pytest.mark.parametrize(("nan_at", "epoch"), [(3, 0), (7, 1)], ids=["epoch_end", "end_of_training"])
+def test_the_last_check_of_an_epoch_or_run_is_read_later_for_its_own_step(tmp_path, nan_at, epoch):
+    """The last step of an epoch is read at the next epoch's first step; that of the run, at the end of training."""
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(host_sync="deferred", val_loss_key=None, halt_on=[])
+    trainer = make_trainer(tmp_path, [monitor], max_steps=-1, max_epochs=2, limit_train_batches=4)
+    trainer.fit(ScriptedModel(loss_factor={nan_at: math.nan}), train_dataloaders=loader())
+    assert [(a.kind.value, a.step, a.epoch) for a in monitor.alerts] == [("nonfinite_loss", nan_at, epoch)]
+    assert f"at step {nan_at} (epoch {epoch})" in monitor.alerts[0].message
+    assert trainer.global_step == 8
