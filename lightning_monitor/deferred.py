@@ -97,6 +97,7 @@ class DeferredReads:
 
     def __init__(self) -> None:
         self._pending: dict[int, PendingCheck] = {}
+        self.waits = 0  # reads that found their copy not yet complete and waited for it (a device over a step behind)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -133,16 +134,24 @@ class DeferredReads:
     def take(self, optimizer: Optimizer) -> list[tuple[PendingCheck, StepFigures]]:
         """The check ``optimizer`` started at its last step, read and combined (none, or one)."""
         pending = self._pending.pop(id(optimizer), None)
-        return [] if pending is None else [(pending, _read(pending))]
+        return [] if pending is None else [(pending, self._read(pending))]
 
     def take_all(self) -> list[tuple[PendingCheck, StepFigures]]:
         """Every check still waiting, read (at the end of training: nothing would read them afterwards)."""
         pending, self._pending = list(self._pending.values()), {}
-        return [(p, _read(p)) for p in pending]
+        return [(p, self._read(p)) for p in pending]
 
     def clear(self) -> None:
         """Forget every check still waiting (after an exception)."""
         self._pending = {}
+
+    def _read(self, pending: PendingCheck) -> StepFigures:
+        """The figures of a pending check, once its copy is complete (a step later it is: no wait)."""
+        if pending.ready is not None and not pending.ready.query():
+            self.waits += 1
+            pending.ready.synchronize()  # the device is more than a step behind: wait for the copy only
+        assert pending.host is not None  # set by `start`
+        return pending.check.combine(pending.packing, pending.host.tolist())
 
 
 def resolve_host_sync(host_sync: HostSync, device: torch.device) -> Literal["step", "deferred"]:
@@ -194,11 +203,3 @@ def _copy_to_host(world: Tensor) -> tuple[Tensor, Any]:
     if world.device.type == "cpu":
         return mark_host_copy(world.clone()), None
     return world.cpu(), None  # elsewhere the copy blocks (and the sync counter counts it)
-
-
-def _read(pending: PendingCheck) -> StepFigures:
-    """The figures of a pending check, once its copy is complete (a step later it is: no wait)."""
-    if pending.ready is not None and not pending.ready.query():
-        pending.ready.synchronize()  # the device is more than a step behind: wait for the copy only
-    assert pending.host is not None  # set by `DeferredReads.start`
-    return pending.check.combine(pending.packing, pending.host.tolist())
