@@ -224,3 +224,18 @@ def test_the_last_check_of_an_epoch_or_run_is_read_later_for_its_own_step(tmp_pa
     assert [(a.kind.value, a.step, a.epoch) for a in monitor.alerts] == [("nonfinite_loss", nan_at, epoch)]
     assert f"at step {nan_at} (epoch {epoch})" in monitor.alerts[0].message
     assert trainer.global_step == 8
+
+
+def test_the_bundle_of_a_deferred_check_holds_good_weights_and_the_bad_steps_batch(tmp_path):
+    torch.manual_seed(0)
+    model = WithOptimizer("adamw_fused", loss_factor={4: math.nan})
+    monitor, _ = run(tmp_path, "deferred", model)
+    folder = tmp_path / "deferred" / "lightning_logs" / "version_0" / "postmortem" / "step0000004_nonfinite_loss"
+    checkpoint = torch.load(folder / "last_good.ckpt", weights_only=False)
+    kept = list(checkpoint["state_dict"].values())
+    weights_before_step_4 = model.before[4][0]  # fused AdamW skipped step 4 on the device
+    assert all(torch.equal(a, b) for a, b in zip(kept, weights_before_step_4, strict=True))
+    ((batch_idx, _batch),) = torch.load(folder / "batch_rank0.pt", weights_only=False)
+    assert batch_idx == 4  # the bad step's batch, not the one under way when it was read
+    assert "read one step later (`host_sync='deferred'`)" in (folder / "README.md").read_text()
+    assert monitor.alerts[0].message.endswith(str(folder))
