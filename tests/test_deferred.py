@@ -239,3 +239,19 @@ def test_the_bundle_of_a_deferred_check_holds_good_weights_and_the_bad_steps_bat
     assert batch_idx == 4  # the bad step's batch, not the one under way when it was read
     assert "read one step later (`host_sync='deferred'`)" in (folder / "README.md").read_text()
     assert monitor.alerts[0].message.endswith(str(folder))
+
+
+def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
+    from test_monitor_alerts import TwoOptimizers
+
+    model = TwoOptimizers(nan_at_batch=3)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False, host_sync="deferred")
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step, alert.halted) == ("nonfinite_loss", 3, True)
+    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0.")
+    assert trainer.global_step == 10  # batch 4 ran, both its steps skipped after the halt was read
+    assert monitor.skipped_steps == 2
+    assert all_finite(model)
+    assert [s for s, _ in csv_column(f"{trainer.log_dir}/metrics.csv", "grad_norm_opt1")] == [0, 1, 2, 3, 4]
