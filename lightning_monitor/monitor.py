@@ -73,8 +73,8 @@ class TrainingMonitor(Callback):
                               collapses, while the validation loss keeps falling
     ========================  =========================================================================
 
-    A non-finite gradient or loss never reaches the weights: the monitor skips that optimizer step (under fp16 AMP
-    the GradScaler skips overflows), and so it does with a step that halts or is beyond a ``skip_on`` limit.
+    A non-finite gradient or loss never reaches the weights: the monitor skips that step (under fp16 AMP the GradScaler
+    skips overflows), and one that halts or is beyond ``skip_on`` (``host_sync="deferred"``: non-finite ones only).
     Halting sets ``trainer.should_stop`` (like ``EarlyStopping``), or raises :class:`TrainingHalted` on every rank
     with ``halt_mode="raise"``, and writes a post-mortem bundle (:mod:`lightning_monitor.postmortem`). Each check
     gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
