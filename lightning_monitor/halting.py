@@ -74,8 +74,8 @@ class StepGuard:
 
     @property
     def armed(self) -> bool:
-        """Whether a skip waits for its ``step()``."""
-        return bool(self._armed)
+        """Whether a skip, or a device flag of :meth:`skip_on_device`, waits for its ``step()``."""
+        return bool(self._armed or self._on_device)
 
     def install(self, optimizer: Optimizer) -> None:
         """Wrap ``optimizer.step`` so that :meth:`skip` can skip its coming call (once per optimizer)."""

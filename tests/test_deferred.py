@@ -255,3 +255,20 @@ def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
     assert monitor.skipped_steps == 2
     assert all_finite(model)
     assert [s for s, _ in csv_column(f"{trainer.log_dir}/metrics.csv", "grad_norm_opt1")] == [0, 1, 2, 3, 4]
+
+
+def test_a_device_flag_whose_step_never_came_is_dropped():
+    """A flag set for a step that was not taken (a closure that returned None) must not skip a later step."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = StepGuard()
+    guard.install(opt)
+    assert guard.skip_on_device(opt, torch.tensor(True)) == "fused"
+    assert guard.armed  # so the monitor's next hook disarms it
+    guard.disarm()
+    assert not guard.armed
+    before = model.weight.detach().clone()
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight, before) and not hasattr(opt, "found_inf")
+    guard.remove()
