@@ -4,7 +4,8 @@
    training a small language model with ``AdamW(fused=True)`` in ``bf16-mixed``, with
    ``torch.cuda.set_sync_debug_mode("error")`` inside every step hook of the monitor: a synchronising CUDA call there
    raises. The end of training (``on_train_end``), which reads the last check, is outside the step hooks.
-2. ``nan``: a NaN loss injected at step ``k``: the alert is for step ``k``, exactly once; the weights stay finite;
+2. ``nan``: a NaN loss injected at step ``k`` (and, last, a loss 1e4 times larger: ``exploding_grad``): the alert is
+   for step ``k``, exactly once; the weights stay finite;
    with ``AdamW(fused=True)`` the weights, moments and step counts are unchanged by step ``k`` (its ``found_inf``),
    with the non-fused ``AdamW`` they are finite and moved by the zero gradients; in ``16-mixed`` with Lightning's own
    GradScaler, which sets ``found_inf`` itself, as well. Training stops one step later than with ``host_sync="step"``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -51,7 +53,7 @@ VOCAB, SEQ, BATCH, WIDTH = 512, 64, 8, 256
 class TinyLM(pl.LightningModule):
     """Embedding, two blocks of MLP, a head: logits and labels for the monitor's token accuracy."""
 
-    def __init__(self, optimizer: str = "adamw_fused", nan_at: int | None = None) -> None:
+    def __init__(self, optimizer: str = "adamw_fused", nan_at: int | None = None, factor: float = math.nan) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(
@@ -59,7 +61,7 @@ class TinyLM(pl.LightningModule):
             for _ in range(2)
         )
         self.head = nn.Linear(WIDTH, VOCAB)
-        self.optimizer_name, self.nan_at = optimizer, nan_at
+        self.optimizer_name, self.nan_at, self.factor = optimizer, nan_at, factor
         self.snapshots: dict[str, tuple[list[Tensor], dict[str, Tensor]]] = {}
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -73,7 +75,7 @@ class TinyLM(pl.LightningModule):
         logits = self(inputs)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
         if self.global_step == self.nan_at:
-            loss = loss * float("nan")
+            loss = loss * self.factor
         return {"loss": loss, "logits": logits.detach(), "labels": labels}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -170,11 +172,15 @@ def part_sync(root: str) -> dict[str, Any]:
     }
 
 
-def part_nan(root: str, optimizer: str, precision: str, host_sync: str, k: int = 10) -> dict[str, Any]:
+def part_nan(
+    root: str, optimizer: str, precision: str, host_sync: str, factor: float = math.nan, k: int = 10
+) -> dict[str, Any]:
+    """The loss of step ``k`` multiplied by ``factor`` (NaN: ``nonfinite_loss``; 1e4: ``exploding_grad``)."""
+    kind = "nonfinite_loss" if math.isnan(factor) else "exploding_grad"
     if host_sync == "auto" and DEVICE == "cpu":
         host_sync = "deferred"  # what "auto" is on CUDA
     monitor = TrainingMonitor(val_loss_key=None, host_sync=host_sync)
-    model = TinyLM(optimizer, nan_at=k)
+    model = TinyLM(optimizer, nan_at=k, factor=factor)
     fit = trainer(root, monitor, 30, precision)
     fit.fit(model, DataLoader(Tokens(), batch_size=BATCH))
     (weights, state), (after, after_state) = model.snapshots["before"], model.snapshots["after"]
@@ -183,7 +189,7 @@ def part_nan(root: str, optimizer: str, precision: str, host_sync: str, k: int =
         "precision": precision,
         "host_sync": host_sync,
         "alerts": [(a.kind.value, a.step) for a in monitor.alerts],
-        "alert_for_step_k": [(a.kind.value, a.step) for a in monitor.alerts][:1] == [("nonfinite_loss", k)],
+        "alert_for_step_k": [(a.kind.value, a.step) for a in monitor.alerts][:1] == [(kind, k)],
         "stopped_at": fit.global_step,
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "weights_unchanged_at_k": all(torch.equal(a, b) for a, b in zip(weights, after, strict=True)),
@@ -261,6 +267,7 @@ def main() -> None:
             ("nan_adamw_bf16", lambda folder: part_nan(folder, "adamw", "bf16-mixed", "auto")),
             ("nan_adamw_fused_fp16_scaler", lambda folder: part_nan(folder, "adamw_fused", "16-mixed", "auto")),
             ("nan_adamw_fused_bf16_step", lambda folder: part_nan(folder, "adamw_fused", "bf16-mixed", "step")),
+            ("nan_explode_adamw_fused_bf16", lambda f: part_nan(f, "adamw_fused", "bf16-mixed", "auto", factor=1e4)),
         ):
             try:
                 results[name] = part(os.path.join(root, name))

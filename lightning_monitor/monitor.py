@@ -162,8 +162,8 @@ class TrainingMonitor(Callback):
             the read waits for the backward pass, and the GPU then waits for the host: checking less often saves
             that pause on the steps in between.
         host_sync: ``"step"`` reads each check before its step (a blocking host sync), so any step can be skipped.
-            ``"deferred"`` reads it a step later, without blocking: a non-finite step is kept from the weights on the
-            device, others are applied (:mod:`~lightning_monitor.deferred`). ``"auto"``: ``"deferred"`` on CUDA.
+            ``"deferred"`` reads it a step later, without blocking: a non-finite or exploding step is kept from the
+            weights on the device, a spike is not (:mod:`~lightning_monitor.deferred`). ``"auto"``: deferred on CUDA.
         alerts_file: File name, inside the trainer's log directory, of the JSON-lines alert log. ``None`` turns it
             off.
 

@@ -207,7 +207,7 @@ class Responder:
             for group in step.optimizer.param_groups:  # not wrapped (replaced mid-step): drop what it would apply
                 for param in group["params"]:
                     param.grad = None
-        if skip or (deferred and found.unsafe and step.on_device == "fused"):  # a fused optimizer skipped it exactly
+        if skip or step.on_device == "fused":  # deferred: a fused optimizer skipped it exactly, on the device
             overflowed = found.amp and found.grad_norm is not None and not math.isfinite(found.grad_norm)
             self.skipped_steps += 0 if overflowed else 1  # an overflowing step is counted below, once
         self.skipped_steps += found.overflow_steps  # the GradScaler skips these itself
@@ -281,7 +281,7 @@ class Responder:
         stop = "Training is halting." if self.settings.halt_mode == "stop" else "Raising TrainingHalted."
         covered, every = (1, 1) if step is None else (step.figures.checked_steps, step.every)
         if step is not None and step.on_device is not None:
-            done = what_was_done(step.on_device, step.figures.unsafe, covered, every)
+            done = what_was_done(step.on_device, covered, every)
         elif skipped and covered > 1:
             done = (
                 f"This optimizer step was skipped, but the {covered - 1} before it since the last check"

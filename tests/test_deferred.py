@@ -118,14 +118,34 @@ def test_the_same_figures_are_logged_at_the_same_steps(tmp_path):
     assert [s for s, _ in figures["step"][0]] == list(range(12))
 
 
-def test_an_alert_read_late_says_the_step_was_applied(tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_an_exploding_step_that_halts_is_kept_from_the_weights_on_the_device(tmp_path, optimizer):
+    """The learnt limit is known on the host before the step: the device compares the step's norm with it."""
     torch.manual_seed(0)
-    monitor, trainer = run(tmp_path, "deferred", ScriptedModel(loss_factor={7: 1e4}))
+    model = WithOptimizer(optimizer, loss_factor={7: 1e4})
+    monitor, trainer = run(tmp_path, "deferred", model)
     (alert,) = monitor.alerts
     assert (alert.kind.value, alert.step, alert.halted) == ("exploding_grad", 7, True)
-    assert "The optimizer step was applied: with host_sync='deferred'" in alert.message
-    assert "skipped, so" not in alert.message
     assert trainer.global_step == 9  # decided at step 8, which is skipped; training stops after it
+    (weights, state), (after, after_state) = model.before[7], model.after[7]
+    assert all(torch.equal(a, b) for a, b in zip(weights, after, strict=True))  # plain SGD: zero gradients
+    if optimizer == "adamw_fused":
+        assert all(torch.equal(state[k], after_state[k]) for k in state)
+        assert "skipped on the device" in alert.message
+    else:
+        assert "Its gradients were replaced by zeros" in alert.message
+
+
+def test_an_alert_that_neither_halts_nor_skips_says_its_step_was_applied(tmp_path):
+    torch.manual_seed(0)
+    model = WithOptimizer("sgd", loss_factor={7: 1e4})
+    monitor, trainer = run(tmp_path, "deferred", model, halt_on=[])
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step, alert.halted) == ("exploding_grad", 7, False)
+    assert "The optimizer step was applied: with host_sync='deferred'" in alert.message
+    assert "skipped" not in alert.message and "zeros" not in alert.message
+    assert not all(torch.equal(a, b) for a, b in zip(model.before[7][0], model.after[7][0], strict=True))
+    assert trainer.global_step == 12
 
 
 def test_no_host_read_in_the_hooks_of_a_steady_step(tmp_path):
@@ -156,24 +176,29 @@ def test_a_deferred_check_covering_held_steps_alerts_at_the_check(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
-def test_two_ranks_alert_at_the_step_once_and_halt_one_step_later(tmp_path):
+@pytest.mark.parametrize(
+    ("fault", "kind", "at"), [("nan_loss_at", "nonfinite_loss", 3), ("explode_grads_at", "exploding_grad", 2)]
+)
+def test_two_ranks_alert_at_the_step_once_and_halt_one_step_later(tmp_path, fault, kind, at):
+    """A fault on rank 1 only: both ranks decide alike on the gathered figures, their device guards act alike."""
     torch.manual_seed(0)
     fit(
         tmp_path,
-        TensorBatchModel(nan_loss_at=3),
+        TensorBatchModel(**{fault: at}),
         devices=2,
         monitor=TrainingMonitor(val_loss_key=None, host_sync="deferred"),
     )
     rank0, rank1 = reports(tmp_path)
     for report in (rank0, rank1):
-        assert report["global_step"] == 5  # one step later than with host_sync="step"
-        assert report["stopping_reason"] == "nonfinite_loss"
+        assert report["global_step"] == at + 2  # one step later than with host_sync="step"
+        assert report["stopping_reason"] == kind
         assert report["finite"]
         (alert,) = report["alerts"]
-        assert (alert["kind"], alert["step"], alert["rank"]) == ("nonfinite_loss", 3, 1)
+        assert (alert["kind"], alert["step"], alert["rank"]) == (kind, at, 1)
+        assert "zeros on the device" in alert["message"]
     assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
     (line,) = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
-    assert (line["step"], line["rank"]) == (3, 1)
+    assert (line["step"], line["rank"]) == (at, 1)
 
 
 @pytest.mark.parametrize("flag", [True, False])
