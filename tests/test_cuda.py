@@ -251,15 +251,25 @@ def test_sync_debug_mode_error_through_50_steps_of_fused_adamw_in_bf16(tmp_path)
     assert trainer.global_step == 50 and monitor.alerts == []
 
 
-@pytest.mark.parametrize(("precision", "fused"), [("bf16-mixed", True), ("16-mixed", True), ("bf16-mixed", False)])
-def test_a_nan_at_step_k_alerts_for_k_and_never_reaches_the_weights(tmp_path, precision, fused):
+@pytest.mark.parametrize(
+    ("precision", "fused", "factor"),
+    [
+        ("bf16-mixed", True, math.nan),
+        ("16-mixed", True, math.nan),
+        ("bf16-mixed", False, math.nan),
+        ("bf16-mixed", True, 1e4),
+    ],
+    ids=["fused_bf16", "fused_fp16_scaler", "foreach_bf16", "fused_bf16_exploding"],
+)
+def test_a_nan_at_step_k_alerts_for_k_and_never_reaches_the_weights(tmp_path, precision, fused, factor):
     """Fused AdamW skips step k on the device (under fp16 with the GradScaler's own found_inf too); non-fused AdamW
     gets zero gradients: finite weights, moved by its moments. The halt comes one step later, and skips that step."""
-    model = FusedAdamW(watch=3, fused=fused, loss_factor={3: float("nan")})
+    model = FusedAdamW(watch=3, fused=fused, loss_factor={3: factor})
     monitor = TrainingMonitor(val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], accelerator="cuda", precision=precision, max_steps=10)
     trainer.fit(model, train_dataloaders=loader())
-    assert [(a.kind.value, a.step) for a in monitor.alerts] == [("nonfinite_loss", 3)]
+    kind = "nonfinite_loss" if math.isnan(factor) else "exploding_grad"
+    assert [(a.kind.value, a.step) for a in monitor.alerts] == [(kind, 3)]
     assert trainer.global_step == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
     (weights, state), (after, after_state) = model.seen["before"], model.seen["after"]
