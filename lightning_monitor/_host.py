@@ -16,7 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["copies_without_blocking", "fsum", "gather_ranks", "host_dtype", "ranks_where", "to_device", "world_size"]
+__all__ = [
+    "copies_without_blocking",
+    "fsum",
+    "gather_on_device",
+    "gather_ranks",
+    "host_dtype",
+    "ranks_where",
+    "to_device",
+    "world_size",
+]
 
 
 def gather_ranks(local: Tensor, ranks: int | None = None) -> list[list[float]]:
@@ -37,6 +46,22 @@ def gather_ranks(local: Tensor, ranks: int | None = None) -> list[list[float]]:
     world = [torch.empty_like(local) for _ in range(world_ranks)]
     dist.all_gather(world, local.detach().contiguous())
     return torch.stack(world).tolist()  # the host sync
+
+
+def gather_on_device(local: Tensor, ranks: int) -> Tensor:
+    """:func:`gather_ranks` without the read: every rank's ``local`` as the rows of one device tensor.
+
+    The ``all_gather`` is queued on the device like any kernel (NCCL); nothing waits for it on the host.
+
+    Example:
+        >>> gather_on_device(torch.tensor([1.0, 2.0]), 1)
+        tensor([[1., 2.]])
+    """
+    if ranks == 1:
+        return local.unsqueeze(0)
+    world = [torch.empty_like(local) for _ in range(ranks)]
+    dist.all_gather(world, local.detach().contiguous())
+    return torch.stack(world)
 
 
 def ranks_where(ok: bool | Tensor, device: torch.device) -> list[bool]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
 
 __all__ = [
+    "may_be_last_step",
     "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
@@ -36,7 +37,6 @@ __all__ = [
     "is_wandb_logger",
     "log_every",
     "logging_step",
-    "may_be_last_step",
     "mirror_callback_metrics",
     "state_under_another_key",
 ]

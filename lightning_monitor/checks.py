@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ __all__ = [
     "HELD_STEPS_AT_MOST",
     "OptimizerCheck",
     "OptimizerChecks",
+    "Packing",
     "StepDetectors",
     "StepFigures",
     "TrainingLoss",
@@ -116,6 +117,17 @@ class StepDetectors:
         """Forget every alert episode under way (after a resume), keeping the statistics."""
         for detector in self.present().values():
             detector.rearm()
+
+
+class Packing(NamedTuple):
+    """How a check's packed tensor is laid out, and what :meth:`OptimizerCheck.combine` needs to read it back."""
+
+    layout: Layout
+    held: int  # steps held since the last check
+    ranks: int
+    amp: bool  # under an fp16 GradScaler
+    extras: tuple[str, ...]
+    norms: LayerGradNorms  # the parameters measured when it was packed
 
 
 class OptimizerCheck:
@@ -215,6 +227,17 @@ class OptimizerCheck:
                 name, in :attr:`StepFigures.extras`.
             ranks: :func:`~lightning_monitor._host.world_size`, when the caller knows it.
         """
+        packed, packing = self.pack(loss, scaler, extras, ranks)
+        return self.combine(packing, gather_ranks(packed, packing.ranks))  # the one host sync of this check
+
+    def pack(
+        self,
+        loss: tuple[Tensor | None, int],
+        scaler: torch.amp.GradScaler | None,
+        extras: Mapping[str, Part] | None = None,
+        ranks: int | None = None,
+    ) -> tuple[Tensor, Packing]:
+        """:meth:`read` up to the gather: this rank's packed tensor (on the device), and how to :meth:`combine` it."""
         norms = self.norms.norm_list()
         extras = extras or {}
         loss_sum, loss_count = loss
@@ -238,23 +261,26 @@ class OptimizerCheck:
         values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
         layout = self._layout(held > 0, ranks > 1, extras)
         packed = layout.pack([*values, *extras.values()])
-        rows = gather_ranks(packed, ranks)  # the one host sync of this check
         self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
+        return packed, Packing(layout, held, ranks, scaler is not None, tuple(extras), self.norms)
 
+    def combine(self, packing: Packing, rows: list[list[float]]) -> StepFigures:
+        """The host figures of a check from every rank's row of its gathered tensor (see :meth:`pack`)."""
+        layout, held, ranks, amp, norms_of = packing.layout, packing.held, packing.ranks, packing.amp, packing.norms
         first, where = rows[0], layout.slices
-        scale = first[where["scale"].start] if scaler is not None else 1.0
+        scale = first[where["scale"].start] if amp else 1.0
         if ranks > 1:
             per_rank = layout.read(rows)
             norm_rows = per_rank["norms"]
             layer_sq = combine_ranks(norm_rows)
             rank_sq: list[float] | None = [fsum(row) for row in norm_rows]
-            layers = len(self.norms.names)
+            layers = len(norms_of.names)
             replicated = [fsum(row[:layers]) for row in norm_rows]
             has_grads = any(v > 0 for v in per_rank.scalars("present"))
             count = fsum(per_rank.scalars("loss_count"))
             loss_total = fsum(per_rank.scalars("loss_sum"))
         else:  # the same figures, without the loops over ranks
-            layer_sq = self.norms.layer_squares(first[where["norms"]])
+            layer_sq = norms_of.layer_squares(first[where["norms"]])
             rank_sq, replicated = None, []  # the total below
             has_grads = first[where["present"].start] > 0
             count, loss_total = first[where["loss_count"].start], first[where["loss_sum"].start]
@@ -269,7 +295,7 @@ class OptimizerCheck:
             held_norm = math.sqrt(combine_ranks([r[where["held_peak"]] for r in rows])[0])  # finite, unscaled
             held_bad = int(max(r[where["held_overflows"].start] for r in rows))
             overflow_steps += held_bad
-            if scaler is None:  # a non-finite gradient is an alert: it shows in the peak
+            if not amp:  # a non-finite gradient is an alert: it shows in the peak
                 worst = max(held_norm, norm, key=lambda v: math.inf if math.isnan(v) else v)
                 grad_peak = math.nan if held_bad and math.isfinite(worst) else worst
             else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
@@ -280,14 +306,14 @@ class OptimizerCheck:
             grad_norm=grad_norm,
             grad_peak=grad_peak,
             layer_sq=layer_sq,
-            overflow_steps=overflow_steps if scaler is not None else 0,
+            overflow_steps=overflow_steps if amp else 0,
             checked_steps=held + 1,
-            loss_scale=scale if scaler is not None else None,
-            amp=scaler is not None,
+            loss_scale=scale if amp else None,
+            amp=amp,
             loss_ranks=[r[where["loss_sum"].start] for r in rows],
             grad_ranks=[total_sq] if rank_sq is None else rank_sq,
             replicated_ranks=replicated,
-            extras={name: [list(r[where[name]]) for r in rows] for name in extras},
+            extras={name: [list(r[where[name]]) for r in rows] for name in packing.extras},
         )
 
     def _layout(self, held: bool, several: bool, extras: Mapping[str, Part]) -> Layout:

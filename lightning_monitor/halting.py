@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
@@ -69,11 +70,12 @@ class StepGuard:
         # id -> (optimizer, the instance's own `step` it had, or None, and the wrapper)
         self._installed: dict[int, tuple[Optimizer, Callable[..., Any] | None, Callable[..., Any]]] = {}
         self._armed: set[int] = set()
+        self._on_device: dict[int, Tensor] = {}  # id -> the `found_inf` flag of a fused optimizer's coming step
 
     @property
     def armed(self) -> bool:
-        """Whether a skip waits for its ``step()``."""
-        return bool(self._armed)
+        """Whether a skip, or a device flag of :meth:`skip_on_device`, waits for its ``step()``."""
+        return bool(self._armed or self._on_device)
 
     def install(self, optimizer: Optimizer) -> None:
         """Wrap ``optimizer.step`` so that :meth:`skip` can skip its coming call (once per optimizer)."""
@@ -92,7 +94,7 @@ class StepGuard:
             else:
                 closure = None
             if closure is None:
-                return None if guard._take(optimizer) else original(*args, **kwargs)
+                return None if guard._take(optimizer) else guard._step(optimizer, original, *args, **kwargs)
             with torch.enable_grad():
                 loss = closure()
             if guard._take(optimizer):
@@ -102,7 +104,7 @@ class StepGuard:
             def again() -> Any:  # the loss just computed, then (LBFGS) the closure itself
                 return evaluated.pop() if evaluated else closure()
 
-            return original(again, *args, **kwargs)
+            return guard._step(optimizer, original, again, *args, **kwargs)
 
         optimizer.step = step  # type: ignore[method-assign]
         self._installed[id(optimizer)] = (optimizer, original if own else None, step)
@@ -125,6 +127,24 @@ class StepGuard:
     def disarm(self) -> None:
         """Forget every skip not taken (a GradScaler that found an overflow never calls ``step()``)."""
         self._armed.clear()
+        self._on_device.clear()
+
+    def skip_on_device(self, optimizer: Optimizer, bad: Tensor) -> str:
+        """Keep the coming step's gradients from the weights where the 0-d device flag ``bad`` is set, without a sync.
+
+        A fused ``Adam``, ``AdamW``, ``SGD`` or ``Adagrad`` that is wrapped gets ``bad`` as its ``found_inf``, the
+        way ``GradScaler.step`` hands it (added to the GradScaler's own, under fp16 AMP): its kernel then skips the
+        update exactly (weights, moments and step counts unchanged). Any other optimizer gets its gradients
+        replaced by zeros where ``bad`` is set: every weight stays finite, but momentum and weight decay still move
+        them. Returns which was done, ``"fused"`` or ``"zeroed"``.
+        """
+        if id(optimizer) in self._installed and _reads_found_inf(optimizer):
+            self._on_device[id(optimizer)] = bad.to(torch.float32)
+            return "fused"
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for grad in grads:  # one kernel each, no host read: `bad` broadcasts as the mask
+            grad.masked_fill_(bad, 0.0)
+        return "zeroed"
 
     def remove(self) -> None:
         """Give every optimizer its own ``step`` back (one whose ``step`` was wrapped again since is left as it is)."""
@@ -137,9 +157,31 @@ class StepGuard:
                 optimizer.step = original  # type: ignore[method-assign]
         self._installed.clear()
         self._armed.clear()
+        self._on_device.clear()
+
+    def _step(self, optimizer: Optimizer, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call the optimizer's own ``step()``, with the device flag of :meth:`skip_on_device` as its ``found_inf``."""
+        bad = self._on_device.pop(id(optimizer), None)
+        if bad is None:
+            return original(*args, **kwargs)
+        had = getattr(optimizer, "found_inf", None)  # a GradScaler's, set for this very call
+        optimizer.found_inf = bad if had is None else had + bad.to(had.device)  # type: ignore[attr-defined]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if had is None:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            else:
+                optimizer.found_inf = had  # type: ignore[attr-defined]
 
     def _take(self, optimizer: Optimizer) -> bool:
         if id(optimizer) in self._armed:
             self._armed.discard(id(optimizer))
             return True
         return False
+
+
+def _reads_found_inf(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step()`` skips its update on the device when ``found_inf`` is set: torch's fused ones."""
+    fused_kinds = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+    return isinstance(optimizer, fused_kinds) and bool(optimizer.defaults.get("fused"))

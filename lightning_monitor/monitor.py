@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monitor._compat import FITTING, Callback, rank_zero_info
-from lightning_monitor._host import world_size
+from lightning_monitor._host import gather_ranks, world_size
 from lightning_monitor._lightning import (
     grad_scaler,
     is_logging_step,
@@ -32,7 +32,8 @@ from lightning_monitor._lightning import (
 )
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind
-from lightning_monitor.checks import OptimizerChecks, TrainingLoss
+from lightning_monitor.checks import OptimizerChecks, StepFigures, TrainingLoss
+from lightning_monitor.deferred import DeferredReads, PendingCheck
 from lightning_monitor.recovery import CheckStatistics, Recovery
 from lightning_monitor.responder import Kept, Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
@@ -73,8 +74,8 @@ class TrainingMonitor(Callback):
                               collapses, while the validation loss keeps falling
     ========================  =========================================================================
 
-    A non-finite gradient or loss never reaches the weights: the monitor skips that optimizer step (under fp16 AMP
-    the GradScaler skips overflows), and so it does with a step that halts or is beyond a ``skip_on`` limit.
+    A non-finite gradient or loss never reaches the weights: the monitor skips that step (under fp16 AMP the GradScaler
+    skips overflows), and one that halts or is beyond ``skip_on`` (``host_sync="deferred"``: non-finite ones only).
     Halting sets ``trainer.should_stop`` (like ``EarlyStopping``), or raises :class:`TrainingHalted` on every rank
     with ``halt_mode="raise"``, and writes a post-mortem bundle (:mod:`lightning_monitor.postmortem`). Each check
     gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
@@ -173,6 +174,9 @@ class TrainingMonitor(Callback):
             Patiences then count checks, and the loss of a check is the mean over the steps it covers. On a GPU
             the read waits for the backward pass, and the GPU then waits for the host: checking less often saves
             that pause on the steps in between.
+        host_sync: ``"step"`` reads each check before its step (a blocking host sync), so any step can be skipped.
+            ``"deferred"`` reads it a step later, without blocking: a non-finite or exploding step is kept from the
+            weights on the device, a spike is not (:mod:`~lightning_monitor.deferred`). ``"auto"``: deferred on CUDA.
         alerts_file: File name, in the run's folder, of the JSON-lines alert log. ``None`` turns it off.
 
     Attributes:
@@ -243,6 +247,7 @@ class TrainingMonitor(Callback):
         min_loss_scale: float = 1.0,
         layer_norms: bool = True,
         check_every_n_steps: int = 1,
+        host_sync: Literal["auto", "step", "deferred"] = "auto",
         alerts_file: str | None = "alerts.jsonl",
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
@@ -259,6 +264,7 @@ class TrainingMonitor(Callback):
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
+        self._deferred: DeferredReads | None = None  # with host_sync="deferred", each optimizer's check under way
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -323,9 +329,13 @@ class TrainingMonitor(Callback):
         if self._fresh and not self._resumed:
             self._responder.set_earlier_alerts_aside(trainer)
         self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
+        recovers = bool(self.config.recovery.recover_on)  # host_sync="deferred" (not with recover_on)
+        self._deferred = DeferredReads.for_run(self.config.step, pl_module.device, recovers)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for pending in self._deferred.take_all() if self._deferred else []:  # nothing would read them later
+            self._act(trainer, *pending)
         self._responder.end_training(trainer)  # the record of a recovery still under way
         self._close_hooks()
 
@@ -359,11 +369,13 @@ class TrainingMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         # Gate: check on check steps (per optimizer), logging steps and a step that may be the run's last; in between
-        # keep the worst figures on the device.
+        # keep the worst figures on the device. A deferred check of this optimizer's last step is decided first.
         self._step_closed = True
         guard = self._responder.guard
         if guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
             guard.disarm()
+        for pending, figures in self._deferred.take(optimizer) if self._deferred else []:
+            self._act(trainer, pending, figures)
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
@@ -372,25 +384,31 @@ class TrainingMonitor(Callback):
             check.hold(self._scaler)
             return
 
-        # Compute: one gather, one host read, then plain Python on the same numbers on every rank.
+        # Compute: one gather and one host read (deferred: at the next step, or at the end of training).
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
         extras: dict[str, Any] = {"train_token_counts": step_counts}
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
-        figures = check.read(self._loss.take(), self._scaler, extras, self._ranks)
-        first_bad = None
+        packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
+        pending = PendingCheck(optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches)
+        if self._deferred is not None:  # read and decided at this optimizer's next step
+            self._deferred.start(pending, packed, self._responder)
+            return
+        self._act(trainer, pending, check.combine(packing, gather_ranks(packed, self._ranks)))  # the one host sync
+
+    def _act(self, trainer: pl.Trainer, pending: PendingCheck, figures: StepFigures) -> None:
+        """Decide and act on a check's figures: the alerts, the skip, the figures, the bundle, the halt."""
+        first_bad, check = None, pending.check
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start
             first_bad = self._activations.take_first_nonfinite(figures.extras["activation_flags"])
         if self._checks.order is not None:
             self._checks.order.close()
-        if counted_at is not None:
-            self._log_accuracy(trainer, "train_token_acc", figures.extras["train_token_counts"], counted_at)
+        if pending.counted_at is not None:
+            self._log_accuracy(trainer, "train_token_acc", figures.extras["train_token_counts"], pending.counted_at)
         logged = check.figures(figures, self.config.step.layer_norms)
-        self.latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
-
-        # Decide and act: the alerts, the skip, the figures, the bundle, the halt.
-        every, latest = self._every_n, self.latest
-        context = StepContext(optimizer, check, figures, every, first_bad, self._batches, logged, latest, logs, at)
+        self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
+        context = StepContext(pending.optimizer, check, figures, self._every_n, first_bad, pending.batches, logged,
+                              latest, pending.logs, pending.at, pending.epoch, pending.on_device)  # fmt: skip
         self._responder.respond_to_step(trainer, check.detect(figures), context)
 
     @override

@@ -72,12 +72,15 @@ trainer.fit(model, datamodule=..., ckpt_path="{folder}/last_good.ckpt")
 """
 
 
-#: What the checkpoint holds, by whether the optimizer step under way was skipped (None: no step under way).
+#: What the checkpoint holds, by whether the optimizer step under way was skipped (None: no step under way;
+#: "deferred": the step was read after it was taken).
 _WHEN = {
     True: "The optimizer step {step} was not applied: `last_good.ckpt` holds the weights and optimizer state from\n"
     "just before it.",
     False: "The optimizer step {step} was applied after this bundle was written (its alert does not skip it):\n"
     "`last_good.ckpt` holds the weights and optimizer state from just before it.",
+    "deferred": "The optimizer step {step} was read one step later (`host_sync='deferred'`): `last_good.ckpt` holds\n"
+    "the weights after it (a non-finite step was kept from them on the device) and before the next one.",
     None: "The alert came from the validation after step {step}: `last_good.ckpt` holds the weights and optimizer\n"
     "state as they were then.",
 }
@@ -91,14 +94,15 @@ def write_bundle(
     alerts: Sequence[Alert],
     cause: Sequence[Alert],
     halted: bool,
-    skipped: bool | None,
+    skipped: bool | str | None,
     covered: int = 1,
     weights_ok: bool = True,
 ) -> list[str]:
     """Write the bundle into ``folder``. Every rank must call this at the same step.
 
     ``skipped`` says whether the optimizer step under way will be skipped (``None``: no step is under way, the
-    alert came from validation); ``covered`` how many optimizer steps the check covered (``check_every_n_steps``);
+    alert came from validation; ``"deferred"``: the step was taken before its check was read); ``covered`` how
+    many optimizer steps the check covered (``check_every_n_steps``);
     ``weights_ok`` whether every rank's weights are finite: if not, no checkpoint is written (a checkpoint kept as
     good must be good). Every rank writes its own batches; the checkpoint is written through
     ``trainer.save_checkpoint`` (which all ranks join); rank zero writes the rest. A batch that cannot be saved (it

@@ -24,6 +24,7 @@ from lightning_monitor._host import ranks_where
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import ADVICE, Alert, AlertKind, Detection
 from lightning_monitor.checks import OptimizerCheck
+from lightning_monitor.deferred import what_was_done
 from lightning_monitor.halting import StepGuard, TrainingHalted
 from lightning_monitor.history import HISTORY_FILE, RunHistory, alert_learning_rate
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
@@ -41,6 +42,21 @@ __all__ = ["Kept", "Responder", "StepContext"]
 #: How many checks the post-mortem bundle's history keeps.
 HISTORY = 256
 
+_T = TypeVar("_T")
+
+
+class Kept(Generic[_T]):
+    """An attribute of the monitor that its responder keeps: read and written there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, monitor: Any, owner: type | None = None) -> _T:
+        return getattr(monitor._responder, self.name)
+
+    def __set__(self, monitor: Any, value: _T) -> None:
+        setattr(monitor._responder, self.name, value)
+
 
 class StepContext(NamedTuple):
     """What a training-step check adds to its detections: the figures, the optimizer's check, and how far it reaches.
@@ -55,7 +71,10 @@ class StepContext(NamedTuple):
         logged: The figures to log (``skipped_steps`` is added here).
         latest: The monitor's ``latest`` figures, kept in the bundle's history (``skipped_steps`` too).
         logs: Whether Lightning logs at this step.
-        at: The step Lightning logs this batch's metrics at.
+        at: The step Lightning logs this batch's metrics at, which its alerts carry.
+        epoch: The epoch of that step (``None``: the trainer's current one).
+        on_device: What the device did with a deferred check's step, read after it (``None``: read before it);
+            see :class:`~lightning_monitor.deferred.PendingCheck`.
     """
 
     optimizer: Optimizer
@@ -68,6 +87,8 @@ class StepContext(NamedTuple):
     latest: dict[str, float]
     logs: bool
     at: int
+    epoch: int | None = None
+    on_device: str | None = None
 
 
 class Responder:
@@ -200,13 +221,14 @@ class Responder:
         ``log_every_n_steps`` says: Lightning logs its own metrics there too, since ``should_stop`` is set.
         """
         settings, check, found = self.settings, step.check, step.figures
-        self.history.append((step.at, trainer.current_epoch, step.latest))
+        self.history.append((step.at, trainer.current_epoch if step.epoch is None else step.epoch, step.latest))
         notice = getattr(check.detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self.warn_once("exploding_grad_scale", notice)
         plan = self._plan_recovery(detections, step)  # a recovery may rewind, skip, spare or force a halt
         detections, halt_on = plan.detections, plan.halt_on(settings.halt_on)
-        skip = (
+        deferred = step.on_device is not None  # read after its step: the device guard acted, nothing can skip it
+        skip = not deferred and (
             any(d.kind in halt_on for d in detections)
             or found.unsafe
             or check.beyond(settings.skip_on)
@@ -217,8 +239,8 @@ class Responder:
         if detections:
             # A message names a bundle only once its folder exists, and says the weights are unchanged only when they
             # are: steps held since the last check were applied unchecked, and a bundle must not keep bad weights.
-            bundle = self._open_bundle(trainer, detections, halt_on)
-            if bundle is not None or found.checked_steps > 1:
+            bundle = self._open_bundle(trainer, detections, halt_on, step.at)
+            if bundle is not None or found.checked_steps > 1 or deferred:
                 weights_ok = _weights_finite(trainer)
         said = skip and not plan.restore  # a restore changes the weights: no alert may say they are unchanged
         alerts = [self._alert(trainer, d, step, bundle, said, weights_ok, halt_on) for d in detections]
@@ -227,7 +249,7 @@ class Responder:
             for group in step.optimizer.param_groups:  # not wrapped (replaced mid-step): drop what it would apply
                 for param in group["params"]:
                     param.grad = None
-        if skip:
+        if skip or step.on_device == "fused":  # deferred: a fused optimizer skipped it exactly, on the device
             overflowed = found.amp and found.grad_norm is not None and not math.isfinite(found.grad_norm)
             self.skipped_steps += 0 if overflowed else 1  # an overflowing step is counted below, once
         self.skipped_steps += found.overflow_steps  # the GradScaler skips these itself
@@ -238,11 +260,14 @@ class Responder:
         for alert in alerts:
             self._emit(trainer, alert)
         if step.logs or halting:
-            self.log_figures(trainer, step.logged)
+            self.log_figures(trainer, step.logged, step.at)
         self.run_history.record_step(trainer, step.at, step.latest, logs=step.logs, alert=bool(alerts))
         if bundle is not None:
             batches = step.batches
-            self._write_bundle(trainer, bundle, alerts, bool(halting), skip, batches, found.checked_steps, weights_ok)
+            skipped = "deferred" if deferred else skip
+            self._write_bundle(
+                trainer, bundle, alerts, bool(halting), skipped, batches, found.checked_steps, weights_ok
+            )
         if self.recovery is not None and plan.restore:
             self.recovery.restore(StateSources.of(trainer))
         elif self.recovery is not None and plan.keep and not (skip or halting):
@@ -314,8 +339,9 @@ class Responder:
         figures = None if step is None else step.figures
         traced = None if figures is None else figures.attribution(detection.kind)
         rank = None if traced is None else traced[0]
-        at = logging_step(trainer)
-        where = f" at step {at} (epoch {trainer.current_epoch})"
+        at = logging_step(trainer) if step is None else step.at
+        epoch = trainer.current_epoch if step is None or step.epoch is None else step.epoch
+        where = f" at step {at} (epoch {epoch})"
         if step is not None and step.check.suffix:
             where += f" for optimizer {step.check.index}"
         if traced is not None:
@@ -328,7 +354,9 @@ class Responder:
             blame += f" The first module whose output was not finite, in forward order: {first_bad}."
         stop = "Training is halting." if self.settings.halt_mode == "stop" else "Raising TrainingHalted."
         covered, every = (1, 1) if step is None else (step.figures.checked_steps, step.every)
-        if skipped and covered > 1:
+        if step is not None and step.on_device is not None:
+            done = what_was_done(step.on_device, covered, every)
+        elif skipped and covered > 1:
             done = (
                 f"This optimizer step was skipped, but the {covered - 1} before it since the last check"
                 f" (check_every_n_steps={every}) were applied unchecked."
@@ -354,7 +382,7 @@ class Responder:
         return Alert(
             kind=detection.kind,
             step=at,
-            epoch=trainer.current_epoch,
+            epoch=epoch,
             value=detection.value,
             threshold=detection.threshold,
             message=message,
@@ -371,7 +399,7 @@ class Responder:
         self._console.write(alert)
         # `self.alerts` holds this run's alerts, a resumed run's restored ones included: count on from them.
         count = sum(a.kind is alert.kind for a in self.alerts)
-        self._loggers.write(alert, logging_step(trainer), count, len(self.alerts))
+        self._loggers.write(alert, alert.step, count, len(self.alerts))
         if self._jsonl is not None:
             self._jsonl.write(alert)
             self._add_files([self._jsonl.path])
@@ -381,7 +409,11 @@ class Responder:
         self._loggers.add_files([path for path in paths if path.is_file()])
 
     def _open_bundle(
-        self, trainer: pl.Trainer, detections: Sequence[Detection], halt_on: frozenset[AlertKind] | None = None
+        self,
+        trainer: pl.Trainer,
+        detections: Sequence[Detection],
+        halt_on: frozenset[AlertKind] | None = None,
+        at: int | None = None,
     ) -> Path | None:
         """Create this check's post-mortem folder on every rank, if it calls for one; ``None`` if any rank cannot.
 
@@ -394,7 +426,8 @@ class Responder:
         cause = [d for d in detections if postmortem == "alert" or d.kind in halt_on]
         if postmortem is None or not cause:
             return None
-        folder = self.log_dir / "postmortem" / f"step{logging_step(trainer):07d}_{cause[0].kind.value}"
+        at = logging_step(trainer) if at is None else at
+        folder = self.log_dir / "postmortem" / f"step{at:07d}_{cause[0].kind.value}"
         created = None
         if trainer.is_global_zero:
             with contextlib.suppress(OSError):
@@ -417,7 +450,7 @@ class Responder:
         folder: Path,
         cause: Sequence[Alert],
         halted: bool,
-        skipped: bool | None,
+        skipped: bool | str | None,
         batches: Sequence[tuple[int, Any]],
         covered: int,
         weights_ok: bool,
@@ -457,19 +490,3 @@ def _weights_finite(trainer: pl.Trainer) -> bool:
     params = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.lightning_module.parameters()]
     flags = [torch.isfinite(p).all().to(device) for p in params if p.numel()]
     return all(ranks_where(torch.stack(flags).all() if flags else True, device))
-
-
-_T = TypeVar("_T")
-
-
-class Kept(Generic[_T]):
-    """An attribute of the monitor that its responder keeps: read and written there."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, monitor: Any, owner: type | None = None) -> _T:
-        return getattr(monitor._responder, self.name)
-
-    def __set__(self, monitor: Any, value: _T) -> None:
-        setattr(monitor._responder, self.name, value)

@@ -52,6 +52,7 @@ class StepSettings:
     layer_norms: bool
     check_every_n_steps: int
     watch_activations: bool
+    host_sync: Literal["auto", "step", "deferred"] = "auto"
 
     def __post_init__(self) -> None:
         _number(self, "exploding_grad_threshold", optional=True, auto=True)
@@ -61,6 +62,15 @@ class StepSettings:
             _count(self, name, 1)
         for name in ("layer_norms", "watch_activations"):
             _flag(self, name)
+        if self.host_sync not in ("auto", "step", "deferred"):
+            raise ValueError(
+                f"Expected argument `host_sync` to be 'auto', 'step' or 'deferred', but got {self.host_sync!r}"
+            )
+        if self.host_sync == "deferred" and self.watch_activations:
+            raise ValueError(
+                "Expected argument `host_sync` to be 'auto' or 'step' with `watch_activations=True`, whose flags are"
+                " read with the step they are about, but got 'deferred'"
+            )
         low, high = self.vanishing_grad_threshold, self.exploding_grad_threshold
         if isinstance(low, float) and isinstance(high, float) and low >= high:
             raise ValueError(
@@ -226,6 +236,11 @@ class MonitorSettings:
                     f"Expected argument `{name}` to be {default} with `{other}`, which turns off what it needs,"
                     f" but got {given!r}"
                 )
+        if self.recovery.recover_on and self.step.host_sync == "deferred":  # "auto" reads before the step then
+            raise ValueError(
+                "Expected argument `host_sync` to be 'auto' or 'step' with `recover_on`, whose restore must come"
+                " before the bad step's update, but got 'deferred'"
+            )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> MonitorSettings:

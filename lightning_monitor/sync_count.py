@@ -7,6 +7,10 @@ invisible to a timer there, but the calls are the same. :class:`HostSyncCounter`
 CPU can pin how many synchronisations a piece of code would make on a GPU (where
 ``torch.cuda.set_sync_debug_mode("warn")`` confirms it).
 
+A host copy made without blocking (``non_blocking=True`` into pinned memory, then waited for on its CUDA event
+once the device is past it) is read without a sync: :func:`mark_host_copy` registers such a copy, and the counter
+leaves its reads out.
+
 It does not see blocking copies from the host to the device (``torch.tensor(values, device="cuda")``,
 ``cpu_tensor.to("cuda")``), which on CUDA wait for the queued kernels too: on the CPU they are no copies at all.
 Only a GPU counts those.
@@ -23,8 +27,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["HostSyncCounter"]
+__all__ = ["HostSyncCounter", "mark_host_copy"]
 
 #: Python-level calls that read a tensor's value on the host.
 _READS: dict[Callable[..., Any], str] = {
@@ -38,6 +43,25 @@ _READS: dict[Callable[..., Any], str] = {
 }
 #: Dispatcher ops whose output shape depends on the data, so the host must wait for the values.
 _DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"})
+#: Host tensors copied from the device without blocking, whose reads wait for nothing (see `mark_host_copy`).
+_HOST_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_host_copy(tensor: Tensor) -> Tensor:
+    """Register ``tensor`` as a host copy made without blocking: reading it is not a host synchronisation.
+
+    For a copy the device made into pinned host memory with ``non_blocking=True``, read only once its CUDA event
+    has completed (on the CPU, the copy the same code makes there). Returns ``tensor``.
+
+    Example:
+        >>> copy = mark_host_copy(torch.arange(3.0).clone())
+        >>> with HostSyncCounter() as counter:
+        ...     values = copy.tolist()
+        >>> counter.count
+        0
+    """
+    _HOST_COPIES[tensor] = True
+    return tensor
 
 
 class HostSyncCounter:
@@ -108,7 +132,8 @@ class _FunctionCounter(TorchFunctionMode):
             kind = "to_host"
         if kind is None:
             return func(*args, **kwargs)
-        self.counter.add(kind)
+        if not (args and isinstance(args[0], Tensor) and args[0] in _HOST_COPIES):
+            self.counter.add(kind)
         self.counter._depth += 1
         try:
             return func(*args, **kwargs)

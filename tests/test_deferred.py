@@ -1,0 +1,299 @@
+"""``host_sync="deferred"`` on a CPU: the same alerts at the same steps, no host read in a steady step, finite weights.
+
+The deferred path is the one CUDA takes by default (``"auto"``); on a CPU it runs the same code, its host copy a plain
+clone, so these tests pin on a CPU what a GPU does, except for the timing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import ScriptedModel, all_finite, csv_column, jsonl, loader, make_trainer
+from lightning.pytorch.loggers import CSVLogger
+from test_distributed import TensorBatchModel, fit, reports
+from test_syncs import ProgressBarLoss, count_syncs
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor.halting import StepGuard
+from lightning_monitor.sync_count import HostSyncCounter
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+}
+
+
+class WithOptimizer(ScriptedModel):
+    """A scripted model stepped by the optimizer named, which records its parameters and state around each step."""
+
+    def __init__(self, optimizer: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+        self.before: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self.after: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return OPTIMIZERS[self.optimizer_name](self.parameters())
+
+    def snapshot(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        opt = self.trainer.optimizers[0]
+        state = {f"{i}.{k}": v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items() if k != "step"}
+        steps = {
+            f"{i}.step": torch.as_tensor(s["step"]).clone() for i, s in enumerate(opt.state.values()) if "step" in s
+        }
+        state.update(steps)
+        return [p.detach().clone() for p in self.parameters()], state
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.before[self.global_step] = self.snapshot()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after[self.global_step - 1] = self.snapshot()
+
+
+def run(
+    tmp_path, host_sync: str, model: pl.LightningModule, log_every: int = 1, **monitor_args: Any
+) -> tuple[TrainingMonitor, pl.Trainer]:
+    monitor = TrainingMonitor(host_sync=host_sync, val_loss_key=None, **monitor_args)
+    folder = tmp_path / host_sync
+    trainer = make_trainer(folder, [monitor], max_steps=12, logger=CSVLogger(folder), log_every_n_steps=log_every)
+    trainer.fit(model, train_dataloaders=loader())
+    return monitor, trainer
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_nan_loss_alerts_for_its_own_step_once_and_halts_one_step_later(tmp_path, optimizer):
+    torch.manual_seed(0)
+    step_monitor, step_trainer = run(tmp_path, "step", WithOptimizer(optimizer, loss_factor={4: math.nan}))
+    torch.manual_seed(0)
+    model = WithOptimizer(optimizer, loss_factor={4: math.nan})
+    monitor, trainer = run(tmp_path, "deferred", model)
+    assert [(a.kind.value, a.step) for a in monitor.alerts] == [("nonfinite_loss", 4)]
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(a.kind, a.step) for a in step_monitor.alerts]
+    assert monitor.stopping_reason is not None
+    assert trainer.global_step == step_trainer.global_step + 1 == 6  # halts one step later
+    assert all_finite(model)
+    (line,) = jsonl(tmp_path / "deferred" / "lightning_logs" / "version_0" / "alerts.jsonl")
+    assert line["step"] == 4
+    # The step after the bad one, where the halt was decided, is skipped exactly.
+    (weights5, state5), (after5, after_state5) = model.before[5], model.after[5]
+    assert all(torch.equal(a, b) for a, b in zip(weights5, after5, strict=True))
+    assert all(torch.equal(state5[k], after_state5[k]) for k in state5)
+    weights, state = model.before[4]
+    after, after_state = model.after[4]
+    if optimizer.endswith("fused"):  # `found_inf`: weights, moments and step counts unchanged
+        assert all(torch.equal(a, b) for a, b in zip(weights, after, strict=True))
+        assert state.keys() == after_state.keys() and all(torch.equal(state[k], after_state[k]) for k in state)
+        assert "skipped on the device" in monitor.alerts[0].message
+        assert monitor.skipped_steps == 2  # the NaN step and the one after the halt
+    else:  # zero gradients: finite, but momentum, weight decay and Adam's moments still move the weights
+        assert "replaced by zeros" in monitor.alerts[0].message
+        moved = not all(torch.equal(a, b) for a, b in zip(weights, after, strict=True))
+        assert moved == (optimizer != "sgd")  # plain SGD with a zero gradient does not move
+        assert monitor.skipped_steps == 1  # only the step after the halt was skipped
+
+
+def test_the_same_figures_are_logged_at_the_same_steps(tmp_path):
+    """Logged grad_norm and alerts of the deferred path equal the step path's, on a healthy run and a spike."""
+    figures = {}
+    for host_sync in ("step", "deferred"):
+        torch.manual_seed(0)
+        model = ScriptedModel(loss_factor={7: 1e4})
+        monitor, _ = run(tmp_path, host_sync, model, halt_on=[])
+        figures[host_sync] = (
+            csv_column(tmp_path / host_sync / "lightning_logs" / "version_0" / "metrics.csv", "grad_norm"),
+            [(a.kind, a.step) for a in monitor.alerts],
+            monitor.latest,
+        )
+    assert figures["deferred"] == figures["step"]
+    assert figures["step"][1] == [("exploding_grad", 7)]
+    assert [s for s, _ in figures["step"][0]] == list(range(12))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_an_exploding_step_that_halts_is_kept_from_the_weights_on_the_device(tmp_path, optimizer):
+    """The learnt limit is known on the host before the step: the device compares the step's norm with it."""
+    torch.manual_seed(0)
+    model = WithOptimizer(optimizer, loss_factor={7: 1e4})
+    monitor, trainer = run(tmp_path, "deferred", model)
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step, alert.halted) == ("exploding_grad", 7, True)
+    assert trainer.global_step == 9  # decided at step 8, which is skipped; training stops after it
+    (weights, state), (after, after_state) = model.before[7], model.after[7]
+    assert all(torch.equal(a, b) for a, b in zip(weights, after, strict=True))  # plain SGD: zero gradients
+    if optimizer == "adamw_fused":
+        assert all(torch.equal(state[k], after_state[k]) for k in state)
+        assert "skipped on the device" in alert.message
+    else:
+        assert "Its gradients were replaced by zeros" in alert.message
+
+
+def test_an_alert_that_neither_halts_nor_skips_says_its_step_was_applied(tmp_path):
+    torch.manual_seed(0)
+    model = WithOptimizer("sgd", loss_factor={7: 1e4})
+    monitor, trainer = run(tmp_path, "deferred", model, halt_on=[])
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step, alert.halted) == ("exploding_grad", 7, False)
+    assert "The optimizer step was applied: with host_sync='deferred'" in alert.message
+    assert "skipped" not in alert.message and "zeros" not in alert.message
+    assert not all(torch.equal(a, b) for a, b in zip(model.before[7][0], model.after[7][0], strict=True))
+    assert trainer.global_step == 12
+
+
+def test_no_host_read_in_the_hooks_of_a_steady_step(tmp_path):
+    counter, per_step = HostSyncCounter(), Counter()
+    monitor = TrainingMonitor(host_sync="deferred")
+    count_syncs(monitor, counter, per_step)
+    trainer = make_trainer(
+        tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=12, log_every_n_steps=4, val_check_interval=6
+    )
+    trainer.fit(ProgressBarLoss(val_losses=[1.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
+    # Not the last step either: the end of training reads it, after the step hooks.
+    assert [per_step[b] for b in range(12)] == [0] * 12
+    assert monitor.latest["grad_norm"] > 0
+
+
+def test_a_deferred_check_covering_held_steps_alerts_at_the_check(tmp_path):
+    """With `check_every_n_steps=4` a NaN at step 5 shows at the check of step 8, in both modes."""
+    alerts, steps = {}, {}
+    for host_sync in ("step", "deferred"):
+        torch.manual_seed(0)
+        model = ScriptedModel(loss_factor={5: math.nan})
+        monitor, trainer = run(tmp_path, host_sync, model, log_every=50, check_every_n_steps=4)
+        alerts[host_sync], steps[host_sync] = [(a.kind.value, a.step) for a in monitor.alerts], trainer.global_step
+    assert alerts["deferred"] == alerts["step"] == [("nonfinite_loss", 8)]
+    assert steps["deferred"] == steps["step"] + 1 == 10
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+@pytest.mark.parametrize(
+    ("fault", "kind", "at"), [("nan_loss_at", "nonfinite_loss", 3), ("explode_grads_at", "exploding_grad", 2)]
+)
+def test_two_ranks_alert_at_the_step_once_and_halt_one_step_later(tmp_path, fault, kind, at):
+    """A fault on rank 1 only: both ranks decide alike on the gathered figures, their device guards act alike."""
+    torch.manual_seed(0)
+    fit(
+        tmp_path,
+        TensorBatchModel(**{fault: at}),
+        devices=2,
+        monitor=TrainingMonitor(val_loss_key=None, host_sync="deferred"),
+    )
+    rank0, rank1 = reports(tmp_path)
+    for report in (rank0, rank1):
+        assert report["global_step"] == at + 2  # one step later than with host_sync="step"
+        assert report["stopping_reason"] == kind
+        assert report["finite"]
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["rank"]) == (kind, at, 1)
+        assert "zeros on the device" in alert["message"]
+    assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
+    (line,) = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
+    assert (line["step"], line["rank"]) == (at, 1)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_device_guard_adds_to_a_grad_scalers_found_inf(flag):
+    """Under a real GradScaler, which sets `found_inf` itself: the guard's flag is added for that call, then gone."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = torch.nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    initial, outputs = model.weight.detach().clone(), []
+    for m, guarded in ((model, True), (reference, False)):
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        guard = StepGuard()
+        guard.install(opt)
+        scaler.scale(m(torch.ones(3, 4)).sum()).backward()
+        if guarded:
+            assert guard.skip_on_device(opt, torch.tensor(flag)) == "fused"
+        scaler.step(opt)
+        scaler.update()
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+        outputs.append((m.weight.detach().clone(), scaler.get_scale(), opt.state[m.weight]["step"].item()))
+        guard.remove()
+    (weight, scale, step), (ref_weight, ref_scale, ref_step) = outputs
+    assert scale == ref_scale == 1024.0  # the GradScaler found nothing itself: the guard's flag is not its own
+    if flag:
+        assert torch.equal(weight, initial) and step == 0  # skipped exactly: the step count too
+        assert not torch.equal(weight, ref_weight)
+    else:
+        assert torch.equal(weight, ref_weight) and step == ref_step == 1
+
+
+def test_host_sync_is_checked():
+    with pytest.raises(ValueError, match=r"`host_sync` to be 'auto', 'step' or 'deferred', but got 'sometimes'"):
+        TrainingMonitor(host_sync="sometimes")
+    with pytest.raises(ValueError, match=r"`host_sync` to be 'auto' or 'step' with `watch_activations=True`"):
+        TrainingMonitor(host_sync="deferred", watch_activations=True)
+    assert TrainingMonitor().host_sync == "auto"
+
+
+@pytest.mark.parametrize(("nan_at", "epoch"), [(3, 0), (7, 1)], ids=["epoch_end", "end_of_training"])
+def test_the_last_check_of_an_epoch_or_run_is_read_later_for_its_own_step(tmp_path, nan_at, epoch):
+    """The last step of an epoch is read at the next epoch's first step; that of the run, at the end of training."""
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(host_sync="deferred", val_loss_key=None, halt_on=[])
+    trainer = make_trainer(tmp_path, [monitor], max_steps=-1, max_epochs=2, limit_train_batches=4)
+    trainer.fit(ScriptedModel(loss_factor={nan_at: math.nan}), train_dataloaders=loader())
+    assert [(a.kind.value, a.step, a.epoch) for a in monitor.alerts] == [("nonfinite_loss", nan_at, epoch)]
+    assert f"at step {nan_at} (epoch {epoch})" in monitor.alerts[0].message
+    assert trainer.global_step == 8
+
+
+def test_the_bundle_of_a_deferred_check_holds_good_weights_and_the_bad_steps_batch(tmp_path):
+    torch.manual_seed(0)
+    model = WithOptimizer("adamw_fused", loss_factor={4: math.nan})
+    monitor, _ = run(tmp_path, "deferred", model)
+    folder = tmp_path / "deferred" / "lightning_logs" / "version_0" / "postmortem" / "step0000004_nonfinite_loss"
+    checkpoint = torch.load(folder / "last_good.ckpt", weights_only=False)
+    kept = list(checkpoint["state_dict"].values())
+    weights_before_step_4 = model.before[4][0]  # fused AdamW skipped step 4 on the device
+    assert all(torch.equal(a, b) for a, b in zip(kept, weights_before_step_4, strict=True))
+    ((batch_idx, _batch),) = torch.load(folder / "batch_rank0.pt", weights_only=False)
+    assert batch_idx == 4  # the bad step's batch, not the one under way when it was read
+    assert "read one step later (`host_sync='deferred'`)" in (folder / "README.md").read_text()
+    assert monitor.alerts[0].message.endswith(str(folder))
+
+
+def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
+    from test_monitor_alerts import TwoOptimizers
+
+    model = TwoOptimizers(nan_at_batch=3)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False, host_sync="deferred")
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    (alert,) = monitor.alerts
+    assert (alert.kind.value, alert.step, alert.halted) == ("nonfinite_loss", 3, True)
+    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0.")
+    assert trainer.global_step == 10  # batch 4 ran, both its steps skipped after the halt was read
+    assert monitor.skipped_steps == 2
+    assert all_finite(model)
+    assert [s for s, _ in csv_column(f"{trainer.log_dir}/metrics.csv", "grad_norm_opt1")] == [0, 1, 2, 3, 4]
+
+
+def test_a_device_flag_whose_step_never_came_is_dropped():
+    """A flag set for a step that was not taken (a closure that returned None) must not skip a later step."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = StepGuard()
+    guard.install(opt)
+    assert guard.skip_on_device(opt, torch.tensor(True)) == "fused"
+    assert guard.armed  # so the monitor's next hook disarms it
+    guard.disarm()
+    assert not guard.armed
+    before = model.weight.detach().clone()
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight, before) and not hasattr(opt, "found_inf")
+    guard.remove()
