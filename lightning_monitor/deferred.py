@@ -31,7 +31,7 @@ from lightning_monitor._host import gather_on_device
 from lightning_monitor.alerts import AlertKind
 from lightning_monitor.checks import OptimizerCheck, Packing
 from lightning_monitor.detectors import ThresholdDetector
-from lightning_monitor.settings import ResponseSettings, StepSettings
+from lightning_monitor.settings import MonitorSettings, ResponseSettings
 from lightning_monitor.step_figures import StepFigures
 from lightning_monitor.sync_count import mark_host_copy
 
@@ -107,14 +107,15 @@ class DeferredReads:
         return len(self._pending)
 
     @classmethod
-    def for_run(cls, settings: StepSettings, device: torch.device, recovers: bool = False) -> DeferredReads | None:
+    def for_run(cls, settings: MonitorSettings, device: torch.device) -> DeferredReads | None:
         """The deferred reads of a run on ``device``, or ``None`` when it reads each check before its step.
 
-        ``"auto"`` reads before the step with ``watch_activations`` and with ``recover_on`` (``recovers``): both act
-        on the step the check is about, before its update.
+        ``"auto"`` reads before the step with ``watch_activations`` and with ``recover_on``: both act on the step
+        the check is about, before its update.
         """
-        deferred = resolve_host_sync(settings.host_sync, device) == "deferred" and not settings.watch_activations
-        deferred = deferred and not recovers
+        step = settings.step
+        deferred = resolve_host_sync(step.host_sync, device) == "deferred" and not step.watch_activations
+        deferred = deferred and not settings.recovery.recover_on
         return cls() if deferred else None
 
     def start(self, pending: PendingCheck, packed: Tensor, responder: Responder) -> None:

@@ -37,7 +37,7 @@ from lightning_monitor.deferred import DeferredReads, PendingCheck
 from lightning_monitor.recovery import CheckStatistics, Recovery
 from lightning_monitor.responder import Kept, Responder, StepContext
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
-from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
+from lightning_monitor.token_tracker import TokenAccuracyTracker
 from lightning_monitor.validation import ValidationCheck
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
@@ -57,15 +57,13 @@ class TrainingMonitor(Callback):
     Alert kind                Rule
     ========================  =========================================================================
     ``nonfinite_loss``        the training loss of an optimizer step is NaN or ±Inf (on any rank)
-    ``nonfinite_grad``        the total gradient norm is NaN or ±Inf. Under fp16 AMP an overflow the
-                              GradScaler skips is normal: it alerts after ``amp_overflow_patience``
-                              overflows in a row once the scale stopped falling, or when the loss scale
-                              falls below ``min_loss_scale``
+    ``nonfinite_grad``        the total gradient norm is NaN or ±Inf (under fp16 AMP, overflows that persist
+                              or a collapsing loss scale: ``amp_overflow_patience``, ``min_loss_scale``)
     ``exploding_grad``        the total gradient norm is above ``exploding_grad_threshold`` (by default a
                               limit learnt from the run's first norms)
     ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` for
-                              ``vanishing_grad_patience`` steps in a row (by default: their median, below
-                              1e-5 of its early level)
+                              ``vanishing_grad_patience`` steps (by default: their median, below 1e-5 of
+                              the early median)
     ``diverging_val_loss``    ``val_loss_key`` rose ``divergence_patience`` times in a row, or is not finite
     ``loss_spike``            the training loss is ``loss_spike_threshold`` standard deviations above its
                               recent level (see :class:`~lightning_monitor.detectors.SpikeDetector`)
@@ -99,9 +97,8 @@ class TrainingMonitor(Callback):
     ==============================  ================================================================
 
     Token accuracy (:class:`~lightning_monitor.TokenAccuracy`) reads ``outputs["logits"]`` or ``outputs.logits``
-    and ``outputs["labels"]`` or ``batch["labels"]`` (``token_accuracy_fn`` replaces the search); a batch without
-    them is left out with one warning. Every alert is kept in :attr:`alerts`, written as a WARNING on the
-    ``lightning_monitor`` Python logger, to every logger, and to ``alerts.jsonl`` in the run's folder (:attr:`log_dir`).
+    and ``outputs["labels"]`` or ``batch["labels"]``. Every alert is kept in :attr:`alerts`, written as a WARNING on
+    the ``lightning_monitor`` logger, to every logger, and to ``alerts.jsonl`` in the run's folder (:attr:`log_dir`).
 
     Args:
         exploding_grad_threshold: Total gradient norm above which ``exploding_grad`` fires, from the first step.
@@ -114,37 +111,33 @@ class TrainingMonitor(Callback):
         vanishing_grad_patience: Consecutive optimizer steps below ``vanishing_grad_threshold`` that make an alert
             (with ``"auto"``, the last steps whose median is judged).
         val_loss_key: The logged validation metric to watch for divergence. ``None`` turns the check off.
-        divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (the default 4
-            means five rising values).
+        divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (4: five values).
         divergence_min_delta: A validation value counts as a rise only when it exceeds the previous one by more.
-        halt_on: The alert kinds that stop training. An empty collection only observes.
+        halt_on: The alert kinds that stop training; an empty collection only observes.
         halt_mode: ``"stop"`` sets ``trainer.should_stop``; ``"raise"`` raises :class:`TrainingHalted`.
-        loss_spike_threshold: Z-score of the log training loss above which a step is a loss spike. ``None`` turns
-            the check off. The default 6 follows OLMo-core's 6 sigma; see the detector for the statistics.
+        loss_spike_threshold: Z-score of the training loss (in log space while positive) above which a step is a
+            loss spike (6: OLMo-core's 6 sigma; see the detector). ``None`` turns the check off.
         grad_spike_threshold: The same for the log total gradient norm. ``None`` turns the check off.
         spike_window: Effective length, in checks, of the moving statistics spikes are judged against.
         spike_warmup: Checks to learn the level from before any spike can be reported.
         spike_patience: Consecutive outlying checks that make a spike alert.
-        skip_on: Alert kinds whose outlying steps are skipped (no weight or optimizer-state change) without
-            halting, e.g. ``["loss_spike", "grad_spike"]``. Non-finite gradients are always skipped.
+        skip_on: Alert kinds whose outlying steps are skipped without halting, e.g. ``["loss_spike"]``.
         recover_on: Alert kinds that rewind the run instead (:mod:`~lightning_monitor.recovery`): the newest good
             state (weights, optimizer and LR scheduler states, the detectors) is copied back on every rank, the step
             and the next batches still beyond the limit are skipped, and a ``recovered`` alert says so. A kind also in
             ``halt_on`` halts only when recovery is exhausted; every kind here halts then, with the bundle.
-        recovery_every_n_steps: Optimizer steps between kept states (taken where no ``recover_on`` figure is beyond
-            its limit). 100: PaLM restarted about 100 steps before a spike; a keep per 100 steps costs under 0.1%.
-        recovery_skip_limit: Batches after a restore skipped while still outliers; one more halts. 500: the top of
-            PaLM's 200-500 skipped batches (only outliers are skipped, so a clean continuation loses none).
-        max_recoveries: Restores per run; the next alert halts. 5: each loses up to an interval of updates, and a run
-            that spikes that often needs a lower learning rate, not another rewind.
+        recovery_every_n_steps: Optimizer steps between kept states, taken where no ``recover_on`` figure is beyond
+            its limit (100: PaLM restarted about 100 steps before a spike).
+        recovery_skip_limit: Batches after a restore skipped while still outliers, one more halts (500: the top of
+            PaLM's 200 to 500 skipped batches; only outliers are skipped).
+        max_recoveries: Restores per run; the next alert of a ``recover_on`` kind halts.
         recovery_storage: Host ``"memory"`` (pinned from a GPU) or ``"disk"`` (a file per rank, ``<log_dir>/recovery``).
         postmortem: When to write the post-mortem bundle: ``"halt"``, ``"alert"`` (every alert) or ``None``.
         token_accuracy: Compute ``train_token_acc`` and ``val_token_acc``; a batch without logits and labels is left
             out, with one warning. ``"auto"``: the same, but a ``training_step`` whose first output has none (a model
             that is not a language model) turns ``train_token_acc`` off with one line of info instead.
-        epoch_token_accuracy: Also log ``train_token_acc_epoch``, the token accuracy of every training batch of the
-            epoch. Off by default: it reads the logits of every training batch, where ``train_token_acc`` reads only
-            those of the steps that log.
+        epoch_token_accuracy: Also log ``train_token_acc_epoch``, the token accuracy of the epoch's training
+            batches: it reads the logits of every batch, where ``train_token_acc`` reads the logging steps' only.
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
         shift_labels: Score the logits at ``t`` against the label at ``t + 1`` (labels that are the input ids, as a
@@ -192,10 +185,8 @@ class TrainingMonitor(Callback):
         log_dir: This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
 
     Raises:
-        ValueError: If a value is not what its argument expects (the message names the argument, the value and what
-            was expected): a bad number, count, string, choice or alert kind, or an argument another one makes do
-            nothing (``epoch_token_accuracy``, ``token_accuracy_fn`` or ``token_acc_patience`` with
-            ``token_accuracy=False``, ``token_acc_patience`` with ``val_loss_key=None``).
+        ValueError: If a value is not what its argument expects, or another argument makes it do nothing (say
+            ``epoch_token_accuracy`` with ``token_accuracy=False``): the message names the argument and the value.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -305,8 +296,7 @@ class TrainingMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != FITTING:
             return
-        # A fit starts afresh unless it is the same trainer's again, which carries on its run (a checkpoint later).
-        self._fresh = self._fitted is None or self._fitted() is not trainer
+        self._fresh = self._fitted is None or self._fitted() is not trainer  # the same trainer's again carries on
         if self._fresh:
             self._start_afresh()
         self._fitted = weakref.ref(trainer)
@@ -329,8 +319,7 @@ class TrainingMonitor(Callback):
         if self._fresh and not self._resumed:
             self._responder.set_earlier_alerts_aside(trainer)
         self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
-        recovers = bool(self.config.recovery.recover_on)  # host_sync="deferred" (not with recover_on)
-        self._deferred = DeferredReads.for_run(self.config.step, pl_module.device, recovers)
+        self._deferred = DeferredReads.for_run(self.config, pl_module.device)  # host_sync="deferred"
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -404,7 +393,8 @@ class TrainingMonitor(Callback):
         if self._checks.order is not None:
             self._checks.order.close()
         if pending.counted_at is not None:
-            self._log_accuracy(trainer, "train_token_acc", figures.extras["train_token_counts"], pending.counted_at)
+            counts = figures.extras["train_token_counts"]
+            self._responder.log_accuracy(trainer, "train_token_acc", counts, pending.counted_at)
         logged = check.figures(figures, self.config.step.layer_norms)
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
         context = StepContext(pending.optimizer, check, figures, self._every_n, first_bad, pending.batches, logged,
@@ -435,9 +425,9 @@ class TrainingMonitor(Callback):
             return
         # Compute: the epoch's token counts and any step figure still waiting, in one read.
         step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
-        self._log_accuracy(trainer, "train_token_acc", step, counted_at)
+        self._responder.log_accuracy(trainer, "train_token_acc", step, counted_at)
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
-            self._log_accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
+            self._responder.log_accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
         self._tokens.warn_invalid("train", [r[2] for r in epoch])
 
     @override
@@ -459,8 +449,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # What validation's forward passes flagged is no training step's.
-        if self._activations is not None:
+        if self._activations is not None:  # what validation's forward passes flagged is no training step's
             self._activations.reset()
         # Gate: only real validation during fit; runs after the module logged its metrics in every epoch-end hook.
         key = self.config.validation.val_loss_key
@@ -472,7 +461,7 @@ class TrainingMonitor(Callback):
         device = pl_module.device
         counts = self._tokens.epoch_counts("val", device) if watch_acc else None
         found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
-        val_acc = self._log_accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
+        val_acc = self._responder.log_accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
         self._tokens.warn_invalid("val", [r[2] for r in found.token_counts])
         self._responder.run_history.end_validation(trainer, key, found.val_loss)  # and write the history
 
@@ -502,15 +491,6 @@ class TrainingMonitor(Callback):
         self._responder.load_state_dict(state_dict)
         self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))
-
-    def _log_accuracy(
-        self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
-    ) -> float | None:
-        """Log ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
-        value = None if step is None else token_accuracy(per_rank)
-        if value is not None:
-            self._responder.log_figures(trainer, {key: value}, step)
-        return value
 
     def _close_hooks(self) -> None:  # at the end of training, or on an exception
         for hooks in (self._checks.order, self._activations):

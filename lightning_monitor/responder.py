@@ -33,6 +33,7 @@ from lightning_monitor.run_folder import new_folder, run_folder
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 from lightning_monitor.step_figures import StepFigures
+from lightning_monitor.token_tracker import token_accuracy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -189,6 +190,15 @@ class Responder:
         self.run_history.add(logging_step(trainer) if step is None else step, trainer.current_epoch, figures)
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, logging_step(trainer) if step is None else step)
+
+    def log_accuracy(
+        self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
+    ) -> float | None:
+        """Log ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
+        value = None if step is None else token_accuracy(per_rank)
+        if value is not None:
+            self.log_figures(trainer, {key: value}, step)
+        return value
 
     def finish(self, trainer: pl.Trainer) -> None:
         """At the end of fit: bring the W&B and MLflow runs' copies of the files up to date, print the summary."""

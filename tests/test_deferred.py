@@ -275,7 +275,7 @@ def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
     trainer.fit(model, train_dataloaders=loader())
     (alert,) = monitor.alerts
     assert (alert.kind.value, alert.step, alert.halted) == ("nonfinite_loss", 3, True)
-    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0.")
+    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0, learning rate 0.1.")
     assert trainer.global_step == 10  # batch 4 ran, both its steps skipped after the halt was read
     assert monitor.skipped_steps == 2
     assert all_finite(model)
