@@ -14,6 +14,15 @@ from types import ModuleType
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_lm.py"
 
+#: The Trainer arguments every benchmark run shares: nothing printed, checkpointed or validated.
+QUIET_TRAINER = {
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
+
 
 def load_example() -> ModuleType:
     """``examples/train_tiny_lm.py`` as a module (its model, its ``main``), loaded once."""

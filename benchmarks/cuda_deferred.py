@@ -44,6 +44,8 @@ from torch.utils.data import DataLoader, Dataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import QUIET_TRAINER  # noqa: E402  (this folder: the script's own)
+
 from lightning_monitor import TrainingMonitor  # noqa: E402
 from lightning_monitor._lightning import STEP_HOOKS  # noqa: E402
 
@@ -122,11 +124,7 @@ def trainer(root: str, monitor: TrainingMonitor, steps: int, precision: str) -> 
         callbacks=[monitor],
         logger=False,
         log_every_n_steps=10,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         default_root_dir=root,
     )
 

@@ -117,7 +117,17 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import CUDA_SYNC_WARNING, cpu_model, cuda_syncs, iqr, load_example, median_ci, proc_status, reset_peak_rss
+from _common import (
+    CUDA_SYNC_WARNING,
+    QUIET_TRAINER,
+    cpu_model,
+    cuda_syncs,
+    iqr,
+    load_example,
+    median_ci,
+    proc_status,
+    reset_peak_rss,
+)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
@@ -243,11 +253,7 @@ def fit(
         callbacks=callbacks,
         logger=TensorBoardLogger(root, name=name),
         log_every_n_steps=log_every,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         default_root_dir=root,
     )
     trainer.fit(LanguageModel(size), DataLoader(RandomTokens(size), batch_size=size.batch))

@@ -32,7 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import cpu_model, iqr, median_ci, proc_status
+from _common import QUIET_TRAINER, cpu_model, iqr, median_ci, proc_status
 from overhead import SIZES, LanguageModel, RandomTokens
 from torch.utils.data import DataLoader
 
@@ -86,11 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             max_steps=steps + 1,
             callbacks=[timer],
             logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
+            **QUIET_TRAINER,
             default_root_dir=root,
         )
         model = LanguageModel(size)
