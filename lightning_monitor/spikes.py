@@ -21,7 +21,7 @@ RECENT = 8
 #: The smallest ``window`` of :class:`SpikeDetector`: its level averages over ``window / 4`` values, so at least two.
 MIN_SPIKE_WINDOW = 8
 #: In linear space, a spike rises more than this many times the largest rise of the figure's recent course.
-PEAK_MARGIN = 2.5
+PEAK_MARGIN = 3.0
 #: The half-life of that largest rise, in ``window`` lengths: it is forgotten slowly, as a heavy tail is seen rarely.
 PEAK_MEMORY = 4
 
@@ -48,7 +48,7 @@ class SpikeDetector:
     times the mean magnitude of the values (EMA of ``|x|`` over ``window``), so it scales with the figure as the log
     floor does. Linear space has no logarithm to tame a heavy right tail (a Gaussian NLL with a learnt variance jumps
     by 10 to 20 of its usual spreads on a batch with a few large residuals), so there a value must also rise more
-    than ``PEAK_MARGIN`` (2.5) times the largest rise above the reference of the figure's recent course, which is
+    than ``PEAK_MARGIN`` (3) times the largest rise above the reference of the figure's recent course, which is
     forgotten with a half-life of ``PEAK_MEMORY`` (4) windows; and it is judged only after ``warmup`` values in
     linear space, so the rises it is compared with are its own. Without ``signed`` (a gradient norm, never
     negative) non-positive values are ignored.
