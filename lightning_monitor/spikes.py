@@ -47,7 +47,7 @@ class SpikeDetector:
     of the recent average, the spread multiplied by the level), and the floor of the spread becomes ``min_std``
     times the mean magnitude of the values (EMA of ``|x|`` over ``window``), so it scales with the figure as the log
     floor does. Linear space has no logarithm to tame a heavy right tail (a Gaussian NLL with a learnt variance jumps
-    by 10 to 20 of its usual spreads on a batch with a few large residuals), so there a value must also rise more
+    far beyond its usual spread on a batch with a few large residuals), so there a value must also rise more
     than ``PEAK_MARGIN`` (3) times the largest rise above the reference of the figure's recent course, which is
     forgotten with a half-life of ``PEAK_MEMORY`` (4) windows; and it is judged only after ``warmup`` values in
     linear space, so the rises it is compared with are its own. Without ``signed`` (a gradient norm, never
