@@ -104,8 +104,13 @@ class ScriptedModel(BoringModel):
         self.val_runs += 1
 
 
-def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU trainer writing into ``tmp_path``; keyword arguments override the defaults."""
+def make_trainer(
+    tmp_path: Path, callbacks: list[pl.Callback], trainer_class: type[Any] = pl.Trainer, **kwargs: Any
+) -> pl.Trainer:
+    """A quiet CPU trainer writing into ``tmp_path``; keyword arguments override the defaults.
+
+    ``trainer_class`` is the package's ``Trainer`` to build: ``pytorch_lightning.Trainer`` takes the same arguments.
+    """
     defaults: dict[str, Any] = {
         "default_root_dir": tmp_path,
         "max_steps": 10,
@@ -120,7 +125,7 @@ def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) ->
         "devices": 1,
     }
     defaults.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **defaults)
+    return trainer_class(callbacks=callbacks, **defaults)
 
 
 def loader(n: int = 64, batch_size: int = 2) -> DataLoader:

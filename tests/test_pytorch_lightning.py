@@ -14,12 +14,11 @@ import pytest
 import pytorch_lightning as PL
 import torch
 import torch.distributed as dist
-from helpers import close, tb_scalars, tb_texts, total_norm
+from helpers import close, loader, make_trainer, tb_scalars, tb_texts, total_norm
 from lightning.pytorch.demos.boring_classes import BoringModel as LBoringModel
-from pytorch_lightning.demos.boring_classes import BoringDataModule, BoringModel, RandomDataset
+from pytorch_lightning.demos.boring_classes import BoringDataModule, BoringModel
 from pytorch_lightning.loggers import TensorBoardLogger
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_monitor import AlertKind, TrainingMonitor
 from lightning_monitor._lightning import gradient_sharding
@@ -89,22 +88,9 @@ class RankReport(PL.Callback):
 
 
 def pl_trainer(tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> PL.Trainer:
-    defaults: dict[str, Any] = {
-        "default_root_dir": tmp_path,
-        "max_steps": 8,
-        "log_every_n_steps": 1,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "logger": False,
-        "accelerator": "cpu",
-        "devices": 1,
-    }
-    return PL.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
-
-
-def loader(n: int = 64) -> DataLoader:
-    return DataLoader(RandomDataset(32, n), batch_size=2)
+    """The suite's quiet trainer, from `pytorch_lightning`, with Lightning's own validation defaults."""
+    defaults = {"max_steps": 8, "limit_val_batches": 1.0, "num_sanity_val_steps": 2}
+    return make_trainer(tmp_path, callbacks, trainer_class=PL.Trainer, **{**defaults, **kwargs})
 
 
 def test_the_monitor_is_a_callback_of_both_packages():
