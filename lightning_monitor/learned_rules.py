@@ -8,8 +8,9 @@ Like every detector (:mod:`lightning_monitor.detectors` re-exports them) they ar
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
@@ -195,7 +196,7 @@ class CollapseDetector:
     def reference(self) -> float | None:
         """The median of the early norms, once there are ``early`` of them (computed once)."""
         if self._reference is None and len(self.values) >= self.early:
-            self._reference = _median(self.values)
+            self._reference = statistics.median(self.values)
         return self._reference
 
     def update(self, value: float) -> Detection | None:
@@ -208,7 +209,7 @@ class CollapseDetector:
             return None
         self.recent.append(value)
         self.count = self.count + 1 if value < self.ratio * reference else 0
-        typical = _median(self.recent) if len(self.recent) == self.patience else math.inf
+        typical = statistics.median(self.recent) if len(self.recent) == self.patience else math.inf
         if not typical < self.ratio * reference:
             self.collapsed = False
             return None
@@ -239,9 +240,3 @@ class CollapseDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.collapsed = False
-
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
