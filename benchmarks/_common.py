@@ -13,6 +13,8 @@ from pathlib import Path
 from types import ModuleType
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_lm.py"
+#: The test suite's instruments (`sync_count.HostSyncCounter`), which the benchmarks share.
+sys.path.insert(0, str(EXAMPLE.parent.parent / "tests"))
 
 #: The Trainer arguments every benchmark run shares: nothing printed, checkpointed or validated.
 QUIET_TRAINER = {

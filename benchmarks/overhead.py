@@ -60,7 +60,7 @@ step's time does not depend on the process's allocation history.
   table 1, but misses costs paid outside the hooks (Lightning converting and writing what ``log_dict`` logged, at its
   flush), which table 1 includes.
 - **Table 3, host syncs and memory**, in a second set of fresh processes, one per configuration. Syncs per optimizer
-  step are counted with :class:`~lightning_monitor.sync_count.HostSyncCounter` over the whole step loop for a few
+  step are counted with :class:`~sync_count.HostSyncCounter` over the whole step loop for a few
   steps (the counter slows them; they are not timed), as a difference to bare, and inside the configuration's own
   hooks (attributed as ``tests/test_syncs.py`` does). On the CPU the bare loop's count is mostly AdamW reading each
   parameter's step counter, a CPU tensor on any device, so no sync on a GPU. On CUDA,
@@ -139,7 +139,7 @@ from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
 from lightning_monitor.grad_norms import LayerGradNorms
 from lightning_monitor.sinks import LoggerSink
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 from lightning_monitor.token_accuracy import TokenAccuracy
 
 CONFIGS = ("bare", "floor", "monitor", "recipe", "naive")

@@ -4,7 +4,7 @@ For each case it reports the median time per update over round-robin interleaved
 interquartile range), the ratio to one ``amax`` pass over the logits (the floor), the extra peak memory as a share
 of the logits' size (peak RSS above the pre-call RSS, in a fresh subprocess per case: the second call, and in
 brackets the first, which also pages in the kernels' code), and the host-device syncs per update (counted with
-``lightning_monitor.sync_count.HostSyncCounter``; the CPU has no real syncs, these are the calls and ops that would
+``sync_count.HostSyncCounter``; the CPU has no real syncs, these are the calls and ops that would
 make the host wait on CUDA).
 
 On CUDA (``--device cuda``, the default where there is one) each timing waits for the GPU, the extra memory is the
@@ -115,7 +115,7 @@ def make_cases(vocab: int, device: str = "cpu") -> dict[str, Case]:
 def count_update_syncs(vocab: int, case: str, device: str = "cpu") -> int:
     """Syncs of one update alone (compute and reset excluded), on a small batch: the count does not depend on size."""
     logits, labels = make_data(vocab, batch=2, seq=16, device=device)
-    from lightning_monitor.sync_count import HostSyncCounter
+    from sync_count import HostSyncCounter
 
     update = make_cases(vocab, device)[case].update
     if device == "cuda":

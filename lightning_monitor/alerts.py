@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-__all__ = ["Alert", "AlertKind", "Detection"]
+__all__ = ["Alert", "AlertKind", "Detection", "Judgement"]
 
 
 class AlertKind(str, Enum):
@@ -55,47 +56,6 @@ class AlertKind(str, Enum):
             ) from None
 
 
-#: What to try first, per kind. Alert messages end with this advice.
-ADVICE: dict[AlertKind, str] = {
-    AlertKind.NONFINITE_LOSS: (
-        "Check the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over fp16 "
-        "if activations overflow."
-    ),
-    AlertKind.NONFINITE_GRAD: (
-        "Lower the learning rate, set `gradient_clip_val` (e.g. 1.0), and look for a division by zero, log(0) "
-        "or sqrt(0) in the loss; under fp16 AMP consider bf16."
-    ),
-    AlertKind.EXPLODING_GRAD: (
-        "Lower the learning rate or lengthen the warm-up, set `gradient_clip_val` (e.g. 1.0), and check the "
-        "initialisation of the layers named above."
-    ),
-    AlertKind.VANISHING_GRAD: (
-        "Raise the learning rate, check that the loss depends on the parameters (frozen layers, detached "
-        "tensors), and check the initialisation and normalisation layers."
-    ),
-    AlertKind.DIVERGING_VAL_LOSS: (
-        "The model is over-fitting or the learning rate is too high for this stage: restore the best "
-        "checkpoint, lower the learning rate or add regularisation."
-    ),
-    AlertKind.LOSS_SPIKE: (
-        "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and look for bad "
-        "or duplicated data in the batch (`postmortem='alert'` saves it)."
-    ),
-    AlertKind.GRAD_SPIKE: (
-        "Clip gradients (`gradient_clip_val`), lower the learning rate, and check the layers named above; spikes "
-        "that grow from step to step often precede a divergence."
-    ),
-    AlertKind.TOKEN_ACC_STALL: (
-        "Compare the validation data with the training data (a shift?), look at which tokens are wrong, and "
-        "consider stopping at the best-accuracy checkpoint."
-    ),
-    AlertKind.RECOVERED: (
-        "Look at the skipped batches (`postmortem='alert'` saves them); if recoveries recur, lower the learning "
-        "rate or lengthen the warm-up."
-    ),
-}
-
-
 @dataclass(frozen=True)
 class Detection:
     """What a detector reports: the kind, the figure, the threshold it crossed and why, in words.
@@ -108,6 +68,21 @@ class Detection:
     value: float
     threshold: float | None
     reason: str
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What the detectors made of one check of a training step.
+
+    Attributes:
+        detections: The alerts due: the first figure of an episode beyond a limit, causes only (a non-finite loss
+            hides the non-finite gradients it makes, an explosion hides the spike it is).
+        beyond: Every kind whose figure was beyond its limit at this check, whether or not it fired, described as a
+            detection would (what ``skip_on``, ``recover_on`` and the halting ladder count), causes only.
+    """
+
+    detections: tuple[Detection, ...] = ()
+    beyond: Mapping[AlertKind, Detection] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

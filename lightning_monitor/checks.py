@@ -1,20 +1,19 @@
-"""The checks of each optimizer's steps: measure, pack, gather once, combine, and run the step detectors.
+"""The measure stage: each optimizer's gradient norms and loss, packed on the device for the one read of a check.
 
 :class:`OptimizerChecks` holds one :class:`OptimizerCheck` per optimizer of the run, built on its first step from
 the parameters it steps (and from a checkpoint after a resume). An :class:`OptimizerCheck` owns its gradient norms
-(:class:`~lightning_monitor.grad_norms.LayerGradNorms`) and its detectors. At a check it measures the gradients,
-packs them with the loss, the loss scale and any extra figures into one tensor of named parts
-(:class:`~lightning_monitor.packing.Layout`), gathers that tensor from every rank and reads it to the host once
-(:func:`~lightning_monitor._host.gather_ranks`), and combines the rows into :class:`StepFigures`. Every rank then
-runs the same detectors on the same numbers. Between checks (``check_every_n_steps > 1``) it keeps the worst
-figures on the device, with no host sync.
+(:class:`~lightning_monitor.grad_norms.LayerGradNorms`) and carries that optimizer's detectors for the judge stage
+(:mod:`~lightning_monitor.judging`). At a check it measures the gradients and packs them with the loss, the loss scale
+and any extra figures into one tensor of named parts (:class:`~lightning_monitor.packing.Layout`); the read stage
+gathers it from every rank and reads it to the host once (:mod:`~lightning_monitor.deferred`), and :meth:`combine`
+turns the rows into :class:`StepFigures`. Between checks (``check_every_n_steps > 1``) it keeps the worst figures on
+the device, with no host sync.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -25,31 +24,21 @@ from lightning_monitor._compat import rank_zero_warn
 from lightning_monitor._host import fsum, gather_ranks, host_dtype, to_device, world_size
 from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.activations import ForwardOrder
-from lightning_monitor.alerts import AlertKind, Detection, format_value
-from lightning_monitor.detectors import (
-    AmpOverflowDetector,
-    CollapseDetector,
-    ExplodingDetector,
-    NonFiniteDetector,
-    SpikeDetector,
-    ThresholdDetector,
-)
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
-from lightning_monitor.halting import StepGuard
 from lightning_monitor.keys import layer_keys, total_key
 from lightning_monitor.packing import PACK_DTYPE, Layout, Part
-from lightning_monitor.settings import SpikeSettings, StepSettings
 from lightning_monitor.step_figures import StepFigures
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_monitor.judging import StepDetectors
 
 __all__ = [
     "HELD_STEPS_AT_MOST",
     "OptimizerCheck",
     "OptimizerChecks",
     "Packing",
-    "StepDetectors",
     "StepFigures",
     "TrainingLoss",
     "scale_tensor",
@@ -60,63 +49,6 @@ __all__ = [
 HELD_STEPS_AT_MOST = 64
 #: The parts every check packs first, one value each: counts known on the host, the loss sum and the loss scale.
 _HEADER = (("loss_count", 1), ("present", 1), ("held", 1), ("loss_sum", 1), ("scale", 1))
-
-
-@dataclass
-class StepDetectors:
-    """The detectors run at every check of an optimizer step; ``None`` for the ones turned off."""
-
-    nonfinite_loss: NonFiniteDetector
-    nonfinite_grad: NonFiniteDetector
-    amp: AmpOverflowDetector
-    exploding: ThresholdDetector | ExplodingDetector | None = None
-    vanishing: ThresholdDetector | CollapseDetector | None = None
-    loss_spike: SpikeDetector | None = None
-    grad_spike: SpikeDetector | None = None
-
-    @classmethod
-    def from_settings(cls, step: StepSettings, spikes: SpikeSettings) -> StepDetectors:
-        """Fresh detectors, configured from the monitor's settings."""
-        gradient = "gradient norm"
-        spike: dict[str, Any] = {
-            "window": spikes.spike_window,
-            "warmup": spikes.spike_warmup,
-            "patience": spikes.spike_patience,
-        }
-        exploding, vanishing = step.exploding_grad_threshold, step.vanishing_grad_threshold
-        loss_z, grad_z = spikes.loss_spike_threshold, spikes.grad_spike_threshold
-        detectors = cls(
-            nonfinite_loss=NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
-            nonfinite_grad=NonFiniteDetector(AlertKind.NONFINITE_GRAD, gradient),
-            amp=AmpOverflowDetector(step.amp_overflow_patience, step.min_loss_scale),
-        )
-        patience = step.vanishing_grad_patience
-        if exploding == "auto":  # the run's own scale: see `ExplodingDetector`
-            detectors.exploding = ExplodingDetector(gradient)
-        elif exploding is not None:
-            kind = AlertKind.EXPLODING_GRAD
-            detectors.exploding = ThresholdDetector(kind, gradient, exploding, "above", 1, "exploding_grad_threshold")
-        if vanishing == "auto":  # see `CollapseDetector`
-            detectors.vanishing = CollapseDetector(gradient, patience=patience)
-        elif vanishing is not None:
-            kind = AlertKind.VANISHING_GRAD
-            detectors.vanishing = ThresholdDetector(
-                kind, gradient, vanishing, "below", patience, "vanishing_grad_threshold"
-            )
-        if loss_z is not None:  # a loss may be negative (a likelihood, an ELBO): `signed`
-            detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike, signed=True)
-        if grad_z is not None:
-            detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike, tail_margin=True)
-        return detectors
-
-    def present(self) -> dict[str, Any]:
-        """The detectors that are on, by name (the names key their state in checkpoints)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-    def rearm(self) -> None:
-        """Forget every alert episode under way (after a resume), keeping the statistics."""
-        for detector in self.present().values():
-            detector.rearm()
 
 
 class Packing(NamedTuple):
@@ -139,6 +71,9 @@ class OptimizerCheck:
         index: The optimizer's index in ``trainer.optimizers``.
         suffix: Appended to ``grad_norm`` keys (``"_opt1"`` with several optimizers, else ``""``).
         fused: The optimizer unscales fp16 gradients inside ``step()`` (fused Adam), so they are still scaled here.
+
+    Attributes:
+        checks: How many checks of this optimizer were judged (the escalation ladder's clock).
     """
 
     def __init__(
@@ -150,6 +85,7 @@ class OptimizerCheck:
         self.suffix = suffix
         self.fused = fused
         self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
+        self.checks = 0
         self._total_key = total_key(suffix)
         self._layer_keys = layer_keys(norms.names, suffix)
         # Device-side figures since the last check: the held steps' norms not yet reduced (see `hold`), the worst
@@ -351,72 +287,6 @@ class OptimizerCheck:
         _, zero, one = self._fills
         return zero, one, cached
 
-    def detect(self, step: StepFigures) -> list[Detection]:
-        """Run every detector on the figures of one check; report causes, not their echoes."""
-        found: list[Detection | None] = []
-        if step.loss is not None:
-            found.append(self.detectors.nonfinite_loss.update(step.loss))
-            if self.detectors.loss_spike is not None:
-                found.append(self.detectors.loss_spike.update(step.loss))
-        if step.grad_norm is not None and step.grad_peak is not None:
-            if step.amp:
-                overflowed = step.overflow_steps == step.checked_steps
-                found.append(self.detectors.amp.update(overflowed, step.loss_scale))  # type: ignore[arg-type]
-            else:
-                found.append(self.detectors.nonfinite_grad.update(step.grad_peak))
-            for detector, value in (
-                (self.detectors.exploding, step.grad_peak),
-                (self.detectors.vanishing, step.grad_norm),
-                (self.detectors.grad_spike, step.grad_norm),
-            ):
-                if detector is not None:
-                    found.append(detector.update(value))
-        detections = [d for d in found if d is not None]
-        if not detections:
-            return detections
-        kinds = {d.kind for d in detections}
-        # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
-        if AlertKind.NONFINITE_LOSS in kinds or self.detectors.nonfinite_loss.active:
-            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
-        if AlertKind.EXPLODING_GRAD in kinds:
-            detections = [d for d in detections if d.kind is not AlertKind.GRAD_SPIKE]
-        return detections
-
-    def beyond(self, kinds: frozenset[AlertKind]) -> bool:
-        """Whether the last check's figure was beyond the limit of any of ``kinds`` (even before patience ran out)."""
-        if not kinds:
-            return False
-        d = self.detectors
-        states = {
-            AlertKind.NONFINITE_LOSS: d.nonfinite_loss.active,
-            AlertKind.NONFINITE_GRAD: d.nonfinite_grad.active,
-            AlertKind.EXPLODING_GRAD: d.exploding is not None and d.exploding.count > 0,
-            AlertKind.VANISHING_GRAD: d.vanishing is not None and d.vanishing.count > 0,
-            AlertKind.LOSS_SPIKE: d.loss_spike is not None and d.loss_spike.outlier,
-            AlertKind.GRAD_SPIKE: d.grad_spike is not None and d.grad_spike.outlier,
-        }
-        return any(states.get(kind, False) for kind in kinds)
-
-    def blame(self, kind: AlertKind, step: StepFigures) -> str:
-        """Name the layers behind a gradient or loss alert, from the per-layer norms already computed."""
-        names, squares = self.norms.names, step.layer_sq
-        if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
-            return ""
-        if kind is AlertKind.EXPLODING_GRAD and step.grad_peak != step.grad_norm:
-            # The explosion was a step held since the last check: its layers were not kept, only its total.
-            return " It came from a step between checks, whose per-layer norms are not kept."
-        bad = [n for n, sq in zip(names, squares, strict=True) if not math.isfinite(sq)]
-        if bad:
-            bad = self.order.sort(bad) if self.order is not None else bad
-            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {shown}."
-        total = fsum(squares)
-        if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
-            return ""
-        top = sorted(zip(names, squares, strict=True), key=lambda x: -x[1])[:3]
-        shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
-        return f" Largest layers (norm, share of squared total): {shares}."
-
     def figures(self, step: StepFigures, layer_norms: bool) -> dict[str, float]:
         """The host figures to log for this step."""
         out: dict[str, float] = {}
@@ -430,15 +300,6 @@ class OptimizerCheck:
             out["loss_scale"] = step.loss_scale
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """The detectors' states, as plain values."""
-        return {name: det.state_dict() for name, det in self.detectors.present().items()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the detectors' states."""
-        for name, det in self.detectors.present().items():
-            det.load_state_dict(state.get(name, {}))
-
 
 class OptimizerChecks:
     """The :class:`OptimizerCheck` of every optimizer of a run, built on each one's first step.
@@ -447,16 +308,20 @@ class OptimizerChecks:
     ``BaseFinetuning.unfreeze_and_add_param_group`` does), they are measured afresh; the detectors carry on.
 
     Args:
-        step: The step rules.
-        spikes: The spike rules.
+        detectors: Makes a fresh set of step detectors, for each optimizer.
+        on_new_optimizer: Called with an optimizer the first time it is measured (the monitor installs its step
+            guard there, on an optimizer made after the run began).
     """
 
-    def __init__(self, step: StepSettings, spikes: SpikeSettings) -> None:
-        self.step_settings = step
-        self.spike_settings = spikes
+    def __init__(
+        self,
+        detectors: Callable[[], StepDetectors],
+        on_new_optimizer: Callable[[Optimizer], None] | None = None,
+    ) -> None:
+        self.new_detectors = detectors
+        self.on_new_optimizer = on_new_optimizer
         self.checks: dict[int, OptimizerCheck] = {}
         self.order: ForwardOrder | None = None  # the layers' forward order, handed to each check for its messages
-        self.guard: StepGuard | None = None  # what skips a step, to install on an optimizer first seen here
         self._last: tuple[Optimizer, OptimizerCheck, int] | None = None  # what `for_optimizer` returned last
         self._measured: dict[int, tuple[Optimizer, int]] = {}  # each check's optimizer and its number of groups
         self._restored: dict[str, Any] = {}
@@ -476,19 +341,19 @@ class OptimizerChecks:
         if check is None:
             check = OptimizerCheck(
                 _layer_norms(trainer, pl_module, optimizer),
-                StepDetectors.from_settings(self.step_settings, self.spike_settings),
+                self.new_detectors(),
                 index=index,
                 suffix=f"_opt{index}" if len(trainer.optimizers) > 1 else "",
                 fused=bool(getattr(optimizer, "_step_supports_amp_scaling", False)),
             )
             if str(index) in self._restored:
-                check.load_state_dict(self._restored.pop(str(index)))
+                check.detectors.load_state_dict(self._restored.pop(str(index)))
                 check.detectors.rearm()
             self.checks[index] = check
         elif self._measured.get(index) != (optimizer, groups):
             check.measure(_layer_norms(trainer, pl_module, optimizer))
-        if self.guard is not None:  # an optimizer made after the run began (its first step is not guarded yet)
-            self.guard.install(optimizer)
+        if self.on_new_optimizer is not None:  # an optimizer made after the run began (its first step is unguarded)
+            self.on_new_optimizer(optimizer)
         if self.order is not None:
             check.order = self.order
         self._measured[index] = (optimizer, groups)
@@ -498,7 +363,7 @@ class OptimizerChecks:
     def state_dict(self) -> dict[str, Any]:
         """Every check's detector states, by optimizer index (those restored but not yet used included)."""
         states = dict(self._restored)
-        states.update({str(i): check.state_dict() for i, check in self.checks.items()})
+        states.update({str(i): check.detectors.state_dict() for i, check in self.checks.items()})
         return states
 
     def load_state_dict(self, states: Mapping[str, Any]) -> None:

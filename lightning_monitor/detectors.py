@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.learned_rules import DEFAULT_EXPLODING_LIMIT, EARLY_CHECKS, CollapseDetector, ExplodingDetector
@@ -22,6 +22,8 @@ from lightning_monitor.spikes import MIN_SPIKE_WINDOW, SpikeDetector
 # detectors all the same, re-exported here.
 __all__ = [
     "DEFAULT_EXPLODING_LIMIT",
+    "Detector",
+    "GuardedDetector",
     "EARLY_CHECKS",
     "MIN_SPIKE_WINDOW",
     "AccuracyStallDetector",
@@ -33,6 +35,45 @@ __all__ = [
     "SpikeDetector",
     "ThresholdDetector",
 ]
+
+
+@runtime_checkable
+class Detector(Protocol):
+    """What every detector provides, whatever figures its ``update`` takes.
+
+    ``update(...)`` takes the figures of one check (one value for most; the overflow flag and the loss scale for
+    :class:`AmpOverflowDetector`; the loss and the accuracy for :class:`AccuracyStallDetector`) and returns a
+    :class:`~lightning_monitor.alerts.Detection` at the first figure of an episode that fires, else ``None``.
+
+    Attributes:
+        kind: The alert kind it reports.
+        beyond: Whether the last figure was beyond the detector's limit, whether or not it fired (patience still
+            running, or an episode already reported): what ``skip_on``, ``recover_on`` and the halting ladder count.
+    """
+
+    kind: AlertKind
+
+    @property
+    def beyond(self) -> bool: ...  # noqa: D102 (documented above)
+
+    def state_dict(self) -> dict[str, Any]: ...  # noqa: D102
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...  # noqa: D102
+
+    def rearm(self) -> None: ...  # noqa: D102
+
+
+@runtime_checkable
+class GuardedDetector(Detector, Protocol):
+    """A detector whose limit the device guard applies before the host reads the figure (``exploding_grad``).
+
+    Attributes:
+        limit_now: The value above which the next figure is beyond the limit (``math.inf`` while there is none): the
+            one limit both the alert and the device guard use, so they cannot disagree.
+    """
+
+    @property
+    def limit_now(self) -> float: ...  # noqa: D102
 
 
 class NonFiniteDetector:
@@ -66,6 +107,11 @@ class NonFiniteDetector:
             return None
         self.active = True
         return Detection(self.kind, value, None, f"{self.name} is {format_value(value)}")
+
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure was not finite."""
+        return self.active
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
@@ -138,6 +184,16 @@ class ThresholdDetector:
             reason += f" for {self.patience} consecutive steps"
         return Detection(self.kind, value, self.threshold, reason)
 
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure was beyond the threshold."""
+        return self.count > 0
+
+    @property
+    def limit_now(self) -> float:
+        """The threshold, where the first figure beyond it fires (``patience`` 1, ``"above"``); else ``math.inf``."""
+        return self.threshold if self.direction == "above" and self.patience == 1 else math.inf
+
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
         return {"count": self.count}
@@ -202,6 +258,11 @@ class RisingDetector:
         return Detection(
             self.kind, value, self.history[0], f"{self.name} rose {self.patience} times in a row ({values})"
         )
+
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure rose (or was not finite)."""
+        return self.count > 0 or self.nonfinite
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
@@ -300,6 +361,11 @@ class AmpOverflowDetector:
         )
         return Detection(self.kind, float(self.consecutive), float(self.patience), reason)
 
+    @property
+    def beyond(self) -> bool:
+        """Whether an overflow streak or a collapsed scale has been reported and goes on."""
+        return self.active
+
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
         return {
@@ -381,6 +447,11 @@ class AccuracyStallDetector:
                 f"from {was} to {format_value(loss)}"
             )
         return Detection(self.kind, acc, self.best_acc, reason)
+
+    @property
+    def beyond(self) -> bool:
+        """Whether the stall has been reported and goes on."""
+        return self.active
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""

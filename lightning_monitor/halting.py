@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["StepGuard", "TrainingHalted"]
+__all__ = ["StepGuard", "TrainingHalted", "keep_from_weights"]
 
 
 class TrainingHalted(RuntimeError):
@@ -185,3 +185,18 @@ def _reads_found_inf(optimizer: Optimizer) -> bool:
     """Whether ``optimizer.step()`` skips its update on the device when ``found_inf`` is set: torch's fused ones."""
     fused_kinds = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
     return isinstance(optimizer, fused_kinds) and bool(optimizer.defaults.get("fused"))
+
+
+def keep_from_weights(guard: StepGuard, optimizer: Optimizer) -> bool:
+    """Keep ``optimizer``'s coming update from the weights: skip its ``step()`` exactly where the guard wrapped it.
+
+    An optimizer that is not wrapped (replaced mid-step) gets its gradients dropped instead: every parameter without
+    a gradient is left alone by ``step()``. Returns whether nothing at all will change (weights, optimizer state and
+    step counts).
+    """
+    if guard.skip(optimizer):
+        return True
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+    return True

@@ -121,6 +121,21 @@ class ExplodingDetector:
         self.count += 1
         return Detection(self.kind, value, limit, reason) if self.count == 1 else None
 
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure was above a limit."""
+        return self.count > 0
+
+    @property
+    def limit_now(self) -> float:
+        """The lowest limit the next figure is judged against: the armed absolute one, the relative one once learnt."""
+        limits = [math.inf]
+        if self.armed:
+            limits.append(self.limit)
+        if self.seen >= self.early and self.early_max > 0:
+            limits.append(self.factor * self.early_max)
+        return min(limits)
+
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
         return {
@@ -222,6 +237,11 @@ class CollapseDetector:
             f" steps ({format_value(reference)})"
         )
         return Detection(self.kind, typical, self.ratio * reference, reason)
+
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure was below the limit."""
+        return self.count > 0
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""

@@ -1,9 +1,18 @@
 """``TrainingMonitor``: the Lightning callback that watches a run, says when it goes wrong, and can stop it.
 
-Each hook reads gate, compute, decide, act, over parts that live in their own modules: the checks of each
-optimizer's steps (:mod:`~lightning_monitor.checks`: gradient norms, the one gather, the step detectors), token
-accuracy (:mod:`~lightning_monitor.token_tracker`), the validation rules (:mod:`~lightning_monitor.detectors`), and
-what happens on a detection (:mod:`~lightning_monitor.responder`: alerts, sinks, the bundle, the skip, the halt).
+Every check goes one way through stages that live in their own modules, each called once, from here:
+
+* **measure** (:mod:`~lightning_monitor.checks`, :mod:`~lightning_monitor.token_tracker`): each optimizer's gradient
+  norms, the loss and the token counts, packed on the device;
+* **read** (:mod:`~lightning_monitor.deferred`): the one gather and host read, before the step or a step later;
+* **judge** (:mod:`~lightning_monitor.judging`, :mod:`~lightning_monitor.validation`): the detectors;
+* **decide** (:mod:`~lightning_monitor.decision`): a pure function from the detections and the run's state
+  (:mod:`~lightning_monitor.run_state`) to a verdict;
+* **word** (:mod:`~lightning_monitor.wording`): every sentence of an alert;
+* **act** (:mod:`~lightning_monitor.halting`, :mod:`~lightning_monitor.actions`, :mod:`~lightning_monitor.recovery`):
+  the step guard, the bundle, keep and restore, the halt;
+* **write** (:mod:`~lightning_monitor.writer`): loggers, console, ``alerts.jsonl``, the history, the run folder.
+
 Where each figure is taken, and how the ranks agree, is in ``docs/design.md``.
 """
 
@@ -12,6 +21,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monitor._compat import FITTING, Callback, rank_zero_info
-from lightning_monitor._host import gather_ranks, world_size
+from lightning_monitor._host import world_size
 from lightning_monitor._lightning import (
     grad_scaler,
     is_logging_step,
@@ -30,15 +40,22 @@ from lightning_monitor._lightning import (
     may_be_last_step,
     state_under_another_key,
 )
+from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, weights_finite
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
-from lightning_monitor.alerts import Alert, AlertKind
-from lightning_monitor.checks import OptimizerChecks, StepFigures, TrainingLoss
-from lightning_monitor.deferred import DeferredReads, PendingCheck
-from lightning_monitor.recovery import CheckStatistics, Recovery
-from lightning_monitor.responder import Kept, Responder, StepContext
+from lightning_monitor.alerts import Alert, AlertKind, Judgement
+from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
+from lightning_monitor.decision import Policy, RecoveryPlan, Ruling, StepFacts, Verdict, decide, decide_validation
+from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
+from lightning_monitor.halting import StepGuard, keep_from_weights
+from lightning_monitor.history import alert_learning_rate
+from lightning_monitor.judging import StepDetectors, guard_limit, judge
+from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
+from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
-from lightning_monitor.token_tracker import TokenAccuracyTracker
+from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
+from lightning_monitor.wording import AlertContext, blame, first_bad_module, make_alert, recovered_alert
+from lightning_monitor.writer import RunWriter
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
 
@@ -74,6 +91,9 @@ class TrainingMonitor(Callback):
 
     A non-finite gradient or loss never reaches the weights: the monitor skips that step (under fp16 AMP the GradScaler
     skips overflows), and one that halts or is beyond ``skip_on`` (``host_sync="deferred"``: non-finite ones only).
+    **Escalation ladder**: a step-level problem in ``halt_on`` (a non-finite loss or gradient, an exploding gradient)
+    on one isolated step is skipped and alerted, and training goes on; one that comes back at ``halt_after`` of the
+    last 16 checks halts (:mod:`~lightning_monitor.decision`). Other kinds in ``halt_on`` halt at their first alert.
     Halting sets ``trainer.should_stop`` (like ``EarlyStopping``), or raises :class:`TrainingHalted` on every rank
     with ``halt_mode="raise"``, and writes a post-mortem bundle (:mod:`lightning_monitor.postmortem`). Each check
     gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
@@ -114,6 +134,9 @@ class TrainingMonitor(Callback):
         divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (4: five values).
         divergence_min_delta: A validation value counts as a rise only when it exceeds the previous one by more.
         halt_on: The alert kinds that stop training; an empty collection only observes.
+        halt_after: How many of the last 16 checks of an optimizer a step-level problem of a ``halt_on`` kind (a
+            non-finite loss or gradient, an exploding gradient) must be found at before training halts; until then
+            each such step is skipped and alerted. ``1`` halts at the first.
         halt_mode: ``"stop"`` sets ``trainer.should_stop``; ``"raise"`` raises :class:`TrainingHalted`.
         loss_spike_threshold: Z-score of the training loss (in log space while positive) above which a step is a
             loss spike (6: OLMo-core's 6 sigma; see the detector). ``None`` turns the check off.
@@ -210,6 +233,7 @@ class TrainingMonitor(Callback):
         divergence_patience: int = 4,
         divergence_min_delta: float = 0.0,
         halt_on: Sequence[str] = DEFAULT_HALT_ON,
+        halt_after: int = 3,
         halt_mode: Literal["stop", "raise"] = "stop",
         loss_spike_threshold: float | None = 6.0,
         grad_spike_threshold: float | None = 6.0,
@@ -243,9 +267,12 @@ class TrainingMonitor(Callback):
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.config = MonitorSettings.from_arguments(arguments)
+        # Each setting reads as a plain attribute of its argument's name (`monitor.halt_on`), checked as above.
+        self.__dict__.update(self.config.items())
         # Lightning reads it at every hook it dispatches: build it once. Two monitors of one trainer watch different
         # validation keys; any other setting may change between a run and its resume (see `on_load_checkpoint`).
         self._state_key = self._generate_state_key(val_loss_key=self.config.validation.val_loss_key)
+        self._policy = Policy.of(self.config.response)
         self.latest: dict[str, float] = {}
         self._start_afresh()
         self._fitted: weakref.ref[pl.Trainer] | None = None  # the trainer of the last fit
@@ -255,33 +282,51 @@ class TrainingMonitor(Callback):
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
-        self._deferred: DeferredReads | None = None  # with host_sync="deferred", each optimizer's check under way
+        self._reads: StepReads | DeferredReads = StepReads()
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
-        self._checks = OptimizerChecks(self.config.step, self.config.spikes)
-        self._responder = Responder(self.config.response, Recovery(self.config.recovery, CheckStatistics(self._checks)))
-        self._checks.guard = self._responder.guard
-        self._tokens = TokenAccuracyTracker.from_settings(self.config.tokens)
-        self._validation = ValidationCheck(self.config.validation)
+        config = self.config
+        self._state = RunState()
+        self._guard = StepGuard()  # skips an optimizer step exactly, its gradients left in place
+        self._warn = WarnOnce()
+        self._checks = OptimizerChecks(
+            lambda: StepDetectors.from_settings(config.step, config.spikes), on_new_optimizer=self._guard.install
+        )
+        self._recovery = Recovery(config.recovery, CheckStatistics(self._checks))
+        self._recovery.warn = self._warn
+        self._writer = RunWriter(config.response.alerts_file)
+        self._tokens = TokenAccuracyTracker.from_settings(config.tokens)
+        self._validation = ValidationCheck(config.validation)
         self._loss = TrainingLoss()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
 
-    def __getattr__(self, name: str) -> Any:
-        # A setting reads as an attribute of its argument's name (`monitor.halt_on`); no `config` while unpickling.
-        config = self.__dict__.get("config")
-        if config is None or name.startswith("_"):
-            raise AttributeError(name)
-        return config.get(name)
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert so far, oldest first (restored from checkpoints)."""
+        return self._state.alerts
 
-    # What the run did so far, kept by the responder (see "Attributes" above).
-    alerts = Kept[list[Alert]]()
-    stopping_reason = Kept[AlertKind | None]()
-    stopping_reason_message = Kept[str | None]()
-    skipped_steps = Kept[int]()
-    log_dir = Kept[Path]()
+    @property
+    def stopping_reason(self) -> AlertKind | None:
+        """The kind of the alert that halted training, or ``None``."""
+        return self._state.stopping_reason
+
+    @property
+    def stopping_reason_message(self) -> str | None:
+        """That alert's message, or ``None``."""
+        return self._state.stopping_reason_message
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far."""
+        return self._state.skipped_steps
+
+    @property
+    def log_dir(self) -> Path:
+        """This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``."""
+        return self._writer.log_dir
 
     @property
     @override
@@ -292,6 +337,8 @@ class TrainingMonitor(Callback):
         """The monitor's configuration as plain values (written to ``monitor_settings.json`` in :attr:`log_dir`)."""
         return self.config.as_dict()
 
+    # ------------------------------------------------------------------------------------------------ the run
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != FITTING:
@@ -300,7 +347,9 @@ class TrainingMonitor(Callback):
         if self._fresh:
             self._start_afresh()
         self._fitted = weakref.ref(trainer)
-        self._responder.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
+        self._writer.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
+        self._state.begin()
+        self._recovery.begin(self._writer.log_dir / "recovery", trainer.global_rank)
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -314,34 +363,45 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
-        self._responder.guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
+        self._guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
-            self._responder.set_earlier_alerts_aside(trainer)
+            self._writer.set_earlier_alerts_aside(trainer)
         self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
-        self._deferred = DeferredReads.for_run(self.config, pl_module.device)  # host_sync="deferred"
+        deferred = resolve_host_sync(self.config.step.host_sync, pl_module.device) == "deferred"
+        # "auto" reads before the step with `watch_activations` and `recover_on`: both act on the step the check is
+        # about, before its update.
+        deferred = deferred and not self.config.step.watch_activations and not self.config.recovery.recover_on
+        self._reads = DeferredReads(self._guard) if deferred else StepReads()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for pending in self._deferred.take_all() if self._deferred else []:  # nothing would read them later
-            self._act(trainer, *pending)
-        self._responder.end_training(trainer)  # the record of a recovery still under way
+        for pending, figures in self._reads.take_all():  # nothing would read them later
+            self._step_check(trainer, pending, figures)
+        record = self._recovery.finish()  # the record of a recovery still under way
+        if record is not None:
+            self._emit(trainer, recovered_alert(record, logging_step(trainer), trainer.current_epoch))
         self._close_hooks()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._reads.clear()
         self._close_hooks()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._responder.finish(trainer)  # the runs' copies of the files; the summary with `summary_on_fit_end`
+        self._writer.sync(trainer)  # the W&B and MLflow runs' copies of the files
+        if self.config.response.summary_on_fit_end:
+            self._writer.summary(trainer)
+
+    # ------------------------------------------------------------------------------------------------ training steps
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         # A new optimizer step begins after one was taken. Keep the step's micro-batches (references) for the bundle.
-        self._responder.run_history.take_logged_losses(trainer)  # the last batch's losses, where already on the host
+        self._writer.history.take_logged_losses(trainer)  # the last batch's losses, where already on the host
         if self._step_closed:
             self._batches = []
         self._step_closed = False
@@ -360,11 +420,10 @@ class TrainingMonitor(Callback):
         # Gate: check on check steps (per optimizer), logging steps and a step that may be the run's last; in between
         # keep the worst figures on the device. A deferred check of this optimizer's last step is decided first.
         self._step_closed = True
-        guard = self._responder.guard
-        if guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
-            guard.disarm()
-        for pending, figures in self._deferred.take(optimizer) if self._deferred else []:
-            self._act(trainer, pending, figures)
+        if self._guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
+            self._guard.disarm()
+        for pending, figures in self._reads.take(optimizer):
+            self._step_check(trainer, pending, figures)
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
@@ -373,33 +432,146 @@ class TrainingMonitor(Callback):
             check.hold(self._scaler)
             return
 
-        # Compute: one gather and one host read (deferred: at the next step, or at the end of training).
+        # Measure, on the device.
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
         extras: dict[str, Any] = {"train_token_counts": step_counts}
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
-        pending = PendingCheck(optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches)
-        if self._deferred is not None:  # read and decided at this optimizer's next step
-            self._deferred.start(pending, packed, self._responder)
-            return
-        self._act(trainer, pending, check.combine(packing, gather_ranks(packed, self._ranks)))  # the one host sync
+        started = PendingCheck(optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches)
+        # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
+        for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
+            self._step_check(trainer, pending, figures)
 
-    def _act(self, trainer: pl.Trainer, pending: PendingCheck, figures: StepFigures) -> None:
-        """Decide and act on a check's figures: the alerts, the skip, the figures, the bundle, the halt."""
-        first_bad, check = None, pending.check
+    def _device_rule(self, check: OptimizerCheck) -> DeviceRule:
+        """What a deferred check's device guard keeps from the weights (nothing to apply for a read before the step)."""
+        if isinstance(self._reads, StepReads):
+            return _READ_BEFORE_STEP
+        guarded = self._policy.keeps_from_weights(AlertKind.EXPLODING_GRAD)
+        return DeviceRule(self._state.halted, guard_limit(check.detectors) if guarded else math.inf)
+
+    def _step_check(self, trainer: pl.Trainer, pending: PendingCheck, figures: StepFigures) -> None:
+        """Judge, decide, word, act and write one training-step check whose figures are on the host."""
+        check = pending.check
+        first_bad = None
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start
             first_bad = self._activations.take_first_nonfinite(figures.extras["activation_flags"])
         if self._checks.order is not None:
             self._checks.order.close()
         if pending.counted_at is not None:
-            counts = figures.extras["train_token_counts"]
-            self._responder.log_accuracy(trainer, "train_token_acc", counts, pending.counted_at)
+            self._accuracy(trainer, "train_token_acc", figures.extras["train_token_counts"], pending.counted_at)
         logged = check.figures(figures, self.config.step.layer_norms)
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
-        context = StepContext(pending.optimizer, check, figures, self._every_n, first_bad, pending.batches, logged,
-                              latest, pending.logs, pending.at, pending.epoch, pending.on_device)  # fmt: skip
-        self._responder.respond_to_step(trainer, check.detect(figures), context)
+
+        # Judge, then decide.
+        judged = judge(check.detectors, figures)
+        notice = getattr(check.detectors.exploding, "notice", None)
+        if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
+            self._warn("exploding_grad_scale", notice)
+        plan = self._recovery_plan(judged, figures, pending)
+        facts = StepFacts(
+            optimizer=check.index,
+            check=check.checks,
+            unsafe=figures.unsafe,
+            amp=figures.amp,
+            read_after_step=pending.on_device is not None,
+            halted=self._state.halted,
+        )
+        check.checks += 1
+        verdict = decide(judged, facts, plan, self._state.ladder, self._policy)
+        self._state.ladder = verdict.ladder
+
+        # Act on the step first (the guard), then word the alerts with what was done, write, and act on the run.
+        exact = keep_from_weights(self._guard, pending.optimizer) if verdict.skip else True
+        overflowed = figures.amp and figures.grad_norm is not None and not math.isfinite(figures.grad_norm)
+        kept_out = verdict.skip or pending.on_device in (OnDevice.FUSED, OnDevice.SKIPPED)
+        self._state.skipped_steps += int(kept_out and not overflowed) + figures.overflow_steps  # overflows: the scaler
+        if self._state.skipped_steps:  # absent means none: no constant zero written at every logging step
+            latest["skipped_steps"] = logged["skipped_steps"] = float(self._state.skipped_steps)
+        bundle = weights_ok = None
+        if verdict.rulings:
+            bundle = self._open_bundle(trainer, verdict, pending.at)
+            if bundle is not None or figures.checked_steps > 1 or pending.on_device is not None:
+                weights_ok = weights_finite(trainer)
+        context = AlertContext(
+            at=pending.at,
+            epoch=pending.epoch,
+            optimizer_index=check.index if check.suffix else None,
+            skipped=verdict.skip and not verdict.restore,  # a restore changes the weights: never "unchanged"
+            exact=exact,
+            covered=figures.checked_steps,
+            every=self._every_n,
+            on_device=pending.on_device,
+            weights_ok=weights_ok is not False,
+            bundle=bundle,
+            halt_mode=self.config.response.halt_mode,
+            halt_after=self._policy.halt_after,
+        )
+        alerts = [self._step_alert(r, context, check, figures, pending.optimizer, first_bad) for r in verdict.rulings]
+        halting = [a for a in alerts if a.halted]
+        if verdict.finished is not None:  # a recovery that ended here: its record comes before this check's alerts
+            self._emit(trainer, recovered_alert(verdict.finished, logging_step(trainer), trainer.current_epoch))
+        for alert in alerts:
+            self._emit(trainer, alert)
+        if pending.logs or halting:  # a halting step logs its figures: Lightning logs there too (`should_stop`)
+            self._writer.figures(trainer, logged, pending.at)
+        self._writer.check(trainer, pending.at, pending.epoch, latest, logs=pending.logs, alert=bool(alerts))
+        if bundle is not None:
+            skipped = "deferred" if pending.on_device is not None else verdict.skip
+            step = {
+                "batches": pending.batches,
+                "halted": bool(halting),
+                "skipped": skipped,
+                "covered": figures.checked_steps,
+                "weights_ok": weights_ok is not False,
+            }
+            self._save_bundle(trainer, bundle, step, alerts)
+        if verdict.restore:
+            self._recovery.restore(StateSources.of(trainer))
+        elif verdict.keep:
+            self._recovery.keep(StateSources.of(trainer), pending.at)
+        if halting:
+            self._halt(trainer, halting[0])
+
+    def _recovery_plan(self, judged: Judgement, figures: StepFigures, pending: PendingCheck) -> RecoveryPlan:
+        """What ``recover_on`` makes of this check's detections (nothing without it)."""
+        recovery = self._recovery
+        if not recovery.on:  # the common case: nothing to decide
+            return RecoveryPlan(list(judged.detections))
+        beyond = any(kind in recovery.settings.recover_on for kind in judged.beyond)
+        first = pending.check.index == 0
+        return recovery.plan(list(judged.detections), beyond, figures.unsafe, pending.at, first)
+
+    def _step_alert(
+        self,
+        ruling: Ruling,
+        context: AlertContext,
+        check: OptimizerCheck,
+        figures: StepFigures,
+        optimizer: Optimizer,
+        first_bad: str | None,
+    ) -> Alert:
+        """Word one ruling of a training-step check: its rank, its layers, its learning rate."""
+        kind = ruling.detection.kind
+        lr, lr_words = alert_learning_rate(optimizer)
+        order = self._checks.order
+        layers = blame(
+            kind,
+            check.norms.names,
+            figures.layer_sq,
+            held_peak=figures.grad_peak != figures.grad_norm,
+            order=None if order is None else order.sort,
+        )
+        context = replace(
+            context,
+            lr=lr,
+            lr_words=lr_words,
+            rank=figures.attribution(kind),
+            blame=layers + first_bad_module(kind, first_bad),
+        )
+        return make_alert(ruling, context)
+
+    # ------------------------------------------------------------------------------------------------ token counts
 
     @override
     def on_train_batch_end(
@@ -423,12 +595,23 @@ class TrainingMonitor(Callback):
         # Gate on the settings only, never on what one rank saw: every rank must join the collective.
         if not self.config.tokens.token_accuracy:
             return
-        # Compute: the epoch's token counts and any step figure still waiting, in one read.
+        # Read: the epoch's token counts and any step figure still waiting, in one read; then write.
         step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
-        self._responder.log_accuracy(trainer, "train_token_acc", step, counted_at)
+        self._accuracy(trainer, "train_token_acc", step, counted_at)
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
-            self._responder.log_accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
+            self._accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
         self._tokens.warn_invalid("train", [r[2] for r in epoch])
+
+    def _accuracy(
+        self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
+    ) -> float | None:
+        """Write ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
+        value = None if step is None else token_accuracy(per_rank)
+        if value is not None:
+            self._writer.figures(trainer, {key: value}, step)
+        return value
+
+    # ------------------------------------------------------------------------------------------------ validation
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -457,20 +640,77 @@ class TrainingMonitor(Callback):
         if trainer.sanity_checking or trainer.state.fn != FITTING or not (key is not None or watch_acc):
             return
 
-        # Compute: every rank contributes its figures (or their absence), so no rank can skip the collective.
+        # Measure and read: every rank contributes its figures (or their absence), so no rank skips the collective.
         device = pl_module.device
         counts = self._tokens.epoch_counts("val", device) if watch_acc else None
         found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
-        val_acc = self._responder.log_accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
+        val_acc = self._accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
         self._tokens.warn_invalid("val", [r[2] for r in found.token_counts])
-        self._responder.run_history.end_validation(trainer, key, found.val_loss)  # and write the history
+        self._writer.history.end_validation(trainer, key, found.val_loss)  # and write the history
 
-        # Decide and act.
-        self._responder.respond_to_validation(trainer, self._validation.detect(found.val_loss, val_acc))
+        # Judge, decide, then act, word and write.
+        verdict = decide_validation(self._validation.detect(found.val_loss, val_acc), self._policy)
+        if not verdict.rulings:
+            return
+        at, epoch = logging_step(trainer), trainer.current_epoch
+        bundle = self._open_bundle(trainer, verdict, at)
+        weights_ok = bundle is None or weights_finite(trainer)
+        lr, lr_words = alert_learning_rate(next(iter(trainer.optimizers), None))
+        context = AlertContext(
+            at=at,
+            epoch=epoch,
+            lr=lr,
+            lr_words=lr_words,
+            weights_ok=weights_ok,
+            bundle=bundle,
+            halt_mode=self.config.response.halt_mode,
+            halt_after=self._policy.halt_after,
+        )
+        alerts = [make_alert(ruling, context) for ruling in verdict.rulings]
+        for alert in alerts:
+            self._emit(trainer, alert)
+        halting = [a for a in alerts if a.halted]
+        if bundle is not None:
+            step = {"batches": [], "halted": bool(halting), "skipped": None, "covered": 1, "weights_ok": weights_ok}
+            self._save_bundle(trainer, bundle, step, alerts)
+        if halting:
+            self._halt(trainer, halting[0])
+
+    # ------------------------------------------------------------------------------------------------ acting
+
+    def _open_bundle(self, trainer: pl.Trainer, verdict: Verdict, at: int) -> Path | None:
+        """The check's post-mortem folder, created on every rank, if the verdict calls for one."""
+        if not verdict.bundle:
+            return None
+        cause = verdict.halt or verdict.rulings[0]
+        return open_bundle(trainer, self._writer.log_dir, cause.detection.kind, at, self._warn)
+
+    def _save_bundle(self, trainer: pl.Trainer, folder: Path, step: dict[str, Any], cause: list[Alert]) -> None:
+        """Write the bundle on every rank, and hand its files to W&B and MLflow."""
+        save_bundle(trainer, folder, step, self._writer.recent_records(), self._state.alerts, cause, self._warn)
+        self._writer.bundle_written(trainer, folder)
+
+    def _emit(self, trainer: pl.Trainer, alert: Alert) -> None:
+        """Keep the alert in the run's state; on rank zero, write it to every sink."""
+        count, index = self._state.add(alert)
+        self._writer.alert(trainer, alert, count, index)
+
+    def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
+        """Halt on this rank: every rank reaches this call at the same step with the same alert."""
+        self._state.halt(alert)
+        self._writer.sync(trainer)  # the alerts file and the bundle reach W&B and MLflow before the run ends
+        halt(trainer, alert, self.config.response.halt_mode)
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**self._responder.state_dict(), **self._validation.state_dict(), "watches": self._checks.state_dict()}
+        return {
+            **self._state.state_dict(),
+            **self._recovery.state_dict(),
+            **self._validation.state_dict(),
+            "watches": self._checks.state_dict(),
+        }
 
     @override
     def on_load_checkpoint(
@@ -488,7 +728,8 @@ class TrainingMonitor(Callback):
         self._resumed = True
         # Not the stopping reason: a resumed run has not halted. Nor any alert episode under way: a problem still
         # there after the resume (say, from a post-mortem checkpoint taken before the bad step) fires again.
-        self._responder.load_state_dict(state_dict)
+        self._state.load_state_dict(state_dict)
+        self._recovery.load_state_dict(state_dict)
         self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))
 
@@ -497,4 +738,9 @@ class TrainingMonitor(Callback):
             if hooks is not None:
                 hooks.close()
         self._checks.order, self._activations, self._batches = None, None, []
-        self._responder.close()
+        self._guard.remove()
+        self._writer.close()
+
+
+#: The device rule of a check read before its step: the host decides, nothing is applied on the device.
+_READ_BEFORE_STEP = DeviceRule()

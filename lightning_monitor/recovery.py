@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_monitor.alerts import AlertKind, Detection
+from lightning_monitor.decision import RecoveryPlan
 from lightning_monitor.settings import RecoverySettings
 
 if TYPE_CHECKING:  # no trainer package at run time: this module works with either (or none)
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # no trainer package at run time: this module works with eith
 
     from lightning_monitor.checks import OptimizerChecks
 
-__all__ = ["CheckStatistics", "KeptState", "Recovery", "RecoveryPlan", "RecoveryRecord", "StateSources"]
+__all__ = ["CheckStatistics", "KeptState", "Recovery", "RecoveryRecord", "StateSources"]
 
 
 class Stateful(Protocol):
@@ -61,12 +62,12 @@ class CheckStatistics:
 
     def state_dict(self) -> dict[str, Any]:
         """Every check's detector states, by optimizer index."""
-        return {str(i): check.state_dict() for i, check in self.checks.checks.items()}
+        return {str(i): check.detectors.state_dict() for i, check in self.checks.checks.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Put the detector states back into the checks (a detector without a kept state starts afresh)."""
         for i, check in self.checks.checks.items():
-            check.load_state_dict(state_dict.get(str(i), {}))
+            check.detectors.load_state_dict(state_dict.get(str(i), {}))
 
 
 @dataclass
@@ -140,46 +141,6 @@ class RecoveryRecord(NamedTuple):
     def skipped(self) -> int:
         """Every batch whose update the recovery left out."""
         return self.lost + self.skipped_after
-
-    def reason(self) -> str:
-        """What the recovery did, in words (the ``recovered`` alert's message starts with it)."""
-        later = (
-            f", and {self.skipped_after} later batch(es) that were still outliers"
-            if self.skipped_after
-            else "; the next batch was no outlier"
-        )
-        return (
-            f"recovered from {self.kind.value} at step {self.at}: restored the {self.restored} kept at step "
-            f"{self.kept_step} (before its update), leaving out the updates of {self.skipped} batch(es): the "
-            f"{self.lost} of steps {self.kept_step} to {self.at}{later}"
-        )
-
-
-class RecoveryPlan(NamedTuple):
-    """What one check's detections call for (:meth:`Recovery.plan`); the responder acts on it.
-
-    Attributes:
-        detections: The detections to alert on: those absorbed by a recovery under way left out, and a halt added
-            when the recovery is exhausted.
-        spared: Kinds that do not halt at this check, since a recovery handles them.
-        forced: Kinds that halt at this check although ``halt_on`` lacks them: recovery is exhausted.
-        restore: Restore the kept state now (and skip this step).
-        skip: Skip this step's update (a batch still outlying after a restore, or the restore's own step).
-        keep: Keep the current state, if nothing else skips the step or halts.
-        finished: A recovery that ended at this check: its ``recovered`` alert is due.
-    """
-
-    detections: list[Detection]
-    spared: frozenset[AlertKind] = frozenset()
-    forced: frozenset[AlertKind] = frozenset()
-    restore: bool = False
-    skip: bool = False
-    keep: bool = False
-    finished: RecoveryRecord | None = None
-
-    def halt_on(self, halt_on: frozenset[AlertKind]) -> frozenset[AlertKind]:
-        """The kinds that halt at this check."""
-        return (halt_on - self.spared) | self.forced if self.spared or self.forced else halt_on
 
 
 class _Window:

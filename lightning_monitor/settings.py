@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
 __all__ = [
     "DEFAULT_HALT_ON",
+    "HALT_WINDOW",
     "STEP_KINDS",
     "MonitorSettings",
     "RecoverySettings",
@@ -34,6 +35,8 @@ __all__ = [
 
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
 DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
+#: The checks of one optimizer over which a step-level problem's recurrences count towards a halt (``halt_after``).
+HALT_WINDOW = 16
 #: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``) or recovered from (``recover_on``).
 STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL, AlertKind.RECOVERED}
 
@@ -157,6 +160,7 @@ class ResponseSettings:
     postmortem: Literal["halt", "alert"] | None
     alerts_file: str | None
     summary_on_fit_end: bool
+    halt_after: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "halt_on", _kinds("halt_on", self.halt_on))
@@ -171,6 +175,12 @@ class ResponseSettings:
             )
         _text(self, "alerts_file", optional=True)
         _flag(self, "summary_on_fit_end")
+        _count(self, "halt_after", 1)
+        if self.halt_after > HALT_WINDOW:
+            raise ValueError(
+                f"Expected argument `halt_after` to be at most {HALT_WINDOW} (the checks it counts over), but got"
+                f" {self.halt_after!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -271,6 +281,12 @@ class MonitorSettings:
                 out[f.name] = value
         out.pop("token_accuracy_fn")  # a function: not a plain value, and not needed to read a run back
         return out
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """Every setting by its argument's name, as checked (alert kinds as :class:`~lightning_monitor.AlertKind`)."""
+        for group in (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery):
+            for f in fields(group):
+                yield f.name, getattr(group, f.name)
 
     def get(self, name: str) -> Any:
         """The setting of argument ``name``.

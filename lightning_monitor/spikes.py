@@ -212,6 +212,11 @@ class SpikeDetector:
             reason += f" for {self.patience} steps in a row"
         return Detection(self.kind, value, limit, reason)
 
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure was an outlier (whether or not it completed ``patience``)."""
+        return self.outlier
+
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
         return {

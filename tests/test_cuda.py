@@ -4,7 +4,7 @@ The monitor's default there is ``host_sync="deferred"`` (``"auto"``); the tests 
 step path ask for ``host_sync="step"``, and the deferred ones (at the end) for the default.
 
 Skipped without a CUDA device (CI has none). The CPU suite pins the same behaviour with a CPU ``GradScaler`` and
-:class:`~lightning_monitor.sync_count.HostSyncCounter`; here ``precision="16-mixed"`` makes Lightning build its
+:class:`~sync_count.HostSyncCounter`; here ``precision="16-mixed"`` makes Lightning build its
 CUDA ``GradScaler`` itself, and ``torch.cuda.set_sync_debug_mode("warn")`` reports every real synchronisation.
 """
 

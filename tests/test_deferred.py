@@ -20,7 +20,7 @@ from test_syncs import ProgressBarLoss, count_syncs
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor.halting import StepGuard
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
 from lightning_monitor.grad_norms import LayerGradNorms
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 V, T = 5, 6  # a batch of 2 sequences holds 12 tokens out of 5: some token is always there twice
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 
 class TinyGPT(nn.Module):

@@ -24,7 +24,7 @@ from lightning_monitor import Alert, AlertKind, TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.history import HISTORY_FILE, RunHistory
 from lightning_monitor.report import RunAlert, detect_keys, load_run, plan_run, summarize_run
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 LR0, GAMMA, EVERY = 2.0**-3, 0.5, 2  # StepLR(step_size=EVERY, gamma=GAMMA) stepped after every optimizer step
 NAN_AT = 6

@@ -507,7 +507,7 @@ def test_recovery_is_off_by_default():
 
 
 def test_keeping_a_state_makes_no_host_sync():
-    from lightning_monitor.sync_count import HostSyncCounter
+    from sync_count import HostSyncCounter
 
     model, opt, scheduler = _adam_run()
     _train(model, opt, scheduler, 1)

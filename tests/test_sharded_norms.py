@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_monitor._host import gather_ranks
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 WORLD = 2
 RTOL = 1e-5

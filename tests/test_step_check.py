@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from lightning_monitor.alerts import AlertKind
-from lightning_monitor.checks import HELD_STEPS_AT_MOST, OptimizerCheck, StepDetectors
+from lightning_monitor.checks import HELD_STEPS_AT_MOST, OptimizerCheck
+from lightning_monitor.judging import StepDetectors
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector
 from lightning_monitor.grad_norms import LayerGradNorms
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 
 def make_check(model: nn.Module) -> OptimizerCheck:

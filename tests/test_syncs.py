@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import grad_norm
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 
 
 def count_syncs(callback: pl.Callback, counter: HostSyncCounter, per_step: Counter, hooks=STEP_HOOKS) -> None:

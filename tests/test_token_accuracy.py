@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from helpers import free_port
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_monitor.sync_count import HostSyncCounter
+from sync_count import HostSyncCounter
 from lightning_monitor.token_accuracy import TokenAccuracy, token_accuracy_counts
 from lightning_monitor.token_tracker import HOLD_AT_MOST, TokenAccuracyTracker
 

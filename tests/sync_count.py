@@ -9,7 +9,8 @@ CPU can pin how many synchronisations a piece of code would make on a GPU (where
 
 A host copy made without blocking (``non_blocking=True`` into pinned memory, then waited for on its CUDA event
 once the device is past it) is read without a sync: :func:`mark_host_copy` registers such a copy, and the counter
-leaves its reads out.
+leaves its reads out. While it counts, the counter registers every copy that the monitor's deferred reads make
+(:func:`lightning_monitor.deferred.copy_to_host`), so the package itself knows nothing of this instrument.
 
 It does not see blocking copies from the host to the device (``torch.tensor(values, device="cuda")``,
 ``cpu_tensor.to("cuda")``), which on CUDA wait for the queued kernels too: on the CPU they are no copies at all.
@@ -28,6 +29,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_monitor import deferred
 
 __all__ = ["HostSyncCounter", "mark_host_copy"]
 
@@ -101,6 +104,8 @@ class HostSyncCounter:
     def __enter__(self) -> HostSyncCounter:
         if self._modes:
             raise RuntimeError("This HostSyncCounter is already counting: it cannot be entered again until it exits.")
+        self._copier = deferred.copy_to_host
+        deferred.copy_to_host = _marking(self._copier)
         self._modes = [_FunctionCounter(self), _DispatchCounter(self)]
         for mode in self._modes:
             mode.__enter__()
@@ -112,6 +117,18 @@ class HostSyncCounter:
         for mode in reversed(self._modes):
             mode.__exit__(exc_type, exc, tb)
         self._modes = []
+        deferred.copy_to_host = self._copier
+
+
+def _marking(copier: Callable[[Tensor], tuple[Tensor, Any]]) -> Callable[[Tensor], tuple[Tensor, Any]]:
+    """``copier``, with its host copy registered as made without blocking (see :func:`mark_host_copy`)."""
+
+    def copy(world: Tensor) -> tuple[Tensor, Any]:
+        host, ready = copier(world)
+        # Pinned and non-blocking on CUDA, a clone on the CPU: no wait. Elsewhere the copy blocks, and counts.
+        return (mark_host_copy(host) if world.device.type in ("cuda", "cpu") else host), ready
+
+    return copy
 
 
 class _FunctionCounter(TorchFunctionMode):

@@ -1,0 +1,294 @@
+"""Every sentence of an alert: what happened, where, what was done about it, and what to try.
+
+The decision (:mod:`~lightning_monitor.decision`) says what happens; this module says it, and nothing else builds an
+alert's text. A message never says more than happened: what the device guard did with a deferred step is an
+:class:`OnDevice` value read back with the step's figures, not a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lightning_monitor._host import fsum
+from lightning_monitor.alerts import Alert, AlertKind, format_value
+from lightning_monitor.decision import HALT_WINDOW, Ruling, Rung
+from lightning_monitor.deferred import OnDevice
+
+if TYPE_CHECKING:
+    from lightning_monitor.recovery import RecoveryRecord
+
+__all__ = [
+    "ADVICE",
+    "AlertContext",
+    "alert_message",
+    "blame",
+    "first_bad_module",
+    "make_alert",
+    "recovered_alert",
+    "what_was_done",
+]
+
+#: What to try first, per kind. Alert messages end with this advice.
+ADVICE: dict[AlertKind, str] = {
+    AlertKind.NONFINITE_LOSS: (
+        "Check the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over fp16 "
+        "if activations overflow."
+    ),
+    AlertKind.NONFINITE_GRAD: (
+        "Lower the learning rate, set `gradient_clip_val` (e.g. 1.0), and look for a division by zero, log(0) "
+        "or sqrt(0) in the loss; under fp16 AMP consider bf16."
+    ),
+    AlertKind.EXPLODING_GRAD: (
+        "Lower the learning rate or lengthen the warm-up, set `gradient_clip_val` (e.g. 1.0), and check the "
+        "initialisation of the layers named above."
+    ),
+    AlertKind.VANISHING_GRAD: (
+        "Raise the learning rate, check that the loss depends on the parameters (frozen layers, detached "
+        "tensors), and check the initialisation and normalisation layers."
+    ),
+    AlertKind.DIVERGING_VAL_LOSS: (
+        "The model is over-fitting or the learning rate is too high for this stage: restore the best "
+        "checkpoint, lower the learning rate or add regularisation."
+    ),
+    AlertKind.LOSS_SPIKE: (
+        "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and look for bad "
+        "or duplicated data in the batch (`postmortem='alert'` saves it)."
+    ),
+    AlertKind.GRAD_SPIKE: (
+        "Clip gradients (`gradient_clip_val`), lower the learning rate, and check the layers named above; spikes "
+        "that grow from step to step often precede a divergence."
+    ),
+    AlertKind.TOKEN_ACC_STALL: (
+        "Compare the validation data with the training data (a shift?), look at which tokens are wrong, and "
+        "consider stopping at the best-accuracy checkpoint."
+    ),
+    AlertKind.RECOVERED: (
+        "Look at the skipped batches (`postmortem='alert'` saves them); if recoveries recur, lower the learning "
+        "rate or lengthen the warm-up."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class AlertContext:
+    """Where and when an alert was seen, and what acting on it did: everything its message says besides the rule.
+
+    Attributes:
+        at: The step Lightning logs at (``_batches_that_stepped``), which the alert carries.
+        epoch: The epoch of that step.
+        optimizer_index: The optimizer's index when the run has several, else ``None``.
+        lr: The learning rate of the optimizer checked, or ``None``.
+        lr_words: The learning rate in words (``", lr 0.001"``), or ``""``.
+        rank: The rank it can be traced to, and how in words, or ``None``.
+        blame: The sentences that name the layers behind it, or ``""``.
+        skipped: Whether the step's update was kept from the weights by the host guard.
+        exact: Whether that skip changed nothing at all (``False``: the optimizer moved the weights before it
+            evaluated its closure, so the step ran with zeroed gradients instead).
+        covered: Optimizer steps covered by the check.
+        every: ``check_every_n_steps``.
+        on_device: What the device did with a deferred check's step, or ``None`` (read before the step).
+        weights_ok: Whether every weight is finite (read only where a step may have been applied unchecked).
+        bundle: The post-mortem folder, or ``None``.
+        halt_mode: ``"stop"`` or ``"raise"``.
+        halt_after: The ladder's ``halt_after``, quoted on its rungs.
+    """
+
+    at: int
+    epoch: int
+    optimizer_index: int | None = None
+    lr: float | None = None
+    lr_words: str = ""
+    rank: tuple[int, str] | None = None
+    blame: str = ""
+    skipped: bool = False
+    exact: bool = True
+    covered: int = 1
+    every: int = 1
+    on_device: OnDevice | None = None
+    weights_ok: bool = True
+    bundle: Path | None = None
+    halt_mode: str = "stop"
+    halt_after: int = 3
+
+
+def make_alert(ruling: Ruling, context: AlertContext) -> Alert:
+    """The alert of one ruling, with its whole message.
+
+    Example:
+        >>> from lightning_monitor.alerts import Detection
+        >>> nan = Detection(AlertKind.NONFINITE_LOSS, float("nan"), None, "training loss is nan")
+        >>> alert = make_alert(Ruling(nan, Rung.SKIP, 1), AlertContext(at=4, epoch=0, skipped=True))
+        >>> print(alert.message)  # doctest: +NORMALIZE_WHITESPACE
+        Training loss is nan at step 4 (epoch 0). The optimizer step was skipped, so the weights are unchanged.
+        Training goes on: an isolated bad step is skipped, and 3 of the last 16 checks halt (halt_after=3). Check
+        the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over fp16 if
+        activations overflow.
+    """
+    detection = ruling.detection
+    return Alert(
+        kind=detection.kind,
+        step=context.at,
+        epoch=context.epoch,
+        value=detection.value,
+        threshold=detection.threshold,
+        message=alert_message(ruling, context),
+        halted=ruling.rung is Rung.HALT,
+        rank=None if context.rank is None else context.rank[0],
+        lr=context.lr,
+    )
+
+
+def alert_message(ruling: Ruling, context: AlertContext) -> str:
+    """An alert's message: the rule and the figure, where, the layers, what was done, the rung, the advice."""
+    detection, after = ruling.detection, context.halt_after
+    where = f" at step {context.at} (epoch {context.epoch})"
+    if context.optimizer_index is not None:
+        where += f" for optimizer {context.optimizer_index}"
+    if context.rank is not None:
+        where += f", {context.rank[1]}"
+    where += context.lr_words
+    done = _what_was_done(context)
+    if ruling.rung is Rung.HALT:
+        step = "Training is halting." if context.halt_mode == "stop" else "Raising TrainingHalted."
+        if ruling.recurrences and after > 1:
+            step = f"It came back at {ruling.recurrences} of the last {HALT_WINDOW} checks (halt_after={after}): {step}"
+        rung_words = step
+    elif ruling.rung is Rung.SKIP:
+        rung_words = (
+            f"Training goes on: an isolated bad step is skipped, and {after} of the last {HALT_WINDOW} checks halt"
+            f" (halt_after={after})."
+        )
+    else:
+        rung_words = ""
+    action = " ".join(part for part in (done, rung_words) if part)
+    reason = detection.reason[:1].upper() + detection.reason[1:]
+    message = f"{reason}{where}.{context.blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
+    if context.bundle is not None:
+        message += f" Post-mortem bundle: {context.bundle}"
+    return message
+
+
+def _what_was_done(context: AlertContext) -> str:
+    """What happened to the checked step's update, in words: never more than happened."""
+    covered, every = context.covered, context.every
+    if context.on_device is not None:
+        done = what_was_done(context.on_device, covered, every)
+    elif context.skipped and not context.exact:
+        done = (
+            "The optimizer changed the weights before it evaluated its closure, so the step could not be skipped"
+            " exactly: it ran with zeroed gradients (momentum and weight decay, if any, still applied)."
+        )
+    elif context.skipped and covered > 1:
+        done = (
+            f"This optimizer step was skipped, but the {covered - 1} before it since the last check"
+            f" (check_every_n_steps={every}) were applied unchecked."
+        )
+    elif context.skipped:
+        done = "The optimizer step was skipped, so the weights are unchanged."
+    elif covered > 1:
+        done = (
+            f"This check covers the last {covered} optimizer steps (check_every_n_steps={every}): the ones before"
+            " this step were applied unchecked."
+        )
+    else:
+        done = ""
+    if not context.weights_ok:
+        done += " The weights are not finite (a step applied unchecked made them so): no checkpoint of them is kept."
+    return done
+
+
+def what_was_done(on_device: OnDevice, covered: int, every: int) -> str:
+    """What happened to the optimizer step of a deferred check, in words: never more than happened.
+
+    Example:
+        >>> what_was_done(OnDevice.SKIPPED, 1, 1)
+        'The optimizer step was skipped (training had halted), so the weights are unchanged.'
+    """
+    if on_device is OnDevice.SKIPPED:
+        done = "The optimizer step was skipped (training had halted), so the weights are unchanged."
+    elif on_device is OnDevice.FUSED:
+        done = (
+            "The optimizer step was skipped on the device (the fused optimizer got it as found_inf), so the weights"
+            " are unchanged."
+        )
+    elif on_device is OnDevice.ZEROED:
+        done = (
+            "Its gradients were replaced by zeros on the device before the optimizer step: the weights stay finite,"
+            " but the optimizer's momentum and weight decay, if it has them, still applied."
+        )
+    else:
+        done = "The optimizer step was applied: with host_sync='deferred' a check is read one step later."
+    if covered > 1:
+        done += f" The {covered - 1} steps before it since the last check (check_every_n_steps={every}) were applied."
+    return done
+
+
+def blame(
+    kind: AlertKind,
+    names: Sequence[str],
+    layer_sq: Sequence[float],
+    held_peak: bool,
+    order: Callable[[list[str]], list[str]] | None = None,
+) -> str:
+    """Name the layers behind a gradient or loss alert, from the per-layer norms already computed.
+
+    Args:
+        kind: The alert's kind.
+        names: The layers' names.
+        layer_sq: Their squared norms at the check.
+        held_peak: Whether the figure alerted on came from a step held between checks (its layers not kept).
+        order: Sorts layer names into forward order, where it is known (non-finite layers are named in it).
+
+    Example:
+        >>> blame(AlertKind.EXPLODING_GRAD, ["a", "b"], [9.0, 1.0], held_peak=False)
+        ' Largest layers (norm, share of squared total): a 3 (90%), b 1 (10%).'
+    """
+    if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
+        return ""
+    if kind is AlertKind.EXPLODING_GRAD and held_peak:
+        return " It came from a step between checks, whose per-layer norms are not kept."
+    bad = [n for n, sq in zip(names, layer_sq, strict=True) if not math.isfinite(sq)]
+    if bad:
+        bad = order(bad) if order is not None else bad
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        return f" Non-finite gradients in {len(bad)} layer(s), in forward order: {shown}."
+    total = fsum(layer_sq)
+    if total <= 0 or kind is AlertKind.NONFINITE_LOSS:
+        return ""
+    top = sorted(zip(names, layer_sq, strict=True), key=lambda x: -x[1])[:3]
+    shares = ", ".join(f"{n} {format_value(math.sqrt(sq))} ({sq / total:.0%})" for n, sq in top)
+    return f" Largest layers (norm, share of squared total): {shares}."
+
+
+def first_bad_module(kind: AlertKind, module: str | None) -> str:
+    """The sentence naming the first module whose output was not finite, for a non-finite alert (else ``""``)."""
+    if module is None or kind not in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+        return ""
+    return f" The first module whose output was not finite, in forward order: {module}."
+
+
+def recovered_alert(record: RecoveryRecord, at: int, epoch: int) -> Alert:
+    """The ``recovered`` alert of a recovery: what was restored, from which step, how many batches were skipped.
+
+    Example:
+        >>> from lightning_monitor.recovery import RecoveryRecord
+        >>> record = RecoveryRecord(AlertKind.LOSS_SPIKE, 40, 30, 11, 0, "weights and optimizer states")
+        >>> print(recovered_alert(record, 41, 0).message)  # doctest: +ELLIPSIS
+        Recovered from loss_spike at step 40: restored the weights and optimizer states kept at step 30 (before its
+        update), leaving out the updates of 11 batch(es): the 11 of steps 30 to 40; the next batch was no outlier...
+    """
+    later = (
+        f", and {record.skipped_after} later batch(es) that were still outliers"
+        if record.skipped_after
+        else "; the next batch was no outlier"
+    )
+    message = (
+        f"Recovered from {record.kind.value} at step {record.at}: restored the {record.restored} kept at step "
+        f"{record.kept_step} (before its update), leaving out the updates of {record.skipped} batch(es): the "
+        f"{record.lost} of steps {record.kept_step} to {record.at}{later}. {ADVICE[AlertKind.RECOVERED]}"
+    )
+    return Alert(AlertKind.RECOVERED, at, epoch, float(record.skipped), None, message)

@@ -1,0 +1,147 @@
+"""The write stage: where figures and alerts go — loggers, ``callback_metrics``, console, JSON lines, the history.
+
+:class:`RunWriter` owns the run's folder and every sink. Every rank calls it alike (so the folder is resolved on every
+rank, and ``callback_metrics`` agree); only global rank zero writes files and talks to the loggers. It never
+decides anything and never reads a device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_monitor._compat import rank_zero_info
+from lightning_monitor._lightning import logging_step, mirror_callback_metrics
+from lightning_monitor.alerts import Alert
+from lightning_monitor.history import HISTORY_FILE, RunHistory
+from lightning_monitor.run_folder import run_folder
+from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["RECENT_CHECKS", "RunWriter"]
+
+#: How many checks the post-mortem bundle's history keeps.
+RECENT_CHECKS = 256
+
+
+class RunWriter:
+    """Write a run's figures and alerts to every sink, and keep the run's folder.
+
+    Args:
+        alerts_file: File name of the JSON-lines alert log in the run's folder, or ``None``.
+
+    Attributes:
+        log_dir: The run's folder (every rank knows it).
+        history: The run's compact history (``monitor_history.jsonl``), for the report.
+        recent: ``(step, epoch, figures)`` of the last checks, for a post-mortem bundle.
+    """
+
+    def __init__(self, alerts_file: str | None) -> None:
+        self.alerts_file = alerts_file
+        self.log_dir = Path(".")
+        self.history = RunHistory()
+        self.recent: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=RECENT_CHECKS)
+        self._console = ConsoleSink()
+        self._loggers = LoggerSink([])
+        self._jsonl: JsonlSink | None = None
+
+    def begin(self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False) -> None:
+        """Start a run: its folder (joined by every rank), its sinks, a fresh history; rank zero writes the settings.
+
+        With ``carry_on`` (the same trainer fitted again) the folder is the one it had.
+        """
+        if not carry_on:
+            self.log_dir = run_folder(trainer)
+        log_dir = self.log_dir
+        self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file else None
+        self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
+        self.recent.clear()
+        self.history.begin(log_dir / HISTORY_FILE if trainer.is_global_zero else None)
+        if trainer.is_global_zero:
+            write_settings(log_dir / SETTINGS_FILE, settings)
+            self._loggers.add_layout()
+            self.add_files([log_dir / SETTINGS_FILE])
+
+    def set_earlier_alerts_aside(self, trainer: pl.Trainer) -> None:
+        """For a run that starts afresh: move the alerts file (and history) an earlier run left in the folder aside."""
+        self.history.set_aside()
+        if self._jsonl is None or not trainer.is_global_zero:
+            return
+        aside = self._jsonl.set_aside()
+        if aside is not None:
+            rank_zero_info(
+                f"TrainingMonitor moved the alerts of an earlier run in {str(self.log_dir)!r} to {aside.name}."
+            )
+
+    def figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
+        """Write host figures to every logger (rank zero) and to ``trainer.callback_metrics`` (every rank)."""
+        at = logging_step(trainer) if step is None else step
+        mirror_callback_metrics(trainer, figures)
+        self.history.add(at, trainer.current_epoch, figures)
+        if trainer.is_global_zero:
+            self._loggers.log_figures(figures, at)
+
+    def check(
+        self, trainer: pl.Trainer, at: int, epoch: int, latest: dict[str, float], *, logs: bool, alert: bool
+    ) -> None:
+        """Keep a check's figures for a bundle, and in the history on logging steps and alerts."""
+        self.recent.append((at, epoch, latest))
+        self.history.record_step(trainer, at, latest, logs=logs, alert=alert)
+
+    def alert(self, trainer: pl.Trainer, alert: Alert, count: int, index: int) -> None:
+        """On rank zero: write ``alert`` to the console, every logger and the JSON-lines file.
+
+        Args:
+            trainer: The trainer.
+            alert: The alert.
+            count: Alerts of its kind so far in the run, this one included.
+            index: Alerts so far in the run, this one included.
+        """
+        if not trainer.is_global_zero:
+            return
+        self._console.write(alert)
+        self._loggers.write(alert, alert.step, count, index)
+        if self._jsonl is not None:
+            self._jsonl.write(alert)
+            self.add_files([self._jsonl.path])
+
+    def recent_records(self) -> Iterator[dict[str, Any]]:
+        """The last checks' figures, each with its step and epoch, oldest first (a bundle's history)."""
+        return ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self.recent)
+
+    def add_files(self, paths: Sequence[Path]) -> None:
+        """Make the files among ``paths`` that were written part of every W&B and MLflow run (rank zero)."""
+        self._loggers.add_files([path for path in paths if path.is_file()])
+
+    def bundle_written(self, trainer: pl.Trainer, folder: Path) -> None:
+        """Hand a bundle's files to W&B and MLflow (rank zero)."""
+        if trainer.is_global_zero:
+            self.add_files(sorted(folder.rglob("*")))
+            self._loggers.sync()
+
+    def sync(self, trainer: pl.Trainer) -> None:
+        """Bring the W&B and MLflow runs' copies of the files up to date (rank zero)."""
+        if trainer.is_global_zero:
+            self._loggers.sync()
+
+    def summary(self, trainer: pl.Trainer) -> None:
+        """Print the health summary of ``lightning-monitor report`` for this run (rank zero)."""
+        if not trainer.is_global_zero:
+            return
+        from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
+
+        for logger in trainer.loggers:  # Lightning finalizes loggers only after `on_fit_end`: flush what they hold
+            logger.save()
+        try:
+            summary = summarize_run(load_run(self.log_dir))
+        except (OSError, ValueError) as err:
+            summary = f"no summary: {err}"
+        rank_zero_info(f"lightning-monitor summary of {self.log_dir}\n{summary}")
+
+    def close(self) -> None:
+        """At the end of training, or on an exception: write what the history holds."""
+        self.history.flush()
