@@ -23,9 +23,12 @@ Command                                             What the monitor does
                                                     norm jumps to ~1e6 at step 3, the step is skipped and
                                                     training halts
 ``--inject-nan-at 40``                              ``nonfinite_loss`` at step 40 (the loss is multiplied by NaN):
-                                                    the step is skipped, training halts, the weights stay finite
-``--inject-nan-at 40 --halt-mode raise``            the same, but ``trainer.fit`` raises ``TrainingHalted``
-``--inject-nan-at 40 --observe-only``               the alert only (``halt_on=[]``); the NaN step is still
+                                                    an isolated bad step, skipped, and training goes on
+``--inject-nan-at 40 --nan-steps 5``                NaN from step 40 on: steps 40 and 41 are skipped, the third in
+                                                    a row halts training (``halt_after=3``), weights stay finite
+``--inject-nan-at 40 --halt-after 1``               the first NaN halts training
+``--inject-nan-at 40 --nan-steps 5 --halt-mode raise``  the same, but ``trainer.fit`` raises ``TrainingHalted``
+``--inject-nan-at 40 --nan-steps 5 --observe-only``  the alert only (``halt_on=[]``); the NaN steps are still
                                                     skipped and training carries on
 ``--inject-spike-at 100``                           ``loss_spike`` at step 100 (the loss is scaled by
                                                     ``--spike-factor`` 10 for ``--spike-steps`` 1 step), no halt.
@@ -196,6 +199,7 @@ class TinyLM(pl.LightningModule):
         val_batches: int = 8,
         seed: int = 0,
         inject_nan_at: int | None = None,
+        nan_steps: int = 1,
         inject_spike_at: int | None = None,
         spike_factor: float = 10.0,
         spike_steps: int = 1,
@@ -243,7 +247,7 @@ class TinyLM(pl.LightningModule):
     def _provoke(self, loss: Tensor) -> Tensor:
         """Make the loss NaN, or scale it, at the optimizer steps chosen on the command line."""
         hp, step = self.hparams, self.global_step
-        if hp.inject_nan_at is not None and step == hp.inject_nan_at:
+        if hp.inject_nan_at is not None and hp.inject_nan_at <= step < hp.inject_nan_at + hp.nan_steps:
             return loss * float("nan")
         if hp.inject_spike_at is not None and hp.inject_spike_at <= step < hp.inject_spike_at + hp.spike_steps:
             return loss * hp.spike_factor
@@ -305,6 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     provoke = parser.add_argument_group("provocations")
     provoke.add_argument("--inject-nan-at", type=int, default=None, metavar="STEP", help="make the loss NaN at STEP")
+    provoke.add_argument("--nan-steps", type=int, default=1, help="how many steps the NaN lasts")
     provoke.add_argument(
         "--inject-spike-at", type=int, default=None, metavar="STEP", help="scale the loss from STEP on"
     )
@@ -330,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     monitor.add_argument("--watch-activations", action="store_true", help="name the first module with NaN/Inf output")
     monitor.add_argument("--check-every", type=int, default=1, help="check_every_n_steps")
     monitor.add_argument("--halt-mode", choices=["stop", "raise"], default="stop")
+    monitor.add_argument(
+        "--halt-after", type=int, default=3, help="bad steps in the last 16 checks that halt (1: the first)"
+    )
     monitor.add_argument("--observe-only", action="store_true", help="report alerts but never halt (halt_on=[])")
     monitor.add_argument("--no-layer-norms", action="store_true", help="log only the total gradient norm")
     return parser.parse_args(argv)
@@ -359,6 +367,7 @@ def main(argv: list[str] | None = None) -> TrainingMonitor:
         val_batches=args.val_batches,
         seed=args.seed,
         inject_nan_at=args.inject_nan_at,
+        nan_steps=args.nan_steps,
         inject_spike_at=args.inject_spike_at,
         spike_factor=args.spike_factor,
         spike_steps=args.spike_steps,
@@ -374,6 +383,7 @@ def main(argv: list[str] | None = None) -> TrainingMonitor:
         watch_activations=args.watch_activations,
         check_every_n_steps=args.check_every,
         halt_mode=args.halt_mode,
+        halt_after=args.halt_after,
         layer_norms=not args.no_layer_norms,
         shift_labels=False,  # the targets are the next characters already, aligned with the logits
         halt_on=[] if args.observe_only else DEFAULT_HALT_ON,
@@ -415,23 +425,22 @@ def _report(monitor: TrainingMonitor, trainer: pl.Trainer, log_dir: Path) -> Non
     """Print where the logs are, every alert and why training stopped."""
     alerts_file = log_dir / "alerts.jsonl"
     spawned = not monitor.latest  # this process never trained: ddp_spawn ran the loop in worker processes
+    alerts, reason = monitor.alerts, monitor.stopping_reason
     if spawned and alerts_file.is_file():
         # The monitor that saw the alerts lived in the workers (and so did the trainer's step counter): read back the
         # alerts rank 0 wrote.
-        monitor.alerts = [Alert.from_dict(json.loads(line)) for line in alerts_file.read_text().splitlines()]
-        halting = next((a for a in monitor.alerts if a.halted), None)
-        if halting is not None:
-            monitor.stopping_reason, monitor.stopping_reason_message = halting.kind, halting.message
+        alerts = [Alert.from_dict(json.loads(line)) for line in alerts_file.read_text().splitlines()]
+        reason = next((a.kind for a in alerts if a.halted), None)
 
     metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss")}
     print(f"\nFinished{'' if spawned else f' at step {trainer.global_step}'}: {metrics}")
     print(f"Logs: {log_dir}  (tensorboard --logdir {log_dir.parent.parent})")
     print(f"  metrics.csv: {log_dir / 'metrics.csv'}")
     print(f"  alerts:      {alerts_file}" + ("" if alerts_file.is_file() else "  (none written)"))
-    print(f"Alerts: {len(monitor.alerts)}")
-    for alert in monitor.alerts:
+    print(f"Alerts: {len(alerts)}")
+    for alert in alerts:
         print(f"  [{alert.kind.value}] step {alert.step}{' (halted)' if alert.halted else ''}: {alert.message}")
-    print(f"Stopping reason: {monitor.stopping_reason.value if monitor.stopping_reason else None}")
+    print(f"Stopping reason: {reason.value if reason else None}")
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ from torch.optim import Optimizer
 from lightning_monitor._compat import FITTING, rank_zero_warn
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step
-from lightning_monitor.alerts import format_value, json_float
+from lightning_monitor.alerts import json_float
 from lightning_monitor.sinks import JsonlSink
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FLUSH_EVERY", "HISTORY_FILE", "RunHistory", "alert_learning_rate", "learning_rates"]
+__all__ = ["FLUSH_EVERY", "HISTORY_FILE", "RunHistory", "learning_rates"]
 
 #: File name of the history, in the monitor's run folder (the report reads it when the folder has no other metrics).
 HISTORY_FILE = "monitor_history.jsonl"
@@ -183,27 +183,6 @@ def learning_rates(optimizers: Sequence[Optimizer]) -> dict[str, float | Tensor]
         if not all(r is rates[0] or (_number(r) and _number(rates[0]) and r == rates[0]) for r in rates):
             out.update((f"{key}/pg{j}", r) for j, r in enumerate(copies, start=1))
     return out
-
-
-def alert_learning_rate(optimizer: Optimizer | None) -> tuple[float | None, str]:
-    """The first parameter group's learning rate at an alert, and its words for the message (``""`` without one).
-
-    Off the hot path: a tensor rate on a device is read here, once per alert.
-
-    Example:
-        >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=3e-4)
-        >>> alert_learning_rate(sgd)
-        (0.0003, ', learning rate 0.0003')
-    """
-    groups = [] if optimizer is None else [g for g in optimizer.param_groups if "lr" in g]
-    if not groups:
-        return None, ""
-    try:
-        lr = float(groups[0]["lr"])
-    except (TypeError, ValueError, RuntimeError):  # a rate that is not one number: say nothing rather than crash
-        return None, ""
-    several = f" (parameter group 1 of {len(groups)})" if len(groups) > 1 else ""
-    return lr, f", learning rate {format_value(lr)}{several}"
 
 
 def _number(value: object) -> bool:

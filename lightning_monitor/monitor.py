@@ -18,10 +18,10 @@ Where each figure is taken, and how the ranks agree, is in ``docs/design.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,17 +44,16 @@ from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, 
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind, Judgement
 from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
-from lightning_monitor.decision import Policy, RecoveryPlan, Ruling, StepFacts, Verdict, decide, decide_validation
+from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import StepGuard, keep_from_weights
-from lightning_monitor.history import alert_learning_rate
 from lightning_monitor.judging import StepDetectors, guard_limit, judge
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
-from lightning_monitor.wording import AlertContext, blame, first_bad_module, make_alert, recovered_alert
+from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
 from lightning_monitor.writer import RunWriter
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
@@ -290,9 +289,8 @@ class TrainingMonitor(Callback):
         self._state = RunState()
         self._guard = StepGuard()  # skips an optimizer step exactly, its gradients left in place
         self._warn = WarnOnce()
-        self._checks = OptimizerChecks(
-            lambda: StepDetectors.from_settings(config.step, config.spikes), on_new_optimizer=self._guard.install
-        )
+        detectors = functools.partial(StepDetectors.from_settings, config.step, config.spikes)
+        self._checks = OptimizerChecks(detectors, on_new_optimizer=self._guard.install)
         self._recovery = Recovery(config.recovery, CheckStatistics(self._checks))
         self._recovery.warn = self._warn
         self._writer = RunWriter(config.response.alerts_file)
@@ -380,7 +378,9 @@ class TrainingMonitor(Callback):
             self._step_check(trainer, pending, figures)
         record = self._recovery.finish()  # the record of a recovery still under way
         if record is not None:
-            self._emit(trainer, recovered_alert(record, logging_step(trainer), trainer.current_epoch))
+            alert = recovered_alert(record, logging_step(trainer), trainer.current_epoch)
+            self._state.alerts.append(alert)
+            self._writer.alerts(trainer, [alert], self._state.alerts)
         self._close_hooks()
 
     @override
@@ -507,15 +507,15 @@ class TrainingMonitor(Callback):
             halt_mode=self.config.response.halt_mode,
             halt_after=self._policy.halt_after,
         )
-        alerts = [self._step_alert(r, context, check, figures, pending.optimizer, first_bad) for r in verdict.rulings]
+        order = None if self._checks.order is None else self._checks.order.sort
+        alerts = step_alerts(verdict.rulings, context, figures, check.norms.names, pending.optimizer, order, first_bad)
         halting = [a for a in alerts if a.halted]
         if verdict.finished is not None:  # a recovery that ended here: its record comes before this check's alerts
-            self._emit(trainer, recovered_alert(verdict.finished, logging_step(trainer), trainer.current_epoch))
-        for alert in alerts:
-            self._emit(trainer, alert)
-        if pending.logs or halting:  # a halting step logs its figures: Lightning logs there too (`should_stop`)
-            self._writer.figures(trainer, logged, pending.at)
-        self._writer.check(trainer, pending.at, pending.epoch, latest, logs=pending.logs, alert=bool(alerts))
+            alerts.insert(0, recovered_alert(verdict.finished, logging_step(trainer), trainer.current_epoch))
+        self._state.alerts += alerts
+        # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
+        self._writer.step(trainer, pending.at, pending.epoch, logged, latest, logs=pending.logs or bool(halting),
+                          alerts=alerts, run_alerts=self._state.alerts)  # fmt: skip
         if bundle is not None:
             skipped = "deferred" if pending.on_device is not None else verdict.skip
             step = {
@@ -541,35 +541,6 @@ class TrainingMonitor(Callback):
         beyond = any(kind in recovery.settings.recover_on for kind in judged.beyond)
         first = pending.check.index == 0
         return recovery.plan(list(judged.detections), beyond, figures.unsafe, pending.at, first)
-
-    def _step_alert(
-        self,
-        ruling: Ruling,
-        context: AlertContext,
-        check: OptimizerCheck,
-        figures: StepFigures,
-        optimizer: Optimizer,
-        first_bad: str | None,
-    ) -> Alert:
-        """Word one ruling of a training-step check: its rank, its layers, its learning rate."""
-        kind = ruling.detection.kind
-        lr, lr_words = alert_learning_rate(optimizer)
-        order = self._checks.order
-        layers = blame(
-            kind,
-            check.norms.names,
-            figures.layer_sq,
-            held_peak=figures.grad_peak != figures.grad_norm,
-            order=None if order is None else order.sort,
-        )
-        context = replace(
-            context,
-            lr=lr,
-            lr_words=lr_words,
-            rank=figures.attribution(kind),
-            blame=layers + first_bad_module(kind, first_bad),
-        )
-        return make_alert(ruling, context)
 
     # ------------------------------------------------------------------------------------------------ token counts
 
@@ -655,20 +626,17 @@ class TrainingMonitor(Callback):
         at, epoch = logging_step(trainer), trainer.current_epoch
         bundle = self._open_bundle(trainer, verdict, at)
         weights_ok = bundle is None or weights_finite(trainer)
-        lr, lr_words = alert_learning_rate(next(iter(trainer.optimizers), None))
         context = AlertContext(
             at=at,
             epoch=epoch,
-            lr=lr,
-            lr_words=lr_words,
             weights_ok=weights_ok,
             bundle=bundle,
             halt_mode=self.config.response.halt_mode,
             halt_after=self._policy.halt_after,
         )
-        alerts = [make_alert(ruling, context) for ruling in verdict.rulings]
-        for alert in alerts:
-            self._emit(trainer, alert)
+        alerts = validation_alerts(verdict.rulings, context, next(iter(trainer.optimizers), None))
+        self._state.alerts += alerts
+        self._writer.alerts(trainer, alerts, self._state.alerts)
         halting = [a for a in alerts if a.halted]
         if bundle is not None:
             step = {"batches": [], "halted": bool(halting), "skipped": None, "covered": 1, "weights_ok": weights_ok}
@@ -689,11 +657,6 @@ class TrainingMonitor(Callback):
         """Write the bundle on every rank, and hand its files to W&B and MLflow."""
         save_bundle(trainer, folder, step, self._writer.recent_records(), self._state.alerts, cause, self._warn)
         self._writer.bundle_written(trainer, folder)
-
-    def _emit(self, trainer: pl.Trainer, alert: Alert) -> None:
-        """Keep the alert in the run's state; on rank zero, write it to every sink."""
-        count, index = self._state.add(alert)
-        self._writer.alert(trainer, alert, count, index)
 
     def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
         """Halt on this rank: every rank reaches this call at the same step with the same alert."""

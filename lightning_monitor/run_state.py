@@ -27,8 +27,7 @@ class RunState:
     Example:
         >>> from lightning_monitor.alerts import AlertKind
         >>> state = RunState()
-        >>> state.add(Alert(AlertKind.NONFINITE_LOSS, 3, 0, float("nan"), None, "training loss is nan", halted=True))
-        (1, 1)
+        >>> state.alerts.append(Alert(AlertKind.NONFINITE_LOSS, 3, 0, float("nan"), None, "training loss is nan"))
         >>> restored = RunState()
         >>> restored.load_state_dict(state.state_dict())
         >>> len(restored.alerts), restored.stopping_reason  # a resumed run has not halted
@@ -49,11 +48,6 @@ class RunState:
     def begin(self) -> None:
         """A run (or the same trainer's again) begins: it has not halted."""
         self.stopping_reason, self.stopping_reason_message = None, None
-
-    def add(self, alert: Alert) -> tuple[int, int]:
-        """Keep ``alert``; return how many of its kind, and how many in all, the run has had (it included)."""
-        self.alerts.append(alert)
-        return sum(a.kind is alert.kind for a in self.alerts), len(self.alerts)
 
     def halt(self, alert: Alert) -> None:
         """Record a halt: the first of the run is its reason."""

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from torch.optim import Optimizer
 
 from lightning_monitor._host import fsum
 from lightning_monitor.alerts import Alert, AlertKind, format_value
 from lightning_monitor.decision import HALT_WINDOW, Ruling, Rung
 from lightning_monitor.deferred import OnDevice
+from lightning_monitor.step_figures import StepFigures
 
 if TYPE_CHECKING:
     from lightning_monitor.recovery import RecoveryRecord
@@ -26,9 +29,11 @@ __all__ = [
     "AlertContext",
     "alert_message",
     "blame",
-    "first_bad_module",
+    "learning_rate_words",
     "make_alert",
     "recovered_alert",
+    "step_alerts",
+    "validation_alerts",
     "what_was_done",
 ]
 
@@ -113,6 +118,51 @@ class AlertContext:
     bundle: Path | None = None
     halt_mode: str = "stop"
     halt_after: int = 3
+
+
+def step_alerts(
+    rulings: Sequence[Ruling],
+    context: AlertContext,
+    figures: StepFigures,
+    names: Sequence[str],
+    optimizer: Optimizer,
+    order: Callable[[list[str]], list[str]] | None = None,
+    first_bad: str | None = None,
+) -> list[Alert]:
+    """The alerts of a training-step check's rulings: each with its rank, its layers and the learning rate.
+
+    Args:
+        rulings: The verdict's rulings.
+        context: Where, when, and what acting on the step did.
+        figures: The check's figures (the per-layer norms to blame, every rank's figures to trace a rank).
+        names: The layers' names, in the order of ``figures.layer_sq``.
+        optimizer: The optimizer checked (its learning rate).
+        order: Sorts layer names into forward order, where it is known.
+        first_bad: The first module whose output was not finite, when activations are watched.
+    """
+    if not rulings:
+        return []
+    lr, lr_words = learning_rate_words(optimizer)
+    held_peak = figures.grad_peak != figures.grad_norm
+    alerts = []
+    for ruling in rulings:
+        kind = ruling.detection.kind
+        layers = blame(kind, names, figures.layer_sq, held_peak=held_peak, order=order)
+        blamed = replace(
+            context,
+            lr=lr,
+            lr_words=lr_words,
+            rank=figures.attribution(kind),
+            blame=layers + _first_bad(kind, first_bad),
+        )
+        alerts.append(make_alert(ruling, blamed))
+    return alerts
+
+
+def validation_alerts(rulings: Sequence[Ruling], context: AlertContext, optimizer: Optimizer | None) -> list[Alert]:
+    """The alerts of a validation run's rulings (the learning rate is the first optimizer's)."""
+    lr, lr_words = learning_rate_words(optimizer)
+    return [make_alert(ruling, replace(context, lr=lr, lr_words=lr_words)) for ruling in rulings]
 
 
 def make_alert(ruling: Ruling, context: AlertContext) -> Alert:
@@ -264,7 +314,7 @@ def blame(
     return f" Largest layers (norm, share of squared total): {shares}."
 
 
-def first_bad_module(kind: AlertKind, module: str | None) -> str:
+def _first_bad(kind: AlertKind, module: str | None) -> str:
     """The sentence naming the first module whose output was not finite, for a non-finite alert (else ``""``)."""
     if module is None or kind not in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
         return ""
@@ -277,7 +327,7 @@ def recovered_alert(record: RecoveryRecord, at: int, epoch: int) -> Alert:
     Example:
         >>> from lightning_monitor.recovery import RecoveryRecord
         >>> record = RecoveryRecord(AlertKind.LOSS_SPIKE, 40, 30, 11, 0, "weights and optimizer states")
-        >>> print(recovered_alert(record, 41, 0).message)  # doctest: +ELLIPSIS
+        >>> print(recovered_alert(record, 41, 0).message)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
         Recovered from loss_spike at step 40: restored the weights and optimizer states kept at step 30 (before its
         update), leaving out the updates of 11 batch(es): the 11 of steps 30 to 40; the next batch was no outlier...
     """
@@ -292,3 +342,24 @@ def recovered_alert(record: RecoveryRecord, at: int, epoch: int) -> Alert:
         f"{record.lost} of steps {record.kept_step} to {record.at}{later}. {ADVICE[AlertKind.RECOVERED]}"
     )
     return Alert(AlertKind.RECOVERED, at, epoch, float(record.skipped), None, message)
+
+
+def learning_rate_words(optimizer: Optimizer | None) -> tuple[float | None, str]:
+    """The first parameter group's learning rate at an alert, and its words for the message (``""`` without one).
+
+    Off the hot path: a tensor rate on a device is read here, once per alert.
+
+    Example:
+        >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=3e-4)
+        >>> learning_rate_words(sgd)
+        (0.0003, ', learning rate 0.0003')
+    """
+    groups = [] if optimizer is None else [g for g in optimizer.param_groups if "lr" in g]
+    if not groups:
+        return None, ""
+    try:
+        lr = float(groups[0]["lr"])
+    except (TypeError, ValueError, RuntimeError):  # a rate that is not one number: say nothing rather than crash
+        return None, ""
+    several = f" (parameter group 1 of {len(groups)})" if len(groups) > 1 else ""
+    return lr, f", learning rate {format_value(lr)}{several}"

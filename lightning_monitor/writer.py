@@ -85,28 +85,51 @@ class RunWriter:
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, at)
 
-    def check(
-        self, trainer: pl.Trainer, at: int, epoch: int, latest: dict[str, float], *, logs: bool, alert: bool
+    def step(
+        self,
+        trainer: pl.Trainer,
+        at: int,
+        epoch: int,
+        logged: dict[str, float],
+        latest: dict[str, float],
+        *,
+        logs: bool,
+        alerts: Sequence[Alert],
+        run_alerts: Sequence[Alert],
     ) -> None:
-        """Keep a check's figures for a bundle, and in the history on logging steps and alerts."""
-        self.recent.append((at, epoch, latest))
-        self.history.record_step(trainer, at, latest, logs=logs, alert=alert)
-
-    def alert(self, trainer: pl.Trainer, alert: Alert, count: int, index: int) -> None:
-        """On rank zero: write ``alert`` to the console, every logger and the JSON-lines file.
+        """Write one training-step check: its alerts, its figures where it logs, and its record.
 
         Args:
             trainer: The trainer.
-            alert: The alert.
-            count: Alerts of its kind so far in the run, this one included.
-            index: Alerts so far in the run, this one included.
+            at: The step the check's figures are logged at.
+            epoch: The epoch of that step.
+            logged: The figures to log.
+            latest: The check's figures as kept in the history and a bundle's.
+            logs: Whether the figures are written to the loggers at this step.
+            alerts: The check's alerts, in order.
+            run_alerts: Every alert of the run so far, these included (the counts per kind start from them).
         """
-        if not trainer.is_global_zero:
+        self.alerts(trainer, alerts, run_alerts)
+        if logs:
+            self.figures(trainer, logged, at)
+        self.recent.append((at, epoch, latest))
+        self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))
+
+    def alerts(self, trainer: pl.Trainer, alerts: Sequence[Alert], run_alerts: Sequence[Alert]) -> None:
+        """On rank zero: write ``alerts`` to the console, every logger and the JSON-lines file.
+
+        ``run_alerts`` holds every alert of the run so far, these the last: ``alerts/<kind>`` counts on from them.
+        """
+        if not alerts or not trainer.is_global_zero:
             return
-        self._console.write(alert)
-        self._loggers.write(alert, alert.step, count, index)
+        first = len(run_alerts) - len(alerts)
+        for index, alert in enumerate(alerts, start=first + 1):
+            self._console.write(alert)
+            count = sum(a.kind is alert.kind for a in run_alerts[:index])
+            self._loggers.write(alert, alert.step, count, index)
+            if self._jsonl is not None:
+                self._jsonl.write(alert)
         if self._jsonl is not None:
-            self._jsonl.write(alert)
             self.add_files([self._jsonl.path])
 
     def recent_records(self) -> Iterator[dict[str, Any]]:

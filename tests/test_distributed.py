@@ -96,7 +96,7 @@ class TensorBatchModel(RankFaults):
 
 
 def fit(tmp_path: Path, model: pl.LightningModule, devices: int, **kwargs: Any) -> pl.Trainer:
-    monitor = kwargs.pop("monitor", None) or TrainingMonitor(val_loss_key=None)
+    monitor = kwargs.pop("monitor", None) or TrainingMonitor(halt_after=1, val_loss_key=None)
     loader = kwargs.pop("train_dataloaders", None) or data()
     options: dict[str, Any] = {
         "default_root_dir": tmp_path,
@@ -212,7 +212,7 @@ class SameFaultEverywhere(TensorBatchModel):
 
 def test_faults_every_rank_shares_are_alerts_without_a_rank_and_no_crash(tmp_path):
     torch.manual_seed(0)
-    fit(tmp_path, SameFaultEverywhere(), devices=2, monitor=TrainingMonitor(val_loss_key=None, halt_on=[]))
+    fit(tmp_path, SameFaultEverywhere(), devices=2, monitor=TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[]))
     rank0, rank1 = reports(tmp_path)
     for report in (rank0, rank1):
         assert report["global_step"] == 8 and report["finite"]  # both bad steps skipped, on both ranks

@@ -80,7 +80,7 @@ def test_healthy_run_learns_without_alerts(example, tmp_path, capsys):
 def test_injected_nan_halts_at_that_step_with_finite_weights(example, tmp_path, monkeypatch, capsys):
     modules = []
     monkeypatch.setattr(example.TinyLM, "on_fit_end", lambda self: modules.append(self))
-    monitor, log_dir = run(example, tmp_path, "--inject-nan-at", "5")
+    monitor, log_dir = run(example, tmp_path, "--inject-nan-at", "5", "--halt-after", "1")
 
     assert monitor.stopping_reason == "nonfinite_loss"
     (alert,) = monitor.alerts
@@ -93,15 +93,33 @@ def test_injected_nan_halts_at_that_step_with_finite_weights(example, tmp_path, 
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+def test_an_isolated_nan_is_skipped_and_training_goes_on(example, tmp_path):
+    monitor, _ = run(example, tmp_path, "--inject-nan-at", "5", "--max-steps", "10")
+
+    assert monitor.stopping_reason is None
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [("nonfinite_loss", 5, False)]
+    assert "Training goes on: an isolated bad step is skipped" in monitor.alerts[0].message
+    assert monitor.skipped_steps == 1
+
+
+def test_a_nan_that_persists_halts_at_its_third_check(example, tmp_path):
+    monitor, _ = run(example, tmp_path, "--inject-nan-at", "5", "--nan-steps", "5", "--max-steps", "20")
+
+    assert monitor.stopping_reason == "nonfinite_loss"
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(5, False), (7, True)]
+    assert "It came back at 3 of the last 16 checks (halt_after=3)" in monitor.alerts[1].message
+    assert monitor.skipped_steps == 3
+
+
 def test_huge_learning_rate_explodes(example, tmp_path):
     monitor, log_dir = run(example, tmp_path, "--lr", "50")
 
     assert monitor.stopping_reason == "exploding_grad"
-    alert = monitor.alerts[0]
+    alert = monitor.alerts[-1]  # the explosion recurs: skipped, then halted (the escalation ladder)
     assert alert.halted
     assert alert.value > 100.0
     assert "model.blocks." in alert.message or "model.tok_emb" in alert.message
-    assert [a["kind"] for a in read_alerts(log_dir)] == ["exploding_grad"]
+    assert {a["kind"] for a in read_alerts(log_dir)} == {"exploding_grad"}
 
 
 def test_observe_only_reports_and_carries_on(example, tmp_path):
@@ -113,7 +131,7 @@ def test_observe_only_reports_and_carries_on(example, tmp_path):
 
 
 def test_raise_mode_raises_out_of_fit_and_is_reported(example, tmp_path, capsys):
-    monitor, _ = run(example, tmp_path, "--inject-nan-at", "3", "--halt-mode", "raise")
+    monitor, _ = run(example, tmp_path, "--inject-nan-at", "3", "--halt-after", "1", "--halt-mode", "raise")
 
     assert monitor.stopping_reason == "nonfinite_loss"
     assert "raised TrainingHalted: nonfinite_loss at step 3" in capsys.readouterr().out

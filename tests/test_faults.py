@@ -100,7 +100,7 @@ class Snapshots(Callback):
 def test_a_skipped_step_leaves_gradients_for_clipping_and_callbacks(tmp_path, optimizer, algorithm):
     k = 2
     model = ClippedModel(optimizer, loss_factor={k: float("nan")})
-    monitor = TrainingMonitor(val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
     snapshots = Snapshots()
     trainer = make_trainer(
         tmp_path, [monitor, snapshots], max_steps=6, gradient_clip_val=0.5, gradient_clip_algorithm=algorithm
@@ -123,7 +123,7 @@ def test_a_skipped_step_leaves_gradients_for_clipping_and_callbacks(tmp_path, op
 @ddp
 def test_a_skipped_step_with_clipping_by_value_under_ddp(tmp_path):
     torch.manual_seed(0)
-    monitor = TrainingMonitor(val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
     fit_ddp(
         tmp_path,
         TensorBatchModel(nan_loss_at=3),
@@ -157,7 +157,7 @@ def unpicklable_batches() -> DataLoader:
 def test_a_batch_that_does_not_pickle_is_left_out_of_the_bundle_with_one_warning(tmp_path):
     k = 3
     model = DictBatchModel(loss_factor={k: float("nan")})
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     with pytest.warns(RuntimeWarning, match="post-mortem bundle") as record:
         trainer.fit(model, train_dataloaders=unpicklable_batches())
@@ -177,7 +177,7 @@ def test_a_batch_that_does_not_pickle_is_left_out_of_the_bundle_with_one_warning
 
 
 def test_a_batch_that_does_not_pickle_does_not_kill_a_run_that_bundles_every_alert(tmp_path):
-    monitor = TrainingMonitor(
+    monitor = TrainingMonitor(halt_after=1, 
         val_loss_key=None, postmortem="alert", vanishing_grad_threshold=1e9, vanishing_grad_patience=1, halt_on=[]
     )
     trainer = make_trainer(tmp_path, [monitor], max_steps=6)
@@ -196,7 +196,7 @@ def test_a_batch_that_does_not_pickle_does_not_kill_a_run_that_bundles_every_ale
 def test_a_nan_between_checks_is_reported_as_applied_and_no_bad_checkpoint_is_kept(tmp_path):
     # Checks at steps 0, 5, 10: the NaN loss of step 2 reached the weights unchecked; step 5 finds them NaN.
     model = ScriptedModel(loss_factor={2: float("nan")})
-    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=5)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=5)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20)
     trainer.fit(model, train_dataloaders=loader())
     (alert,) = monitor.alerts
@@ -223,7 +223,7 @@ def test_a_bundle_folder_that_cannot_be_created_is_not_named_and_the_halt_happen
     blocker = tmp_path / "file"
     blocker.write_text("a file where the log directory should be")
     model = ScriptedModel(loss_factor={3: float("nan")})
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(blocker / "sub", [monitor], max_steps=10)
     with pytest.warns(RuntimeWarning) as record:
         trainer.fit(model, train_dataloaders=loader())
@@ -244,13 +244,13 @@ def test_raise_mode_under_ddp_spawn_raises_process_raised_exception(tmp_path):
     raises ``torch.multiprocessing.ProcessRaisedException``, whose message contains
     ``TrainingHalted: nonfinite_loss at step``."""
     torch.manual_seed(0)
-    monitor = TrainingMonitor(val_loss_key=None, halt_mode="raise")
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_mode="raise")
     with pytest.raises(mp.ProcessRaisedException, match="TrainingHalted: nonfinite_loss at step 3"):
         fit_ddp(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, monitor=monitor)
 
 
 def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, halt_mode="raise")
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_mode="raise")
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     with pytest.raises(TrainingHalted, match="nonfinite_loss at step 3") as err:
         trainer.fit(ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader())
@@ -261,7 +261,7 @@ def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
 
 
 def divergence_monitor(**kwargs: Any) -> TrainingMonitor:
-    return TrainingMonitor(
+    return TrainingMonitor(halt_after=1, 
         halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0, **kwargs
     )
 
@@ -285,7 +285,7 @@ def test_a_monitor_reused_for_a_new_fit_starts_afresh(tmp_path):
 
 
 def test_the_same_trainer_fitted_again_carries_on_its_run(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
     trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=CSVLogger(tmp_path, name="csv", version=0))
     model = ScriptedModel(loss_factor={2: float("nan"), 8: float("nan")})
     trainer.fit(model, train_dataloaders=loader())
@@ -419,7 +419,7 @@ class NoOptimizer(ScriptedModel):
 @pytest.mark.filterwarnings("ignore:.*configure_optimizers` returned `None`.*:UserWarning")
 def test_no_optimizer_trains_with_the_loss_checked(tmp_path):
     """`configure_optimizers` returning None: Lightning trains with a stand-in optimizer that holds no parameter."""
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=6)
     with pytest.warns(RuntimeWarning, match="found no parameter in optimizer") as record:
         trainer.fit(NoOptimizer(loss_factor={3: float("nan")}), train_dataloaders=loader())

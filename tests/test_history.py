@@ -56,10 +56,10 @@ class Scheduled(ScriptedModel):
 
 def fit(tmp_path: Path, logger: Logger | bool, callbacks: tuple[Any, ...] = (), **monitor_args: Any):
     model = Scheduled(loss_factor={NAN_AT: float("nan")}, val_losses=[3.0, 2.0])
-    monitor = TrainingMonitor(exploding_grad_threshold=None, **monitor_args)
+    monitor = TrainingMonitor(halt_after=1, exploding_grad_threshold=None, **monitor_args)
     trainer = make_trainer(tmp_path, [monitor, *callbacks], logger=logger, val_check_interval=4)
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
-    return model, monitor, Path(monitor._responder.log_dir)
+    return model, monitor, Path(monitor.log_dir)
 
 
 def fields(summary: str) -> dict[str, str]:
@@ -158,12 +158,12 @@ def test_parameter_groups_with_different_rates_each_get_a_key(tmp_path: Path) ->
             first, second = self.layer[0], self.layer[2]
             return torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters(), "lr": 0.5}], 0.25)
 
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=3)
     trainer.fit(TwoGroups(), train_dataloaders=loader())
-    (last, *_) = history_lines(Path(monitor._responder.log_dir))[-1:]
+    (last, *_) = history_lines(Path(monitor.log_dir))[-1:]
     assert (last["lr"], last["lr/pg1"], last["lr/pg2"]) == (0.25, 0.25, 0.5)
-    run = load_run(monitor._responder.log_dir)
+    run = load_run(monitor.log_dir)
     assert detect_keys(run).lr == ("lr/pg1", "lr/pg2")  # `lr` is the first group's: not drawn twice
 
 
@@ -185,7 +185,7 @@ def test_a_folder_with_nothing_to_draw_says_so(tmp_path: Path, capsys: pytest.Ca
 def test_an_unwritable_history_warns_once_and_the_run_goes_on(tmp_path: Path) -> None:
     tb = TensorBoardLogger(tmp_path, name="tb", version=0)  # the run's folder: tb/version_0
     (tmp_path / "tb" / "version_0" / HISTORY_FILE).mkdir(parents=True)  # a folder where the file should be
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=4, log_every_n_steps=1, logger=tb)
     with pytest.warns(RuntimeWarning, match="could not write its history") as caught:
         trainer.fit(ScriptedModel(loss_factor={1: float("nan")}, default_factor=1.0), train_dataloaders=loader())
@@ -218,7 +218,7 @@ def test_tensor_learning_rates_are_read_when_written(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("check_every", "log_every", "recorded"), [(1, 4, [0, 3, 7]), (4, 3, [0, 4, 8])])
 def test_without_a_logger_the_history_keeps_lightnings_interval(tmp_path, check_every, log_every, recorded) -> None:
-    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=check_every)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=check_every)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=log_every)
     trainer.fit(ScriptedModel(), train_dataloaders=loader())
     assert [line["step"] for line in history_lines(monitor.log_dir)] == recorded
@@ -231,20 +231,20 @@ def test_a_tensor_learning_rate_costs_no_host_read_on_the_hot_path(tmp_path: Pat
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=torch.tensor(LR0))
 
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     counter, per_step = HostSyncCounter(), Counter()
     count_syncs(monitor, counter, per_step)
     trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=CSVLogger(tmp_path))
     trainer.fit(TensorRate(), train_dataloaders=loader())
     assert [per_step[b] for b in range(6)] == [1] * 6  # the check's one read; the rates are read when written
-    lines = history_lines(Path(monitor._responder.log_dir))
+    lines = history_lines(Path(monitor.log_dir))
     assert [line["lr"] for line in lines if "lr" in line] == [LR0] * 6
 
 
 def test_a_fresh_run_in_the_same_folder_sets_the_earlier_history_aside(tmp_path: Path) -> None:
     folder = tmp_path / "tb" / "fixed"  # a logger whose `version` is fixed: two runs in one folder
     for max_steps in (3, 2):
-        monitor = TrainingMonitor(val_loss_key=None)
+        monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
         tb = TensorBoardLogger(tmp_path, name="tb", version="fixed")
         trainer = make_trainer(tmp_path, [monitor], max_steps=max_steps, logger=tb)
         trainer.fit(ScriptedModel(), train_dataloaders=loader())

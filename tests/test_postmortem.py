@@ -38,7 +38,7 @@ def poisoned_data() -> DataLoader:
 
 def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     model = TensorModel()
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20)
     trainer.fit(model, train_dataloaders=poisoned_data())
     (alert,) = monitor.alerts
@@ -73,7 +73,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
 
     # Resuming from the checkpoint continues training from the bad step (whose batch is now clean).
     resumed_model = TensorModel()
-    resumed = make_trainer(tmp_path / "resume", [TrainingMonitor(val_loss_key=None)], max_steps=12)
+    resumed = make_trainer(tmp_path / "resume", [TrainingMonitor(halt_after=1, val_loss_key=None)], max_steps=12)
     clean = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2)
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
         resumed.fit(resumed_model, train_dataloaders=clean, ckpt_path=folder / "last_good.ckpt")
@@ -82,7 +82,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
 
 
 def test_bundle_on_every_alert_when_asked(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem="alert", exploding_grad_threshold=50.0)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem="alert", exploding_grad_threshold=50.0)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     model = TensorModel(loss_factor={3: 1e5})
     trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
@@ -101,7 +101,7 @@ def test_bundle_on_every_alert_when_asked(tmp_path):
 
 
 def test_no_bundle_when_turned_off(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(TensorModel(), train_dataloaders=poisoned_data())
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
@@ -127,7 +127,7 @@ class Blocks(TensorModel):
 
 
 def test_activation_watch_names_the_first_bad_module(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, watch_activations=True, postmortem=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, watch_activations=True, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(Blocks(break_at=4), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     (alert,) = monitor.alerts
@@ -153,7 +153,7 @@ def test_nonfinite_gradient_layers_are_listed_in_forward_order(tmp_path):
                 self.head.weight.grad.fill_(float("nan"))
                 self.blocks[2].weight.grad.fill_(float("nan"))
 
-    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(Reversed(), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     (alert,) = monitor.alerts
@@ -169,7 +169,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
     """The README's "Resume from before the bad step", the cause not fixed: the checkpoint is mid-episode."""
     data = DataLoader(TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0))), batch_size=2)
     model = TensorModel(loss_factor={BAD_BATCH: factor})
-    first = TrainingMonitor(val_loss_key=None)
+    first = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path, [first], max_steps=20)
     trainer.fit(model, train_dataloaders=data)
     (alert,) = first.alerts
@@ -177,7 +177,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
     ckpt = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_{kind.value}" / "last_good.ckpt"
 
     resumed_model = TensorModel(loss_factor={BAD_BATCH: factor})  # the bad step comes again
-    resumed = TrainingMonitor(val_loss_key=None)
+    resumed = TrainingMonitor(halt_after=1, val_loss_key=None)
     trainer = make_trainer(tmp_path / "resume", [resumed], max_steps=20)
     trainer.fit(resumed_model, train_dataloaders=data, ckpt_path=ckpt)
     assert resumed.alerts[0].message == alert.message
@@ -196,7 +196,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
 
 def test_bundle_of_a_validation_alert_says_where_it_came_from(tmp_path):
     model = ScriptedModel(val_losses=[1.0, 2.0])
-    monitor = TrainingMonitor(divergence_patience=1)
+    monitor = TrainingMonitor(halt_after=1, divergence_patience=1)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, val_check_interval=4)
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
     (alert,) = monitor.alerts
@@ -276,7 +276,7 @@ class Branches(TensorModel):
 
 
 def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, watch_activations=True, postmortem=None, token_accuracy=False)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, watch_activations=True, postmortem=None, token_accuracy=False)
     trainer = make_trainer(tmp_path, [monitor], max_steps=6, val_check_interval=2, limit_val_batches=1)
     data = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2)
     trainer.fit(Branches(), train_dataloaders=data, val_dataloaders=data)
@@ -288,7 +288,7 @@ def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_pat
 
 
 def test_bundle_of_a_check_covering_held_steps_says_the_bad_step_may_be_earlier(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=4)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20)
     trainer.fit(
         TensorModel(loss_factor={5: float("nan")}),

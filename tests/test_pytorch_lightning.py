@@ -99,12 +99,12 @@ def test_the_monitor_is_a_callback_of_both_packages():
     mro = TrainingMonitor.__mro__
     assert mro.index(L.Callback) < mro.index(PL.Callback)  # lightning.pytorch's hooks first; both are no-ops
     # The state key is the class name and the validation key, whichever package the trainer comes from.
-    assert TrainingMonitor(val_loss_key="val/loss").state_key == "TrainingMonitor{'val_loss_key': 'val/loss'}"
+    assert TrainingMonitor(halt_after=1, val_loss_key="val/loss").state_key == "TrainingMonitor{'val_loss_key': 'val/loss'}"
 
 
 def test_grad_norm_is_the_optimizers_under_a_pytorch_lightning_trainer(tmp_path):
     model = Scripted()
-    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False, exploding_grad_threshold=None)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False, exploding_grad_threshold=None)
     probe = Probe(monitor)
     pl_trainer(tmp_path, [monitor, probe]).fit(model, train_dataloaders=loader())
     assert len(probe.latest) == len(model.reference) == 8
@@ -119,7 +119,7 @@ def test_a_fault_reaches_pytorch_lightnings_tensorboard_and_halts(tmp_path):
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     tb = TensorBoardLogger(tmp_path, name="tb")
-    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False)
     trainer = pl_trainer(tmp_path, [monitor], logger=tb, max_steps=20)
     trainer.fit(Scripted(loss_factor={3: float("nan")}), train_dataloaders=loader())
     (alert,) = monitor.alerts
@@ -140,7 +140,7 @@ def test_a_fault_reaches_pytorch_lightnings_tensorboard_and_halts(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:.*sync_dist=True.*")
 def test_a_nan_on_one_rank_halts_both_under_pytorch_lightning_ddp_spawn(tmp_path):
-    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False)
     trainer = pl_trainer(tmp_path, [monitor, RankReport(tmp_path)], devices=2, strategy="ddp_spawn", max_steps=20)
     trainer.fit(RankFault(), train_dataloaders=loader())
     for rank in (0, 1):
@@ -220,7 +220,7 @@ def _lightning_trainer(tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> L
 @pytest.mark.parametrize("saved_by", ["pytorch_lightning", "lightning"])
 def test_a_checkpoint_restores_the_monitor_under_the_other_package(tmp_path, saved_by):
     """One package's checkpoint resumes under the other's trainer, the monitor's alerts and detectors with it."""
-    first = TrainingMonitor(val_loss_key=None, token_accuracy=False, halt_on=[])  # an exploding gradient, no halt
+    first = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[])  # an exploding gradient, no halt
     if saved_by == "pytorch_lightning":
         model, make, resume_model = Scripted(loss_factor={3: 1e5}), pl_trainer, LBoringModel
     else:
@@ -231,7 +231,7 @@ def test_a_checkpoint_restores_the_monitor_under_the_other_package(tmp_path, sav
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
 
-    resumed = TrainingMonitor(val_loss_key=None, token_accuracy=False, halt_on=[])
+    resumed = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[])
     other = (_lightning_trainer if make is pl_trainer else pl_trainer)(tmp_path / "b", [resumed], max_steps=6)
     other.fit(_two_layers(resume_model()), train_dataloaders=loader(), ckpt_path=path)
     assert other.global_step == 6  # restored at its last step: nothing more to train
@@ -273,7 +273,7 @@ class Model(BoringModel):
     def on_before_optimizer_step(self, optimizer):
         self.reference = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()]).item()
 
-model, monitor = Model(), TrainingMonitor(val_loss_key=None, token_accuracy=False)
+model, monitor = Model(), TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False)
 trainer = pl.Trainer(callbacks=[monitor], max_steps=3, logger=CSVLogger(sys.argv[1]), log_every_n_steps=1,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(model)

@@ -196,7 +196,7 @@ def recovering(**kwargs: Any) -> TrainingMonitor:
         "recover_on": ["loss_spike", "exploding_grad"],
         "recovery_every_n_steps": EVERY,
     }
-    return TrainingMonitor(**{**options, **kwargs})
+    return TrainingMonitor(halt_after=1, **{**options, **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------------- one process
@@ -211,7 +211,7 @@ def test_poisoned_run_is_ruined_without_recovery_and_halted_by_the_defaults(tmp_
     _, model, _ = fit(tmp_path / "bare", None)
     assert model.final_loss() > 2 * clean_loss  # 0.277 against 0.113
     # The default monitor halts the run instead, on the poisoned gradients (`exploding_grad` is in `halt_on`).
-    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False)
     trainer, _, _ = fit(tmp_path / "halted", monitor)
     assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD and trainer.global_step < STEPS
 
@@ -501,7 +501,7 @@ def test_bad_recovery_settings_are_refused(arguments, message):
 
 
 def test_recovery_is_off_by_default():
-    monitor = TrainingMonitor()
+    monitor = TrainingMonitor(halt_after=1)
     assert monitor.recover_on == frozenset()
     assert (monitor.recovery_every_n_steps, monitor.recovery_skip_limit, monitor.max_recoveries) == (100, 500, 5)
 

@@ -95,20 +95,20 @@ def fit(root: Path, *, monitor: TrainingMonitor, nan_at: int | None = None, tens
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fit(tmp_path_factory.mktemp("healthy"), monitor=TrainingMonitor())
+    return fit(tmp_path_factory.mktemp("healthy"), monitor=TrainingMonitor(halt_after=1))
 
 
 @pytest.fixture(scope="module")
 def halted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Every gradient norm is below 1000, so `vanishing_grad` (which never halts) fires once, at step 2 (patience 3);
     # then the NaN loss at step 10 halts with `nonfinite_loss`.
-    monitor = TrainingMonitor(exploding_grad_threshold=None, vanishing_grad_threshold=1000.0, vanishing_grad_patience=3)
+    monitor = TrainingMonitor(halt_after=1, exploding_grad_threshold=None, vanishing_grad_threshold=1000.0, vanishing_grad_patience=3)
     return fit(tmp_path_factory.mktemp("halted"), monitor=monitor, nan_at=NAN_AT)
 
 
 @pytest.fixture(scope="module")
 def csv_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fit(tmp_path_factory.mktemp("csv_only"), monitor=TrainingMonitor(), nan_at=NAN_AT, tensorboard=False)
+    return fit(tmp_path_factory.mktemp("csv_only"), monitor=TrainingMonitor(halt_after=1), nan_at=NAN_AT, tensorboard=False)
 
 
 def events(run_dir: Path, tag: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -411,7 +411,7 @@ def test_resumed_run_in_the_same_folder(tmp_path: Path, alerts_file: str | None)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
     def session(nan_at: int, max_steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
-        monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem=None, alerts_file=alerts_file)
+        monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem=None, alerts_file=alerts_file)
         trainer = pl.Trainer(
             max_steps=max_steps,
             logger=TensorBoardLogger(tmp_path, name="run", version=0),
@@ -456,7 +456,7 @@ def test_a_fresh_run_in_the_same_folder_sets_earlier_alerts_aside(tmp_path: Path
     folder = tmp_path / "fixed"
 
     def session(nan_at: int | None) -> TrainingMonitor:
-        monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem=None)
+        monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem=None)
         trainer = pl.Trainer(
             max_steps=4,
             logger=TensorBoardLogger(tmp_path, name="", version="fixed"),
