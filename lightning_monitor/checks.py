@@ -71,9 +71,6 @@ class OptimizerCheck:
         index: The optimizer's index in ``trainer.optimizers``.
         suffix: Appended to ``grad_norm`` keys (``"_opt1"`` with several optimizers, else ``""``).
         fused: The optimizer unscales fp16 gradients inside ``step()`` (fused Adam), so they are still scaled here.
-
-    Attributes:
-        checks: How many checks of this optimizer were judged (the escalation ladder's clock).
     """
 
     def __init__(
@@ -85,7 +82,6 @@ class OptimizerCheck:
         self.suffix = suffix
         self.fused = fused
         self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
-        self.checks = 0
         self._total_key = total_key(suffix)
         self._layer_keys = layer_keys(norms.names, suffix)
         # Device-side figures since the last check: the held steps' norms not yet reduced (see `hold`), the worst

@@ -26,7 +26,7 @@ from lightning_monitor.detectors import (
 from lightning_monitor.settings import SpikeSettings, StepSettings
 from lightning_monitor.step_figures import StepFigures
 
-__all__ = ["StepDetectors", "guard_limit", "judge"]
+__all__ = ["StepDetectors", "guard_limit", "judge", "limits_in_force"]
 
 
 @dataclass
@@ -146,6 +146,29 @@ def guard_limit(detectors: StepDetectors) -> float:
     """
     exploding = detectors.exploding
     return math.inf if exploding is None else exploding.limit_now
+
+
+def limits_in_force(detectors: StepDetectors, suffix: str = "") -> dict[str, float]:
+    """The gradient-norm limits the next check is judged against, as history keys (``limit/exploding_grad``...).
+
+    A limit not armed yet (a learnt one still learning) is left out, so the report draws it only where it was in
+    force. ``suffix`` is the optimizer's (``"_opt1"`` with several).
+
+    Example:
+        >>> from lightning_monitor import TrainingMonitor
+        >>> config = TrainingMonitor(exploding_grad_threshold=50.0, vanishing_grad_threshold=1e-6).config
+        >>> limits_in_force(StepDetectors.from_settings(config.step, config.spikes))
+        {'limit/exploding_grad': 50.0, 'limit/vanishing_grad': 1e-06}
+    """
+    out: dict[str, float] = {}
+    exploding, vanishing = detectors.exploding, detectors.vanishing
+    if exploding is not None and math.isfinite(exploding.limit_now):
+        out[f"limit/exploding_grad{suffix}"] = exploding.limit_now
+    if isinstance(vanishing, ThresholdDetector):
+        out[f"limit/vanishing_grad{suffix}"] = vanishing.threshold
+    elif vanishing is not None and vanishing.reference is not None:
+        out[f"limit/vanishing_grad{suffix}"] = vanishing.ratio * vanishing.reference
+    return out
 
 
 def _any_beyond(detectors: StepDetectors, measured: bool, amp: bool) -> bool:

@@ -47,7 +47,7 @@ from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigure
 from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import StepGuard, keep_from_weights
-from lightning_monitor.judging import StepDetectors, guard_limit, judge
+from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
@@ -471,13 +471,12 @@ class TrainingMonitor(Callback):
         plan = self._recovery_plan(judged, figures, pending)
         facts = StepFacts(
             optimizer=check.index,
-            check=check.checks,
+            check=self._state.next_check(check.index),
             unsafe=figures.unsafe,
             amp=figures.amp,
             read_after_step=pending.on_device is not None,
             halted=self._state.halted,
         )
-        check.checks += 1
         verdict = decide(judged, facts, plan, self._state.ladder, self._policy)
         self._state.ladder = verdict.ladder
 
@@ -488,31 +487,34 @@ class TrainingMonitor(Callback):
         self._state.skipped_steps += int(kept_out and not overflowed) + figures.overflow_steps  # overflows: the scaler
         if self._state.skipped_steps:  # absent means none: no constant zero written at every logging step
             latest["skipped_steps"] = logged["skipped_steps"] = float(self._state.skipped_steps)
-        bundle = weights_ok = None
-        if verdict.rulings:
+        bundle, weights_ok, alerts = None, True, []
+        if verdict.rulings:  # word the alerts with what acting on the step did
             bundle = self._open_bundle(trainer, verdict, pending.at)
             if bundle is not None or figures.checked_steps > 1 or pending.on_device is not None:
                 weights_ok = weights_finite(trainer)
-        context = AlertContext(
-            at=pending.at,
-            epoch=pending.epoch,
-            optimizer_index=check.index if check.suffix else None,
-            skipped=verdict.skip and not verdict.restore,  # a restore changes the weights: never "unchanged"
-            exact=exact,
-            covered=figures.checked_steps,
-            every=self._every_n,
-            on_device=pending.on_device,
-            weights_ok=weights_ok is not False,
-            bundle=bundle,
-            halt_mode=self.config.response.halt_mode,
-            halt_after=self._policy.halt_after,
-        )
-        order = None if self._checks.order is None else self._checks.order.sort
-        alerts = step_alerts(verdict.rulings, context, figures, check.norms.names, pending.optimizer, order, first_bad)
+            context = AlertContext(
+                at=pending.at,
+                epoch=pending.epoch,
+                optimizer_index=check.index if check.suffix else None,
+                skipped=verdict.skip and not verdict.restore,  # a restore changes the weights: never "unchanged"
+                exact=exact,
+                covered=figures.checked_steps,
+                every=self._every_n,
+                on_device=pending.on_device,
+                weights_ok=weights_ok,
+                bundle=bundle,
+                halt_mode=self.config.response.halt_mode,
+                halt_after=self._policy.halt_after,
+            )
+            order = None if self._checks.order is None else self._checks.order.sort
+            names = check.norms.names
+            alerts = step_alerts(verdict.rulings, context, figures, names, pending.optimizer, order, first_bad)
         halting = [a for a in alerts if a.halted]
         if verdict.finished is not None:  # a recovery that ended here: its record comes before this check's alerts
             alerts.insert(0, recovered_alert(verdict.finished, logging_step(trainer), trainer.current_epoch))
         self._state.alerts += alerts
+        if pending.logs or alerts or not self._every:  # the limits in force, for the report (the history keeps them)
+            latest.update(limits_in_force(check.detectors, check.suffix))
         # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
         self._writer.step(trainer, pending.at, pending.epoch, logged, latest, logs=pending.logs or bool(halting),
                           alerts=alerts, run_alerts=self._state.alerts)  # fmt: skip
@@ -523,7 +525,7 @@ class TrainingMonitor(Callback):
                 "halted": bool(halting),
                 "skipped": skipped,
                 "covered": figures.checked_steps,
-                "weights_ok": weights_ok is not False,
+                "weights_ok": weights_ok,
             }
             self._save_bundle(trainer, bundle, step, alerts)
         if verdict.restore:

@@ -23,6 +23,7 @@ class RunState:
         stopping_reason: The kind of the alert that halted the run, or ``None``.
         stopping_reason_message: That alert's message, or ``None``.
         ladder: The escalation ladder: the recent checks at which a step-level problem was beyond its limit.
+        checks: Checks judged so far, per optimizer index: the ladder's clock, kept across a resume.
 
     Example:
         >>> from lightning_monitor.alerts import AlertKind
@@ -39,6 +40,7 @@ class RunState:
     stopping_reason: AlertKind | None = None
     stopping_reason_message: str | None = None
     ladder: Ladder = field(default_factory=Ladder)
+    checks: dict[int, int] = field(default_factory=dict)
 
     @property
     def halted(self) -> bool:
@@ -48,6 +50,12 @@ class RunState:
     def begin(self) -> None:
         """A run (or the same trainer's again) begins: it has not halted."""
         self.stopping_reason, self.stopping_reason_message = None, None
+
+    def next_check(self, optimizer: int) -> int:
+        """The number of ``optimizer``'s check being judged (0, 1, 2...), counted."""
+        number = self.checks.get(optimizer, 0)
+        self.checks[optimizer] = number + 1
+        return number
 
     def halt(self, alert: Alert) -> None:
         """Record a halt: the first of the run is its reason."""
@@ -62,6 +70,7 @@ class RunState:
             "stopping_reason": None if self.stopping_reason is None else self.stopping_reason.value,
             "stopping_reason_message": self.stopping_reason_message,
             "ladder": self.ladder.state_dict(),
+            "checks": {str(i): n for i, n in self.checks.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -69,3 +78,4 @@ class RunState:
         self.alerts = [Alert.from_dict(a) for a in state.get("alerts", [])]
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.ladder = Ladder.from_state(state["ladder"]) if "ladder" in state else Ladder()
+        self.checks = {int(i): int(n) for i, n in state.get("checks", {}).items()}

@@ -13,7 +13,9 @@ VAL_LOSSES = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
 
 
 def make_monitor():
-    return TrainingMonitor(halt_after=1, halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0)
+    return TrainingMonitor(
+        halt_after=1, halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0
+    )
 
 
 def fit(tmp_path, monitor, max_steps, ckpt_path=None):
@@ -88,12 +90,17 @@ def test_state_dict_round_trip_without_trainer():
 
 
 def test_two_monitors_have_distinct_state_keys():
-    assert TrainingMonitor(halt_after=1, val_loss_key="a").state_key != TrainingMonitor(halt_after=1, val_loss_key="b").state_key
+    assert (
+        TrainingMonitor(halt_after=1, val_loss_key="a").state_key
+        != TrainingMonitor(halt_after=1, val_loss_key="b").state_key
+    )
 
 
 def make_halting_monitor():
     """Halts on non-finite figures only; an exploding step is skipped and reported, and training goes on."""
-    return TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=["nonfinite_loss", "nonfinite_grad"], skip_on=["exploding_grad"])
+    return TrainingMonitor(
+        halt_after=1, val_loss_key=None, halt_on=["nonfinite_loss", "nonfinite_grad"], skip_on=["exploding_grad"]
+    )
 
 
 @pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended:UserWarning")

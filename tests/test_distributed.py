@@ -212,7 +212,9 @@ class SameFaultEverywhere(TensorBatchModel):
 
 def test_faults_every_rank_shares_are_alerts_without_a_rank_and_no_crash(tmp_path):
     torch.manual_seed(0)
-    fit(tmp_path, SameFaultEverywhere(), devices=2, monitor=TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[]))
+    fit(
+        tmp_path, SameFaultEverywhere(), devices=2, monitor=TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
+    )
     rank0, rank1 = reports(tmp_path)
     for report in (rank0, rank1):
         assert report["global_step"] == 8 and report["finite"]  # both bad steps skipped, on both ranks

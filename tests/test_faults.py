@@ -177,8 +177,13 @@ def test_a_batch_that_does_not_pickle_is_left_out_of_the_bundle_with_one_warning
 
 
 def test_a_batch_that_does_not_pickle_does_not_kill_a_run_that_bundles_every_alert(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, 
-        val_loss_key=None, postmortem="alert", vanishing_grad_threshold=1e9, vanishing_grad_patience=1, halt_on=[]
+    monitor = TrainingMonitor(
+        halt_after=1,
+        val_loss_key=None,
+        postmortem="alert",
+        vanishing_grad_threshold=1e9,
+        vanishing_grad_patience=1,
+        halt_on=[],
     )
     trainer = make_trainer(tmp_path, [monitor], max_steps=6)
     with pytest.warns(RuntimeWarning, match="post-mortem bundle") as record:
@@ -261,8 +266,8 @@ def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
 
 
 def divergence_monitor(**kwargs: Any) -> TrainingMonitor:
-    return TrainingMonitor(halt_after=1, 
-        halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0, **kwargs
+    return TrainingMonitor(
+        halt_after=1, halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0, **kwargs
     )
 
 

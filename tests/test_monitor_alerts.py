@@ -453,7 +453,9 @@ class MeanLossLM(TinyLM):
 def test_nan_loss_with_finite_gradients_is_skipped_even_when_nothing_halts(tmp_path):
     # Batch 3 (rows 6 and 7) has every label ignored; step 5 explodes. Nothing halts.
     model = MeanLossLM(loss_factor={5: 1e4})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], loss_spike_threshold=None, grad_spike_threshold=None)
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, halt_on=[], loss_spike_threshold=None, grad_spike_threshold=None
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=8)
     data = DataLoader(TokenData(64, ignore_all={6, 7}), batch_size=2)
     trainer.fit(model, train_dataloaders=data, val_dataloaders=DataLoader(TokenData(4), batch_size=2))

@@ -270,8 +270,13 @@ class TwoOptimizersExploding(TwoOptimizers):
 def test_check_every_n_steps_counts_each_optimizers_own_steps(tmp_path):
     """`global_step` counts both optimizers' steps, so optimizer 1 always lands on odd ones: it is checked anyway."""
     model = TwoOptimizersExploding(explode_at=1)
-    monitor = TrainingMonitor(halt_after=1, 
-        val_loss_key=None, token_accuracy=False, check_every_n_steps=2, halt_on=[], exploding_grad_threshold=100.0
+    monitor = TrainingMonitor(
+        halt_after=1,
+        val_loss_key=None,
+        token_accuracy=False,
+        check_every_n_steps=2,
+        halt_on=[],
+        exploding_grad_threshold=100.0,
     )
     _, _, probe = fit_probed(tmp_path, model, monitor, max_steps=8)
     assert [i for i, _ in model.reference] == [0, 1] * 4
@@ -304,8 +309,8 @@ def test_check_every_n_steps_counts_each_optimizers_own_steps(tmp_path):
 def test_step_that_may_be_the_last_is_never_held(tmp_path, factor, kind, run):
     """Checks every 4 steps, the run's last step (9) is not due: it is checked all the same, and its step skipped."""
     model = ScriptedModel(loss_factor={9: factor})
-    monitor = TrainingMonitor(halt_after=1, 
-        val_loss_key=None, check_every_n_steps=4, loss_spike_threshold=None, grad_spike_threshold=None
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, check_every_n_steps=4, loss_spike_threshold=None, grad_spike_threshold=None
     )
     _, _, probe = fit_probed(tmp_path, model, monitor, data=loader(n=20), **run)  # 10 batches in the epoch
     assert len(probe.latest) == 10
@@ -344,8 +349,13 @@ def test_held_loss_is_mean_of_its_micro_batch_losses(tmp_path, case):
         run, callbacks, data = {"max_steps": 7}, [GradientAccumulationScheduler({0: 1, 1: 3})], loader(n=10)
         checks, counts = [0, 3, 4, 6], [1, 2, 3, 4, 5, 8, 10]
     model = WindowRecorder()
-    monitor = TrainingMonitor(halt_after=1, 
-        val_loss_key=None, check_every_n_steps=3, halt_on=[], loss_spike_threshold=None, grad_spike_threshold=None
+    monitor = TrainingMonitor(
+        halt_after=1,
+        val_loss_key=None,
+        check_every_n_steps=3,
+        halt_on=[],
+        loss_spike_threshold=None,
+        grad_spike_threshold=None,
     )
     probe = Probe(monitor)
     trainer = make_trainer(tmp_path, [*callbacks, monitor, probe], **run)
@@ -379,7 +389,9 @@ class StillFloat64(ScriptedModel):
 def test_float64_norms_keep_float64_range(tmp_path, factor):
     """Norms of 1e-30 and 1e30 square to 1e-60 and 1e60: 0 and inf in float32, but exact in float64."""
     model = StillFloat64(default_factor=factor)
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, exploding_grad_threshold=None, vanishing_grad_threshold=None)
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, exploding_grad_threshold=None, vanishing_grad_threshold=None
+    )
     _, _, probe = fit_probed(tmp_path, model, monitor, precision="64-true", max_steps=4)
     assert next(model.parameters()).dtype == torch.float64
     assert all(factor / 100 < ref < factor * 100 for ref in model.reference)
@@ -430,7 +442,9 @@ class NewOptimizerAtEpoch1(pl.Callback):
 @pytest.mark.parametrize("change", [UnfreezeAtEpoch1, NewOptimizerAtEpoch1], ids=["add_param_group", "new_optimizer"])
 def test_parameters_the_optimizer_gains_are_measured(tmp_path, change):
     model = FrozenFirstLayer()
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, exploding_grad_threshold=None, vanishing_grad_threshold=None)
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, exploding_grad_threshold=None, vanishing_grad_threshold=None
+    )
     probe = Probe(monitor)
     trainer = make_trainer(tmp_path, [change(), monitor, probe], max_steps=-1, max_epochs=2)
     trainer.fit(model, train_dataloaders=loader(n=6))  # 3 steps an epoch
@@ -494,8 +508,8 @@ def test_fp16_overflow_between_checks_does_not_hide_an_explosion(tmp_path):
     """Under fp16 an overflow is normal (the GradScaler skips it): held with a finite explosion, it must not hide it."""
     model = ScriptedModel(loss_factor={1: 1e3, 2: 1e30})  # step 1 explodes, step 2 overflows, both held
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0))]
-    monitor = TrainingMonitor(halt_after=1, 
-        val_loss_key=None, token_accuracy=False, halt_on=[], postmortem=None, check_every_n_steps=4
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[], postmortem=None, check_every_n_steps=4
     )
     fit_probed(tmp_path, model, monitor, plugins=plugins, max_steps=6)
     assert model.reference[1] > 100 and not math.isfinite(model.reference[2])
@@ -521,8 +535,8 @@ def test_fused_optimizer_held_norm_is_unscaled_with_its_own_scale(tmp_path):
     model = FusedScaled(loss_factor={1: 1e3})
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
-    monitor = TrainingMonitor(halt_after=1, 
-        val_loss_key=None, token_accuracy=False, halt_on=[], postmortem=None, check_every_n_steps=4
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[], postmortem=None, check_every_n_steps=4
     )
     fit_probed(tmp_path, model, monitor, plugins=plugins, max_steps=6)
     assert model.scales[:5] == [16.0, 32.0, 64.0, 128.0, 256.0]

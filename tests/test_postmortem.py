@@ -82,7 +82,9 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
 
 
 def test_bundle_on_every_alert_when_asked(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem="alert", exploding_grad_threshold=50.0)
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, halt_on=[], postmortem="alert", exploding_grad_threshold=50.0
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     model = TensorModel(loss_factor={3: 1e5})
     trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
@@ -276,7 +278,9 @@ class Branches(TensorModel):
 
 
 def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, watch_activations=True, postmortem=None, token_accuracy=False)
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, watch_activations=True, postmortem=None, token_accuracy=False
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=6, val_check_interval=2, limit_val_batches=1)
     data = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2)
     trainer.fit(Branches(), train_dataloaders=data, val_dataloaders=data)

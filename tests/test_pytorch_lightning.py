@@ -99,7 +99,10 @@ def test_the_monitor_is_a_callback_of_both_packages():
     mro = TrainingMonitor.__mro__
     assert mro.index(L.Callback) < mro.index(PL.Callback)  # lightning.pytorch's hooks first; both are no-ops
     # The state key is the class name and the validation key, whichever package the trainer comes from.
-    assert TrainingMonitor(halt_after=1, val_loss_key="val/loss").state_key == "TrainingMonitor{'val_loss_key': 'val/loss'}"
+    assert (
+        TrainingMonitor(halt_after=1, val_loss_key="val/loss").state_key
+        == "TrainingMonitor{'val_loss_key': 'val/loss'}"
+    )
 
 
 def test_grad_norm_is_the_optimizers_under_a_pytorch_lightning_trainer(tmp_path):
@@ -220,7 +223,9 @@ def _lightning_trainer(tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> L
 @pytest.mark.parametrize("saved_by", ["pytorch_lightning", "lightning"])
 def test_a_checkpoint_restores_the_monitor_under_the_other_package(tmp_path, saved_by):
     """One package's checkpoint resumes under the other's trainer, the monitor's alerts and detectors with it."""
-    first = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[])  # an exploding gradient, no halt
+    first = TrainingMonitor(
+        halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[]
+    )  # an exploding gradient, no halt
     if saved_by == "pytorch_lightning":
         model, make, resume_model = Scripted(loss_factor={3: 1e5}), pl_trainer, LBoringModel
     else:

@@ -102,13 +102,17 @@ def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def halted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Every gradient norm is below 1000, so `vanishing_grad` (which never halts) fires once, at step 2 (patience 3);
     # then the NaN loss at step 10 halts with `nonfinite_loss`.
-    monitor = TrainingMonitor(halt_after=1, exploding_grad_threshold=None, vanishing_grad_threshold=1000.0, vanishing_grad_patience=3)
+    monitor = TrainingMonitor(
+        halt_after=1, exploding_grad_threshold=None, vanishing_grad_threshold=1000.0, vanishing_grad_patience=3
+    )
     return fit(tmp_path_factory.mktemp("halted"), monitor=monitor, nan_at=NAN_AT)
 
 
 @pytest.fixture(scope="module")
 def csv_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fit(tmp_path_factory.mktemp("csv_only"), monitor=TrainingMonitor(halt_after=1), nan_at=NAN_AT, tensorboard=False)
+    return fit(
+        tmp_path_factory.mktemp("csv_only"), monitor=TrainingMonitor(halt_after=1), nan_at=NAN_AT, tensorboard=False
+    )
 
 
 def events(run_dir: Path, tag: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
