@@ -282,3 +282,20 @@ def test_names_with_dollar_signs_are_drawn_as_written(tmp_path: Path, capsys: py
     assert titles == ["plain\nHEALTHY", "run_\\$lr_\\$bs\nHEALTHY"]  # `\$`: drawn as a plain `$`
     layer_ax = axes_of(fig, plots, "layers", 0)
     assert [t.get_text() for t in layer_ax.get_legend().get_texts()] == ["emb\\$1\\$"]
+
+
+def test_the_history_keeps_the_limits_for_the_report(tmp_path: Path) -> None:
+    """`RunHistory` keeps `limit/<kind>` (not the per-layer norms): the report reads what a check recorded."""
+    from lightning_monitor.history import HISTORY_FILE, RunHistory
+
+    history = RunHistory()
+    history.begin(tmp_path / HISTORY_FILE)
+    history.add(0, 0, {"grad_norm": 2.0, "grad_norm_layers/fc": 1.0})
+    history.add(1, 0, {"grad_norm": 3.0, "limit/exploding_grad": 100.0, "limit/vanishing_grad": 1e-4})
+    history.flush()
+    run = load_run(tmp_path)
+    assert "grad_norm_layers/fc" not in run.scalars
+    exploding, vanishing = run.scalars["limit/exploding_grad"], run.scalars["limit/vanishing_grad"]
+    assert exploding.steps == (0, 1) == vanishing.steps
+    assert math.isnan(exploding.values[0]) and exploding.values[1] == 100.0  # none armed at step 0
+    assert vanishing.values[1] == 1e-4
