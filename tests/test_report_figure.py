@@ -270,7 +270,8 @@ def test_names_with_dollar_signs_are_drawn_as_written(tmp_path: Path, capsys: py
     write_history(runs / "run_$lr_$bs", records)
     other = runs / "plain"
     other.mkdir(parents=True)
-    (other / "metrics.csv").write_text("step,train_loss,grad_norm_layers/emb$1$\n0,2.0,1.0\n1,1.5,2.0\n")
+    rows = "step,train_loss,grad_norm_layers/emb$1$,grad_norm_layers/_orig_mod.fc\n0,2.0,1.0,0.5\n1,1.5,2.0,0.5\n"
+    (other / "metrics.csv").write_text(rows)
     assert main(["report", str(runs)]) == 0
     assert (runs / "health_report.png").read_bytes()[:8] == PNG_MAGIC
     assert "Run: " + str(runs / "run_$lr_$bs") in capsys.readouterr().out
@@ -281,7 +282,8 @@ def test_names_with_dollar_signs_are_drawn_as_written(tmp_path: Path, capsys: py
     titles = [fig.axes[col].get_title() for col in range(2)]
     assert titles == ["plain\nHEALTHY", "run_\\$lr_\\$bs\nHEALTHY"]  # `\$`: drawn as a plain `$`
     layer_ax = axes_of(fig, plots, "layers", 0)
-    assert [t.get_text() for t in layer_ax.get_legend().get_texts()] == ["emb\\$1\\$"]
+    # A leading `_` (torch.compile's `_orig_mod`) would hide the entry: it is kept.
+    assert [t.get_text() for t in layer_ax.get_legend().get_texts()] == ["emb\\$1\\$", " _orig_mod.fc"]
 
 
 def test_the_history_keeps_the_limits_for_the_report(tmp_path: Path) -> None:

@@ -158,7 +158,7 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         shown = [v if _drawable(v, log) else math.nan for v in line.values]
         lone = sum(not math.isnan(v) for v in shown) == 1  # a line through one point draws nothing
         marker = "o" if line.points or lone else None
-        ax.plot(line.steps, shown, color=line.colour, lw=1.4, label=_plain(line.label), marker=marker, ms=4)
+        ax.plot(line.steps, shown, color=line.colour, lw=1.4, label=_legend(line.label), marker=marker, ms=4)
         bad = line.nonfinite_steps
         if bad:  # at the top edge, whatever the y scale: x in data, y in axes coordinates
             ax.plot(
@@ -274,6 +274,12 @@ def tick_label(value: float, base: int = 10) -> str:
         return f"$2^{{{round(math.log2(value))}}}$"
     text = f"{value:.6g}"
     return text.replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
+
+
+def _legend(text: str) -> str:
+    """A legend entry: :func:`_plain`, and never hidden (matplotlib leaves out labels that start with ``_``)."""
+    text = _plain(text)
+    return f" {text}" if text.startswith("_") else text
 
 
 def _plain(text: str) -> str:
