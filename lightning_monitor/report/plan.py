@@ -20,8 +20,8 @@ __all__ = [
     "ALERT_COLOURS",
     "FALLBACK_COLOUR",
     "HALT_COLOUR",
-    "PANEL_ORDER",
     "MAX_LAYERS",
+    "PANEL_ORDER",
     "AlertMark",
     "Limit",
     "Line",
@@ -315,13 +315,16 @@ def blamed_layers(run: Run, layer_keys: Iterable[str]) -> list[str]:
         ['grad_norm_layers/layer.10', 'grad_norm_layers/layer.2']
     """
     keys = list(layer_keys)
-    found: dict[str, int] = {}
-    for order, alert in enumerate(run.alerts):
+    found: dict[str, tuple[int, int]] = {}
+    messages = dict.fromkeys(a.message for a in run.alerts if a.message)  # each distinct message once
+    for order, message in enumerate(messages):
         for key in keys:
+            if key in found:
+                continue
             name = key.split("/", 1)[1]
-            hit = re.search(rf"(?<![\w.]){re.escape(name)}(?![\w]|\.\w)", alert.message)
-            if hit is not None and key not in found:
-                found[key] = order * 1_000_000 + hit.start()
+            hit = re.search(rf"(?<![\w.]){re.escape(name)}(?![\w]|\.\w)", message)
+            if hit is not None:
+                found[key] = (order, hit.start())
     return sorted(found, key=found.__getitem__)
 
 
@@ -347,10 +350,7 @@ def _layer_panel(run: Run) -> Panel | None:
     hidden = len(keys) > len(chosen)
     named = "named by alerts" + (", and the largest" if largest else "") if blamed else "the largest"
     note = f"{len(chosen)} of {len(keys)} layers: {named}" if hidden else ""
-    return Panel(_LAYERS, _PANEL_LABELS[_LAYERS], lines, yscale=_log_if_positive(lines), note=note)
-
-
-_LAYERS = "layers"
+    return Panel("layers", _PANEL_LABELS["layers"], lines, yscale=_log_if_positive(lines), note=note)
 
 
 def _layer_label(key: str) -> str:
