@@ -185,7 +185,10 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     ax.set_ylabel(panel.ylabel)
     if panel.lines or panel.thresholds or panel.limits:
         title = _plain(panel.note) if panel.note else None
-        ax.legend(loc="best", fontsize=7 if panel.note else 8, framealpha=0.8, title=title, title_fontsize=7)
+        ncols = 1 if len(panel.lines) <= 3 or panel.name != "layers" else 3  # many layers: a short, wide legend
+        ax.legend(
+            loc="best", fontsize=7 if ncols > 1 else 8, framealpha=0.8, title=title, title_fontsize=7, ncols=ncols
+        )
     else:
         ax.text(
             0.5, 0.5, f"no {panel.ylabel} logged", ha="center", va="center", transform=ax.transAxes, color="#888888"
@@ -208,9 +211,9 @@ def _readable_log_axis(ax: Any, base: int) -> None:
 def log_ticks(low: float, high: float, base: int = 10) -> list[float]:
     """Ticks for a log axis from ``low`` to ``high``: from 3 to 9 of them whatever the range, each a round number.
 
-    Over three decades or more, every decade (or every 2nd, 3rd...); over fewer, 1, 2 and 5 times each (or finer
-    steps of the decade); a range narrower than a factor of 4 gets evenly spaced round numbers. Base 2 takes powers
-    of two.
+    Over three decades or more, every decade (or every 2nd, 3rd...); over fewer, 1, 2 and 5 times each, or finer
+    steps of the decade when that gives fewer than 4; a range narrower than a factor of 4 gets evenly spaced round
+    numbers. Base 2 takes powers of two.
 
     Example:
         >>> log_ticks(0.55, 1.1)
@@ -222,7 +225,7 @@ def log_ticks(low: float, high: float, base: int = 10) -> list[float]:
         >>> log_ticks(0.3, 20)
         [0.5, 1.0, 2.0, 5.0, 10.0, 20.0]
         >>> log_ticks(1.3, 11), log_ticks(0.98, 1.03)
-        ([2.0, 5.0, 10.0], [0.98, 0.99, 1.0, 1.01, 1.02, 1.03])
+        ([1.5, 2.0, 3.0, 5.0, 7.0, 10.0], [0.98, 0.99, 1.0, 1.01, 1.02, 1.03])
         >>> log_ticks(1000, 65536 * 4, base=2)
         [1024.0, 4096.0, 16384.0, 65536.0, 262144.0]
     """
@@ -239,6 +242,7 @@ def log_ticks(low: float, high: float, base: int = 10) -> list[float]:
         return [d for d in decades if round(math.log10(d)) % every == 0]
     if len(decades) >= 3:
         return decades
+    fewer: list[float] = []
     for mantissas in _MANTISSAS if high / low >= 4 else ():
         ticks = sorted(
             {
@@ -248,8 +252,11 @@ def log_ticks(low: float, high: float, base: int = 10) -> list[float]:
                 if low <= (v := float(f"{m * 10.0**k:.12g}")) <= high
             }
         )
-        if len(ticks) >= 3:
+        if len(ticks) >= 4:
             return ticks[:: math.ceil(len(ticks) / 7)]
+        fewer = ticks if len(ticks) >= 3 else fewer
+    if fewer:
+        return fewer
     from matplotlib.ticker import MaxNLocator
 
     return [
@@ -258,7 +265,7 @@ def log_ticks(low: float, high: float, base: int = 10) -> list[float]:
 
 
 # Finer and finer round numbers within a decade, for a log axis that spans less than three decades.
-_MANTISSAS: tuple[tuple[float, ...], ...] = ((1, 2, 5), (1, 2, 3, 5, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9))
+_MANTISSAS: tuple[tuple[float, ...], ...] = ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9))
 
 
 def tick_label(value: float, base: int = 10) -> str:
