@@ -116,7 +116,7 @@ def test_recorded_limits_replace_the_settings_line(tmp_path: Path) -> None:
     records = [{"step": s, "epoch": 0, "grad_norm": 1.0, "limit/exploding_grad": 50.0} for s in range(3)]
     run = load_run(write_history(tmp_path / "a", records, {"exploding_grad_threshold": 50.0}))
     panel = plan_run(run).panel("grad_norm")
-    assert [lim.label for lim in panel.limits] == ["exploding_grad limit (in force)"]
+    assert [lim.label for lim in panel.limits] == ["exploding_grad limit (fixed)"]
     assert panel.thresholds == ()
 
 

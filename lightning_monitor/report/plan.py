@@ -283,7 +283,8 @@ def _grad_norm_panel(run: Run, keys: RunKeys) -> Panel:
             continue
         kind = match["kind"]
         recorded.add(kind)
-        how = "learnt" if settings.get(f"{kind}_threshold") == "auto" else "in force"
+        setting = settings.get(f"{kind}_threshold")
+        how = "learnt" if setting == "auto" else "fixed" if _threshold(setting) is not None else "recorded"
         label = f"{kind} limit ({how}){match['opt'] or ''}"
         limits.append(Limit(label, series.steps, series.values, alert_colour(kind)))
     thresholds = tuple(
