@@ -68,8 +68,10 @@ def _parser() -> argparse.ArgumentParser:
             "Read the logs of one run (a Lightning version_N folder) or of every run under a folder: TensorBoard "
             "event files and/or CSVLogger metrics.csv, else the monitor's own monitor_history.jsonl (W&B, MLflow, "
             "no logger), plus the monitor's alerts.jsonl and monitor_settings.json. Print a summary of each run and "
-            "draw one PNG with a column of panels per run: loss, token accuracy, gradient norm with its thresholds, "
-            "learning rate, fp16 loss scale, and every alert at its step."
+            "draw one PNG with a column of panels per run: loss, token accuracy, gradient norm with the limits the "
+            "checks used, the layers that matter (those alerts named, the largest), learning rate (a note when "
+            "constant), fp16 loss scale, and every alert at its step. The PNG and HTML are written whole and moved "
+            "into place: a symbolic link there is replaced, never written through."
         ),
     )
     report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a run folder, or a folder holding several runs")

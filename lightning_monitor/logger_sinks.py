@@ -10,6 +10,9 @@
   artifacts under ``lightning_monitor/``: written there at once when the monitor's folder is the run's local artifact
   folder, else uploaded at each bundle, at a halt and at the end of fit.
 
+Both also get the monitor's history (``monitor_history.jsonl``) once it is written, so that ``lightning-monitor
+report`` draws each logger's run on its own, whichever logger's folder the monitor wrote into.
+
 A run that fails once (a server that does not answer, a package too old) gets one ``RuntimeWarning`` and is left
 alone; training and the other sinks carry on. Called on global rank zero only.
 """
@@ -39,6 +42,9 @@ WANDB_ALERT_WAIT_S = 60
 WANDB_ALERT_TEXT = 2000
 #: The longest tag value written: MLflow's limit before 2.x (5000 characters; 8000 since).
 MLFLOW_TAG_LENGTH = 5000
+#: The monitor's history in its folder (``lightning_monitor.history.HISTORY_FILE``; imported from there, it would
+#: make an import cycle through ``sinks``).
+_HISTORY_FILE = "monitor_history.jsonl"
 
 
 class TrackedRun:
@@ -62,6 +68,14 @@ class TrackedRun:
 
     def sync(self) -> None:
         """Bring the run's copies of the files up to date (at a halt, a bundle and the end of fit)."""
+
+    def written(self, paths: Iterable[Path]) -> list[Path]:
+        """``paths``, plus the monitor's history once it exists (``RunHistory`` appends to it without saying so)."""
+        history = self.folder / _HISTORY_FILE
+        out = list(paths)
+        if history not in out and history.is_file():
+            out.append(history)
+        return out
 
     def guarded(self, action: Callable[[], Any]) -> None:
         """Run ``action``; on any error warn once and stop writing to this run."""
@@ -110,9 +124,13 @@ class WandbRun(TrackedRun):
 
     def add_files(self, paths: Iterable[Path]) -> None:
         """``run.save`` each new file, ``policy="live"``: W&B follows its changes (``alerts.jsonl`` grows)."""
-        fresh = [p for p in paths if p not in self._saved]
+        fresh = [p for p in self.written(paths) if p not in self._saved]
         if fresh:
             self.guarded(lambda: self._save(fresh))
+
+    def sync(self) -> None:
+        """Save the history once it is written (the other files are saved as they come, and followed live)."""
+        self.add_files(())
 
     def _save(self, paths: Sequence[Path]) -> None:
         for path in paths:
@@ -143,11 +161,12 @@ class MlflowRun(TrackedRun):
     def add_files(self, paths: Iterable[Path]) -> None:
         """Remember the files to upload at the next :meth:`sync` (none when they are artifacts already)."""
         if not self.local:
-            for path in paths:
+            for path in self.written(paths):
                 self._pending.setdefault(path, None)
 
     def sync(self) -> None:
-        """Upload each remembered file that changed since its last upload."""
+        """Upload each remembered file that changed since its last upload, and the history."""
+        self.add_files(())
         if self._pending:
             self.guarded(self._upload)
 

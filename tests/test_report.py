@@ -161,11 +161,14 @@ def test_healthy_run_plan_holds_the_logged_series(healthy: Path) -> None:
     assert run.scalars["grad_norm"].source == "tensorboard"  # TensorBoard wins when both logged a key
 
     plot = plan_run(run)
-    assert [p.name for p in plot.panels] == ["loss", "token_acc", "grad_norm", "lr"]  # no fp16 loss scale
-    # No LearningRateMonitor: the learning rate is the monitor's own, from its history, at every logging step.
-    (lr,) = plot.panel("lr").lines
-    assert (lr.key, run.scalars["lr"].source) == ("lr", "history")
+    assert [p.name for p in plot.panels] == ["loss", "token_acc", "grad_norm", "layers"]  # no fp16 loss scale
+    # No LearningRateMonitor: the learning rate is the monitor's own, from its history, at every logging step; it
+    # never changes, so it is a note, not a panel.
+    lr = run.scalars["lr"]
+    assert (detect_keys(run).lr, lr.source) == (("lr",), "history")
     assert (lr.steps, lr.values) == (tuple(range(3 * BATCHES_PER_EPOCH)), (0.02,) * 3 * BATCHES_PER_EPOCH)
+    assert plot.panel("lr") is None
+    assert plot.notes == (("lr", "learning rate 0.02 throughout"),)
     train_acc, val_acc = plot.panel("token_acc").lines
     assert (train_acc.key, val_acc.key) == ("train_token_acc", "val_token_acc")
     assert (val_acc.steps, val_acc.values) == events(healthy, "val_token_acc")

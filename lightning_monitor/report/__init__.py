@@ -12,9 +12,9 @@ apart, one module each, so each can be tested on its own:
 3. **Plan** (:mod:`.plan`). :func:`plan_run` turns a run into a :class:`RunPlot`: plain data (panels, lines,
    threshold lines, alert marks) with every figure already chosen, so tests check what will be drawn without
    looking at pixels.
-4. **Drawing** (:mod:`.drawing`). :func:`render_png` and :func:`render_html` hand those plans to matplotlib
-   (imported only there, on the ``Agg`` canvas, so no window opens and the backend of the calling process is left
-   alone).
+4. **Drawing** (:mod:`.drawing`). :func:`render_png` (through :func:`draw_figure`) and :func:`render_html` hand
+   those plans to matplotlib (imported only there, on the ``Agg`` canvas, so no window opens and the backend of the
+   calling process is left alone).
 
 Every public name is importable from here. The command line (``lightning-monitor report LOGDIR``) is
 :mod:`lightning_monitor.cli`.
@@ -22,18 +22,21 @@ Every public name is importable from here. The command line (``lightning-monitor
 
 from __future__ import annotations
 
-from lightning_monitor.report.drawing import MissingDependencyError, render_html, render_png
+from lightning_monitor.report.drawing import MissingDependencyError, draw_figure, render_html, render_png
 from lightning_monitor.report.plan import (
     ALERT_COLOURS,
     FALLBACK_COLOUR,
     HALT_COLOUR,
+    MAX_LAYERS,
     PANEL_ORDER,
     AlertMark,
+    Limit,
     Line,
     Panel,
     RunPlot,
     Threshold,
     alert_colour,
+    blamed_layers,
     plan_run,
 )
 from lightning_monitor.report.reading import (
@@ -68,6 +71,7 @@ __all__ = [
     "FALLBACK_COLOUR",
     "HALT_COLOUR",
     "HISTORY_FILE",
+    "MAX_LAYERS",
     "METRICS_FILE",
     "PANEL_ORDER",
     "SETTINGS_FILE",
@@ -76,6 +80,7 @@ __all__ = [
     "VAL_ACC_KEYS",
     "VAL_LOSS_KEYS",
     "AlertMark",
+    "Limit",
     "Line",
     "MissingDependencyError",
     "NoLogsError",
@@ -87,7 +92,9 @@ __all__ = [
     "Series",
     "Threshold",
     "alert_colour",
+    "blamed_layers",
     "detect_keys",
+    "draw_figure",
     "find_runs",
     "learning_rate_at",
     "load_run",

@@ -7,24 +7,29 @@ here, so tests check what will be drawn without looking at pixels. Drawing it is
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_monitor.report.reading import Run
-from lightning_monitor.report.summary import RunKeys, detect_keys, verdict
+from lightning_monitor.keys import is_layer_key
+from lightning_monitor.report.reading import Run, Series
+from lightning_monitor.report.summary import RunKeys, _fmt, detect_keys, verdict
 
 __all__ = [
     "ALERT_COLOURS",
     "FALLBACK_COLOUR",
     "HALT_COLOUR",
+    "MAX_LAYERS",
     "PANEL_ORDER",
     "AlertMark",
+    "Limit",
     "Line",
     "Panel",
     "RunPlot",
     "Threshold",
     "alert_colour",
+    "blamed_layers",
     "plan_run",
 ]
 
@@ -43,6 +48,13 @@ FALLBACK_COLOUR = "#7f7f7f"
 #: Colour of the line that marks the step where training halted.
 HALT_COLOUR = "#8b0000"
 _TRAIN_COLOUR, _VAL_COLOUR = "#1f77b4", "#2ca02c"
+#: The most per-layer norms drawn in the layer panel: the layers the alerts named first, then the largest.
+MAX_LAYERS = 6
+_LARGEST_LAYERS = 3
+# Layer lines: colours apart from the alert colours, which mark steps on the same panel.
+_LAYER_COLOURS = ("#1f77b4", "#2ca02c", "#393b79", "#8c6d31", "#7b4173", "#5c5c5c")
+#: The history's limit keys: ``limit/<kind>`` (``limit/<kind>_opt<i>`` with several optimizers).
+_LIMIT_KEY = re.compile(r"limit/(?P<kind>exploding_grad|vanishing_grad)(?P<opt>_opt\d+)?")
 
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -84,6 +96,26 @@ class Threshold:
 
 
 @dataclass(frozen=True)
+class Limit:
+    """A limit the run's checks used, as recorded at each check (``limit/<kind>`` in ``monitor_history.jsonl``).
+
+    Drawn as a step line: the value recorded at a check holds until the next check. A NaN value is a check where
+    no limit was armed (a learnt limit before it was learnt): the line has a gap there.
+
+    Attributes:
+        label: The legend entry.
+        steps: The checks' steps.
+        values: The limit at each, NaN where none was armed.
+        colour: The colour of the limit's alert kind.
+    """
+
+    label: str
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+    colour: str
+
+
+@dataclass(frozen=True)
 class AlertMark:
     """A vertical line at an alert's step, in its kind's colour, on every panel of the run.
 
@@ -105,13 +137,15 @@ class Panel:
     """One panel of a run's column: its lines, threshold lines and y scale.
 
     Attributes:
-        name: ``"loss"``, ``"token_acc"``, ``"grad_norm"``, ``"lr"`` or ``"loss_scale"``.
+        name: One of :data:`PANEL_ORDER`.
         ylabel: The y-axis label.
         lines: The series drawn.
-        thresholds: Horizontal threshold lines.
+        thresholds: Horizontal threshold lines (a fixed threshold of ``monitor_settings.json``).
         yscale: ``"linear"`` or ``"log"``. Log only when some finite value is positive; values at or below zero
             are then left out of the lines.
         log_base: The base of a log axis.
+        limits: Step lines of the limits in force at each check (:class:`Limit`).
+        note: A line on what the panel leaves out (the legend's title), or ``""``.
     """
 
     name: str
@@ -120,6 +154,8 @@ class Panel:
     thresholds: tuple[Threshold, ...] = ()
     yscale: Literal["linear", "log"] = "linear"
     log_base: int = 10
+    limits: tuple[Limit, ...] = ()
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,24 +167,31 @@ class RunPlot:
         verdict: :func:`verdict` of the run, shown under the title.
         panels: The panels, top to bottom.
         alerts: One mark per alert, drawn on every panel.
+        notes: ``(panel name, text)`` for a figure said in words instead of a panel (a constant learning rate).
     """
 
     title: str
     verdict: str
     panels: tuple[Panel, ...]
     alerts: tuple[AlertMark, ...] = ()
+    notes: tuple[tuple[str, str], ...] = ()
 
     def panel(self, name: str) -> Panel | None:
         """The panel called ``name``, or ``None`` when the run has no such data."""
         return next((p for p in self.panels if p.name == name), None)
 
+    def note(self, name: str) -> str | None:
+        """The words that stand for the panel called ``name``, or ``None``."""
+        return next((text for panel, text in self.notes if panel == name), None)
+
 
 #: The panel kinds, top to bottom.
-PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "lr", "loss_scale")
+PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "layers", "lr", "loss_scale")
 _PANEL_LABELS = {
     "loss": "loss",
     "token_acc": "token accuracy",
     "grad_norm": "gradient norm",
+    "layers": "layer gradient norm",
     "lr": "learning rate",
     "loss_scale": "fp16 loss scale",
 }
@@ -168,10 +211,15 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
     """Decide what the figure shows for ``run``, as plain data (nothing is drawn here).
 
     Panels, top to bottom: training and validation loss (always; empty when none was logged); training and
-    validation token accuracy (only when logged); total gradient norm on a log axis with the exploding and
-    vanishing thresholds of ``monitor_settings.json`` (only when logged; thresholds only with settings); the learning
-    rate (``LearningRateMonitor``'s keys, else the monitor's history; only when known); the fp16 loss scale on a log2
-    axis (only when logged). Every alert becomes an :class:`AlertMark`.
+    validation token accuracy (only when logged); total gradient norm on a log axis with the limits the checks
+    used (only when logged; see below); the per-layer norms of the layers that matter (:func:`blamed_layers` and
+    the largest, at most :data:`MAX_LAYERS`; only when logged); the learning rate (``LearningRateMonitor``'s keys,
+    else the monitor's history; only when known, and said in words instead when it never changed); the fp16 loss
+    scale on a log2 axis (only when logged). Every alert becomes an :class:`AlertMark`.
+
+    The gradient-norm limits are those the run's checks used, where the monitor's history recorded them
+    (``limit/exploding_grad``, ``limit/vanishing_grad``: a learnt limit, drawn where it was in force); else a fixed
+    threshold of ``monitor_settings.json`` as a horizontal line.
 
     Args:
         run: A run read by :func:`load_run`.
@@ -189,36 +237,146 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
         (['loss', 'grad_norm'], 'log', (Threshold(label='exploding_grad_threshold', value=100.0, colour='#ff7f0e'),))
         >>> plot.alerts
         (AlertMark(step=1, kind='nonfinite_grad', colour='#9467bd', halted=True),)
+        >>> lr = Series("lr", (0, 1), (0.02, 0.02), "history")
+        >>> plan_run(Run(Path("version_0"), scalars={"lr": lr})).notes
+        (('lr', 'learning rate 0.02 throughout'),)
     """
     keys = keys or detect_keys(run)
     panels = [_loss_panel(run, keys)]
+    notes: list[tuple[str, str]] = []
     if keys.train_acc or keys.val_acc:
         lines = _lines(run, ((keys.train_acc, _TRAIN_COLOUR), (keys.val_acc, _VAL_COLOUR)))
         panels.append(Panel("token_acc", _PANEL_LABELS["token_acc"], lines))
     if keys.grad_norm:
-        palette = ("#444444", _TRAIN_COLOUR, _VAL_COLOUR, "#ff7f0e", "#9467bd")
-        lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.grad_norm)))
-        settings = run.settings or {}
-        thresholds = tuple(
-            Threshold(name, value, alert_colour(kind))
-            for name, kind in (
-                ("exploding_grad_threshold", "exploding_grad"),
-                ("vanishing_grad_threshold", "vanishing_grad"),
-            )
-            if (value := _threshold(settings.get(name))) is not None
-        )
-        panels.append(Panel("grad_norm", _PANEL_LABELS["grad_norm"], lines, thresholds, _log_if_positive(lines)))
+        panels.append(_grad_norm_panel(run, keys))
+    layers = _layer_panel(run)
+    if layers is not None:
+        panels.append(layers)
     if keys.lr:
         palette = ("#444444", _TRAIN_COLOUR, _VAL_COLOUR, "#ff7f0e", "#9467bd")
         lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.lr)))
-        panels.append(Panel("lr", _PANEL_LABELS["lr"], lines, yscale=_log_if_wide(lines)))
+        constant = _constant(lines)
+        if constant is not None:
+            notes.append(("lr", constant))
+        else:
+            panels.append(Panel("lr", _PANEL_LABELS["lr"], lines, yscale=_log_if_wide(lines)))
     if keys.loss_scale:
         lines = _lines(run, ((keys.loss_scale, "#444444"),))
         panels.append(
             Panel("loss_scale", _PANEL_LABELS["loss_scale"], lines, yscale=_log_if_positive(lines), log_base=2)
         )
     marks = tuple(AlertMark(a.step, a.kind, alert_colour(a.kind), a.halted) for a in run.alerts)
-    return RunPlot(str(run.path) if title is None else title, verdict(run, keys), tuple(panels), marks)
+    return RunPlot(str(run.path) if title is None else title, verdict(run, keys), tuple(panels), marks, tuple(notes))
+
+
+def _grad_norm_panel(run: Run, keys: RunKeys) -> Panel:
+    """The total norms, the recorded limits (step lines) and the fixed thresholds the history does not cover."""
+    palette = ("#444444", _TRAIN_COLOUR, _VAL_COLOUR, "#ff7f0e", "#9467bd")
+    lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.grad_norm)))
+    settings = run.settings or {}
+    limits: list[Limit] = []
+    recorded: set[str] = set()
+    for key in sorted(run.scalars):
+        match = _LIMIT_KEY.fullmatch(key)
+        series = run.scalars[key]
+        if match is None or not any(math.isfinite(v) for v in series.values):
+            continue
+        kind = match["kind"]
+        recorded.add(kind)
+        setting = settings.get(f"{kind}_threshold")
+        how = "learnt" if setting == "auto" else "fixed" if _threshold(setting) is not None else "recorded"
+        label = f"{kind} limit ({how}){match['opt'] or ''}"
+        limits.append(Limit(label, series.steps, series.values, alert_colour(kind)))
+    thresholds = tuple(
+        Threshold(name, value, alert_colour(kind))
+        for name, kind in (
+            ("exploding_grad_threshold", "exploding_grad"),
+            ("vanishing_grad_threshold", "vanishing_grad"),
+        )
+        if kind not in recorded and (value := _threshold(settings.get(name))) is not None
+    )
+    return Panel(
+        "grad_norm", _PANEL_LABELS["grad_norm"], lines, thresholds, _log_if_positive(lines), limits=tuple(limits)
+    )
+
+
+def blamed_layers(run: Run, layer_keys: Iterable[str]) -> list[str]:
+    """The layer keys among ``layer_keys`` whose layer an alert's message names, in the order first named.
+
+    A layer is named when its name (the key after its ``/``) stands in a message as a whole name: ``layer.1`` is
+    not named by ``layer.10`` or ``layer.1.attn``.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from lightning_monitor.report import RunAlert
+        >>> alert = RunAlert("nonfinite_grad", 4, 0, float("nan"), None,
+        ...                  "Non-finite gradients in 2 layer(s), in forward order: layer.10, layer.2.")
+        >>> keys = [f"grad_norm_layers/layer.{i}" for i in (1, 2, 10)]
+        >>> blamed_layers(Run(Path("."), alerts=[alert]), keys)
+        ['grad_norm_layers/layer.10', 'grad_norm_layers/layer.2']
+    """
+    keys = list(layer_keys)
+    found: dict[str, tuple[int, int]] = {}
+    messages = dict.fromkeys(a.message for a in run.alerts if a.message)  # each distinct message once
+    for order, message in enumerate(messages):
+        for key in keys:
+            if key in found:
+                continue
+            name = key.split("/", 1)[1]
+            hit = re.search(rf"(?<![\w.]){re.escape(name)}(?![\w]|\.\w)", message)
+            if hit is not None:
+                found[key] = (order, hit.start())
+    return sorted(found, key=found.__getitem__)
+
+
+def _layer_panel(run: Run) -> Panel | None:
+    """The layers the alerts named, then the largest (by their peak), at most :data:`MAX_LAYERS` in all."""
+    keys = [k for k in run.scalars if is_layer_key(k)]
+    if not keys:
+        return None
+    blamed = blamed_layers(run, keys)[:MAX_LAYERS]
+    peaks = {k: _peak(run.scalars[k]) for k in keys if k not in blamed}
+    largest = sorted(peaks, key=lambda k: -peaks[k])[: min(_LARGEST_LAYERS, MAX_LAYERS - len(blamed))]
+    chosen = blamed + largest
+    lines = tuple(
+        Line(
+            key,
+            _layer_label(key) + (" (alert)" if key in blamed else ""),
+            run.scalars[key].steps,
+            run.scalars[key].values,
+            _LAYER_COLOURS[i % len(_LAYER_COLOURS)],
+        )
+        for i, key in enumerate(chosen)
+    )
+    hidden = len(keys) > len(chosen)
+    named = "named by alerts" + (", and the largest" if largest else "") if blamed else "the largest"
+    note = f"{len(chosen)} of {len(keys)} layers: {named}" if hidden else ""
+    return Panel("layers", _PANEL_LABELS["layers"], lines, yscale=_log_if_positive(lines), note=note)
+
+
+def _layer_label(key: str) -> str:
+    """``model.blocks.0`` for ``grad_norm_layers/model.blocks.0``; ``fc (opt1)`` with several optimizers."""
+    prefix, name = key.split("/", 1)
+    opt = re.search(r"_opt(\d+)$", prefix)
+    return f"{name} (opt{opt[1]})" if opt else name
+
+
+def _peak(series: Series) -> float:
+    finite = [v for v in series.values if math.isfinite(v)]
+    return max(finite) if finite else math.inf  # a layer that went non-finite everywhere is among the largest
+
+
+def _constant(lines: Sequence[Line]) -> str | None:
+    """``"learning rate 0.02 throughout"`` when every line holds one finite value from start to end, else ``None``."""
+    if not lines or not all(line.values for line in lines):
+        return None
+    for line in lines:
+        first = line.values[0]
+        if not (math.isfinite(first) and all(v == first for v in line.values)):
+            return None
+    if len(lines) == 1:
+        return f"learning rate {_fmt(lines[0].values[0])} throughout"
+    return "learning rate throughout: " + ", ".join(f"{line.key} {_fmt(line.values[0])}" for line in lines)
 
 
 def _threshold(value: object) -> float | None:

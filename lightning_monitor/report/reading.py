@@ -40,6 +40,12 @@ HISTORY_FILE = "monitor_history.jsonl"  # the same name as `lightning_monitor.hi
 MAX_INDEX = 2**63 - 1
 _MAX_REBUILT_ALERTS = 10_000  # per kind, from the `alerts/<kind>` counters: a garbage count must not hang the report
 _EVENTS_PREFIX = "events.out.tfevents."
+#: The prefix of the limits the checks used, in the history: ``limit/exploding_grad``, ``limit/vanishing_grad``.
+LIMIT_PREFIX = "limit/"
+#: The folder of the monitor's files inside a W&B run's ``files/`` or an MLflow run's artifacts
+#: (``lightning_monitor.run_folder.MONITOR_FOLDER``).
+MONITOR_FOLDER = "lightning_monitor"
+_TOTAL_NORM_KEY = re.compile(r"grad_norm(_opt\d+)?")
 
 
 class NoLogsError(FileNotFoundError):
@@ -215,7 +221,9 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
 
     A run folder is any folder that directly holds a TensorBoard event file, a ``metrics.csv``, a
     ``monitor_history.jsonl`` or an ``alerts.jsonl``; but a folder inside a run that holds only an ``alerts.jsonl``
-    (such as a post-mortem bundle) is part of that run, not a run. Hidden folders are skipped.
+    (such as a post-mortem bundle) is part of that run, not a run, and so is a ``lightning_monitor`` folder right
+    inside a run (the monitor's files in a W&B run's ``files/``): :func:`load_run` reads it with the run. Hidden
+    folders are skipped.
 
     Raises:
         NoLogsError: If ``logdir`` does not exist, is not a folder, or holds no run.
@@ -238,6 +246,8 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     for folder, dirs, files in os.walk(root):  # top-down: a run folder is seen before its subfolders
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         path = Path(folder)
+        if path.name == MONITOR_FOLDER and path.parent in found:
+            continue  # the monitor's files of the run above, read with it
         if any(f.startswith(_EVENTS_PREFIX) or f in (METRICS_FILE, HISTORY_FILE) for f in files):
             found.append(path)
         elif ALERTS_FILE in files and not any(run in path.parents for run in found):
@@ -257,9 +267,10 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
 def load_run(path: str | os.PathLike[str]) -> Run:
     r"""Read one run folder: TensorBoard events, ``metrics.csv``, the monitor's history, alerts and settings.
 
-    Each file is optional. A run still being written reads fine: a last line without its newline is left out,
-    and any unreadable line or file is skipped and described in :attr:`Run.notes`. Unreadable rows and lines
-    (a step or epoch that is NaN, infinite, fractional, negative or not a number) are counted in
+    Each file is optional. The monitor's files (history, alerts, settings) missing from the folder are read from its
+    ``lightning_monitor`` subfolder when it has them. A run still being written reads fine: a last line without its
+    newline is left out, and any unreadable line or file is skipped and described in :attr:`Run.notes`. Unreadable
+    rows and lines (a step or epoch that is NaN, infinite, fractional, negative or not a number) are counted in
     :attr:`Run.skipped`; everything else in the file is kept.
 
     Example:
@@ -282,16 +293,16 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     if csv_path.is_file():
         for key, series in _read_csv(run, csv_path).items():
             run.scalars.setdefault(key, series)  # TensorBoard first, CSV for what it lacks
-    history_path = run.path / HISTORY_FILE
+    history_path = _monitor_file(run.path, HISTORY_FILE)
     if history_path.is_file():
         for key, series in _read_history(run, history_path).items():
             run.scalars.setdefault(key, series)  # the monitor's own record, for what the loggers lack
-    alerts_path = run.path / ALERTS_FILE
+    alerts_path = _monitor_file(run.path, ALERTS_FILE)
     if alerts_path.is_file():
         run.alerts = _read_alerts(run, alerts_path)
     else:
         run.alerts = _alerts_from_counters(run)
-    settings_path = run.path / SETTINGS_FILE
+    settings_path = _monitor_file(run.path, SETTINGS_FILE)
     if settings_path.is_file():
         try:
             settings = json.loads(settings_path.read_text(encoding="utf-8"))
@@ -302,6 +313,13 @@ def load_run(path: str | os.PathLike[str]) -> Run:
                 run.settings = settings
                 run.sources.append(SETTINGS_FILE)
     return run
+
+
+def _monitor_file(folder: Path, name: str) -> Path:
+    """``folder/name``, else ``folder/lightning_monitor/name`` when only that one is there."""
+    path = folder / name
+    inner = folder / MONITOR_FOLDER / name
+    return inner if not path.is_file() and inner.is_file() else path
 
 
 def load_runs(logdir: str | os.PathLike[str]) -> list[Run]:
@@ -381,6 +399,7 @@ def _read_history(run: Run, path: Path) -> dict[str, Series]:
     if lines is None:
         return {}
     points: dict[str, list[tuple[int, float]]] = {}
+    checks: set[int] = set()  # the steps of the records of a check (those that hold a total gradient norm)
     bad = 0
     for line in lines:
         if not line.strip():
@@ -394,10 +413,16 @@ def _read_history(run: Run, path: Path) -> dict[str, Series]:
             continue
         for key, value in values:
             points.setdefault(key, []).append((step, value))
+            if _TOTAL_NORM_KEY.fullmatch(key):
+                checks.add(step)
     if bad:
         run.skipped[HISTORY_FILE] = bad
         run.notes.append(skip_note(HISTORY_FILE, bad))
     run.sources.append(HISTORY_FILE)
+    for key, pts in points.items():
+        if key.startswith(LIMIT_PREFIX):  # a check without the limit had none armed: NaN, a gap in its line
+            has = {step for step, _ in pts}
+            pts[:0] = [(step, math.nan) for step in checks - has]
     return {key: _series(key, pts, "history") for key, pts in points.items()}
 
 
