@@ -204,6 +204,12 @@ def _add_replay(commands: Any) -> None:
     replay.add_argument(
         "--keep-going", action="store_true", help="replay past the first halt (the monitor would have stopped there)"
     )
+    replay.add_argument(
+        "--amp",
+        action="store_true",
+        help="the run trained under fp16 AMP and its logs hold no loss_scale (Hugging Face): a non-finite gradient "
+        "norm is an overflow the GradScaler skipped",
+    )
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -226,6 +232,7 @@ def _replay(args: argparse.Namespace) -> int:
             loss_key=args.loss_key,
             grad_norm_key=args.grad_norm_key,
             keep_going=args.keep_going,
+            amp=args.amp,
             **settings,
         )
     except FileNotFoundError as err:
@@ -234,6 +241,9 @@ def _replay(args: argparse.Namespace) -> int:
         return fail(f"{err} (--set takes TrainingMonitor's keyword arguments)")
     except ValueError as err:
         return fail(str(err))
+    except OSError as err:  # a file that cannot be read
+        sys.stderr.write(f"lightning-monitor replay: error: could not read the run: {err}\n")
+        return 1
     for alert in result.alerts:
         _out(alert.line())
     _out(result.summary())

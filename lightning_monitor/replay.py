@@ -34,7 +34,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -188,6 +188,7 @@ def replay(
     loss_key: str | None = None,
     grad_norm_key: str | None = None,
     keep_going: bool = False,
+    amp: bool = False,
     **monitor_kwargs: Any,
 ) -> ReplayResult:
     """Run the monitor's detectors and decisions over a finished run's figures.
@@ -199,6 +200,10 @@ def replay(
         grad_norm_key: The logged gradient-norm key (default: the first of :data:`GRAD_NORM_KEYS`).
         keep_going: Replay the whole run, reporting what comes after the first halt too (the monitor would have
             stopped there).
+        amp: The run trained under fp16 AMP (a GradScaler) but its logs hold no ``loss_scale`` (a Hugging Face fp16
+            run): a non-finite gradient norm is then an overflow the scaler skipped, alerted only when
+            ``amp_overflow_patience`` come in a row, as the monitor does under AMP. Points with a logged loss scale
+            are judged as under AMP whatever this says.
         **monitor_kwargs: ``TrainingMonitor``'s keyword arguments (``val_loss_key`` also picks the validation
             loss read from a file); validated as ``TrainingMonitor`` validates them.
 
@@ -221,6 +226,8 @@ def replay(
         )
     else:
         points, source = list(path_or_series), "series"
+    if amp:  # an unknown loss scale: one that never falls, so only a streak of overflows alerts
+        points = [replace(p, loss_scale=math.inf) if p.trains and p.loss_scale is None else p for p in points]
     state = _ReplayState.from_settings(config)
     notes: list[str] = []
     if config.recovery.recover_on:

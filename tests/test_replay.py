@@ -129,6 +129,18 @@ def test_plain_csv_nan_and_keep_going(tmp_path: Path) -> None:
     assert replay(run, val_loss_key=None).val_points == 0
 
 
+def test_amp_makes_an_isolated_overflow_no_alert_and_a_streak_one(tmp_path: Path) -> None:
+    # A Hugging Face fp16 run logs no loss scale: with amp=True a NaN gradient norm is an overflow the GradScaler
+    # skipped, and only `amp_overflow_patience` of them in a row alert (and halt: `nonfinite_grad`).
+    rows = ["step,loss,grad_norm"] + [f"{s},1.0,{'nan' if s in (3, 9) else 1.0}" for s in range(12)]
+    rows += [f"{s},1.0,nan" for s in range(12, 16)]
+    run = tmp_path / "fp16.csv"
+    run.write_text("\n".join(rows) + "\n")
+    assert _alerts(replay(run)) == [("nonfinite_grad", 3, True)]  # without amp: a non-finite gradient halts
+    assert _alerts(replay(run, amp=True)) == []
+    assert _alerts(replay(run, amp=True, amp_overflow_patience=4)) == [("nonfinite_grad", 15, True)]
+
+
 def test_points_as_a_series_and_settings_checked_as_the_monitor_checks_them() -> None:
     points = [Point(s, loss=1.0, grad_norm=3.0 if s != 5 else 30.0) for s in range(10)]
     assert _alerts(replay(points, exploding_grad_threshold=20)) == [("exploding_grad", 5, True)]
