@@ -10,8 +10,8 @@ Every run of ``benchmarks/real_runs/runs.json`` (values only, sources cited ther
 - ``kls``: llm-foundry's ``KillLossSpike`` with ``log_only=False`` (it stops the run): the loss at least 2x the
   mean of the last 100 for more than ``patience=4`` checks in a row, or, after 200 checks, half the window above
   ``loss_cap=10``;
-- ``olmo``: OLMo-core's step skipping: a loss or gradient norm above the mean + 6 standard deviations of the
-  previous 128 (from 64 seen) skips the step (a warning here); a non-finite loss halts;
+- ``olmo``: OLMo-core's step skipping: a loss or gradient norm more than 6 standard deviations from the mean of the
+  previous 128, on either side (from 64 seen), skips the step (a warning here); a non-finite loss halts;
 - ``zclip``: ZClip's z-score on the gradient norm as a detector (EMA ``alpha=0.97`` of the mean and variance, fed the
   clipped norm, after a 25-check warm-up; ``z > 2.5`` clips: a warning here).
 
@@ -176,7 +176,7 @@ def rule_kls(
             continue
         checks += 1
         if len(losses) == window:
-            mean = statistics.fmean(losses)  # NaN once a NaN entered the window, as np.mean
+            mean = sum(losses) / window  # NaN once a NaN entered the window, as np.mean
             if p.loss >= mean * multiplier:
                 outliers += 1
                 if outliers > patience:
@@ -191,26 +191,41 @@ def rule_kls(
 
 
 def rule_olmo(points: Sequence[Point], amp: bool, sigma: float = 6.0, length: int = 128) -> list[Event]:
-    """OLMo-core: skip a step whose loss or gradient norm is above mean + 6 std of the previous 128; NaN loss halts."""
+    """OLMo-core's ``SkipStepOptimizer`` (a skipped step is a warning here) and its trainer's non-finite-loss halt.
+
+    As ``get_step_factor`` (allenai/OLMo-core ``src/olmo_core/optim/skip_step_optimizer.py``): once 64 losses are
+    kept (the current one included), the step is skipped unless both the loss and the gradient norm are within
+    6 standard deviations (``torch.std``, unbiased) of the mean of the previous ones (up to 128), on either side. A
+    NaN in the window makes every comparison false, so every step is skipped until it leaves the window.
+    """
     events: list[Event] = []
-    seen: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+    losses: list[float] = []
+    grads: list[float] = []
+
+    def z(values: list[float]) -> float:
+        previous = values[:-1]
+        if len(previous) < 2:
+            return math.nan  # torch.std of one value is NaN
+        mean = sum(previous) / len(previous)
+        std = math.sqrt(sum((v - mean) ** 2 for v in previous) / (len(previous) - 1))
+        gap = abs(values[-1] - mean)
+        return gap / std if std > 0 else (math.nan if gap == 0 or math.isnan(gap) else math.inf)
+
     for p in points:
-        if p.loss is not None and not math.isfinite(p.loss):
+        if p.loss is None:  # its trainer sets the loss at every step; a point without one is no step here
+            continue
+        if not math.isfinite(p.loss):
             events.append(Event(p.step, True, "nonfinite_loss"))  # its trainer raises on a non-finite loss
-        skip = None
-        for key, value in (("loss", p.loss), ("grad_norm", p.grad_norm)):
-            if value is None:
-                continue
-            history = seen[key]
-            if len(history) >= max(20, length // 2):
-                recent = history[-length:]
-                mean = statistics.fmean(recent)
-                std = statistics.stdev(recent) if len(recent) > 1 else 0.0
-                if not value <= mean + sigma * std:  # NaN compares False: skipped
-                    skip = skip or f"{key}_spike"
-            history.append(value)
-        if skip is not None:
-            events.append(Event(p.step, False, skip))
+        losses = [*losses, p.loss][-(length + 1) :]
+        if p.grad_norm is not None:
+            grads = [*grads, p.grad_norm][-(length + 1) :]
+        if len(losses) < max(20, length // 2):
+            continue
+        keep = z(losses) <= sigma  # NaN compares False: skipped
+        if keep and grads:
+            keep = z(grads) <= sigma
+        if not keep:
+            events.append(Event(p.step, False, "skipped_step"))
     return events
 
 
@@ -255,6 +270,7 @@ class Score:
     caught: Event | None  # sick runs: the first alert at or after the onset
     late_checks: int | None  # checks of the fault's signal from the onset to the catch
     early_halt: int | None  # sick runs: a halt before the onset
+    halted: bool = False  # sick runs: halted at or after the onset by an alert on the fault's signal
 
 
 def score(run: Run, events: list[Event]) -> Score:
@@ -266,13 +282,14 @@ def score(run: Run, events: list[Event]) -> Score:
     # The fault shows in the validation loss when its onset is an evaluation; it is caught by an alert on that
     # signal (an exploding gradient after the onset of over-fitting is not its catch).
     val_fault = any(p.step == onset and p.val_loss is not None for p in run.points)
-    caught = next((e for e in events if e.step >= onset and (e.kind in VAL_KINDS) == val_fault), None)
+    on_signal = [e for e in events if e.step >= onset and (e.kind in VAL_KINDS) == val_fault]
+    caught = on_signal[0] if on_signal else None
     late = None
     if caught is not None:
         signal = [p.step for p in run.points if (p.val_loss is not None if val_fault else p.trains)]
         late = sum(1 for s in signal if onset <= s < caught.step)
     early = halt if halt is not None and halt < onset else None
-    return Score(halt, warnings, caught, late, early)
+    return Score(halt, warnings, caught, late, early, any(e.halts for e in on_signal))
 
 
 def summarize(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Sequence[str]) -> list[str]:
@@ -284,7 +301,7 @@ def summarize(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Seque
     head = (
         f"| rule | healthy runs halted (of {len(healthy)}) | warnings / 1k steps, every-step runs ({len(every)}) "
         f"| warnings / 1k steps (/ 1k checks), runs logged every N ({len(logged)}) | sick caught (of {len(sick)}) "
-        "| sick halted after onset | late: median steps (checks) | halted before onset |"
+        "| sick halted (by that signal) | late: median steps (checks) | halted before onset |"
     )
     lines = [head, "|" + "---|" * 8]
     for rule in rules:
@@ -302,7 +319,7 @@ def summarize(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Seque
             return text
 
         caught = [r for r in sick if s[r.id].caught is not None]
-        halted_sick = [r for r in sick if s[r.id].halt is not None and s[r.id].early_halt is None]
+        halted_sick = [r for r in sick if s[r.id].halted]
         late_steps = [s[r.id].caught.step - int(r.meta["onset_step"]) for r in caught]  # type: ignore[union-attr]
         late_checks = [s[r.id].late_checks for r in caught]
         late = (
