@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_monitor.cli import _setting_value
 from lightning_monitor.replay import Point, replay
 
 HERE = Path(__file__).resolve().parent / "real_runs"
@@ -359,9 +360,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     settings = {}
-    for item in args.settings:
+    for item in args.settings:  # read as `lightning-monitor replay --set` reads them
         key, _, value = item.partition("=")
-        settings[key] = json.loads(value) if value not in ("auto",) else value
+        settings[key.strip()] = _setting_value(key.strip(), value.strip())
     rules: dict[str, Callable[[Sequence[Point], bool], list[Event]]] = {
         "package": lambda points, amp: rule_package(points, amp, settings),
         "seed": rule_seed,
