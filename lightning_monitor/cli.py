@@ -8,6 +8,11 @@ Usage::
 
 Exit codes: 0 when the report was written, 1 when it could not be (matplotlib missing, a file not writable, no run
 with anything to draw), 2 for a usage error or a folder without logs.
+
+``replay`` (see :mod:`lightning_monitor.replay`) says what ``TrainingMonitor`` would have alerted over a finished
+run, and where it would have halted: ``lightning-monitor replay PATH [--format FORMAT] [--set KEY=VALUE ...]
+[--loss-key KEY] [--grad-norm-key KEY] [--keep-going] [--amp]``. Exit codes: 0 when replayed, 1 when a file could not
+be read, 2 for a usage error, a bad setting or no run.
 """
 
 from __future__ import annotations
