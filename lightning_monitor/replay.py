@@ -96,7 +96,8 @@ class ReplayAlert:
         value: The figure.
         threshold: The limit it crossed, when the rule has one.
         reason: The detector's words.
-        halted: Whether this alert would have halted training.
+        action: What the monitor would have done: ``"halt"`` (training halts), ``"skip"`` (the step's update is
+            kept from the weights and training goes on) or ``"alert"`` (an alert only).
     """
 
     kind: str
@@ -104,12 +105,16 @@ class ReplayAlert:
     value: float
     threshold: float | None
     reason: str
-    halted: bool
+    action: Literal["halt", "skip", "alert"]
+
+    @property
+    def halted(self) -> bool:
+        """Whether this alert would have halted training."""
+        return self.action == "halt"
 
     def line(self) -> str:
-        """One line: the step, the kind, what halted, and the detector's reason."""
-        action = "HALT" if self.halted else "alert"
-        return f"step {self.step}: {action} {self.kind}: {self.reason}"
+        """One line: the step, what the monitor would have done, the kind, and the detector's reason."""
+        return f"step {self.step}: {self.action.upper() if self.halted else self.action} {self.kind}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -264,6 +269,7 @@ class _ReplayState:
     detectors: Any  # `checks.StepDetectors`
     validation: Any  # `validation.ValidationCheck`
     halt_on: frozenset[Any]  # of `AlertKind`
+    skip_on: frozenset[Any]  # of `AlertKind`
 
     @classmethod
     def from_settings(cls, config: Any) -> _ReplayState:
@@ -274,6 +280,7 @@ class _ReplayState:
             StepDetectors.from_settings(config.step, config.spikes),
             ValidationCheck(config.validation),
             config.response.halt_on,
+            config.response.skip_on,
         )
 
 
@@ -285,16 +292,17 @@ class _Detecting:
 
 
 def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
-    """The monitor's verdict on one logged point: its detections, and which would halt.
+    """The monitor's verdict on one logged point: its detections, and what each would have done.
 
     This is the one place the replay decides; it runs the monitor's own code: ``OptimizerCheck.detect`` (the step
     detectors and their "causes, not echoes" rule) on the training figures, ``ValidationCheck.detect`` on the
-    validation loss, and the halting rule of ``Responder`` (a detection whose kind is in ``halt_on`` halts).
+    validation loss, and the rules of ``Responder``: a detection whose kind is in ``halt_on`` halts; a step with a
+    halting alert, a non-finite loss or gradient, or a figure beyond a ``skip_on`` limit is skipped.
     """
     from lightning_monitor.checks import OptimizerCheck
     from lightning_monitor.step_figures import StepFigures
 
-    detections = []
+    detections, skip = [], False
     if point.trains:
         amp = point.loss_scale is not None
         grad = point.grad_norm
@@ -311,13 +319,25 @@ def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
             loss_ranks=[],
             grad_ranks=[],
         )
-        detections += OptimizerCheck.detect(cast(OptimizerCheck, _Detecting(state.detectors)), figures)
-    if point.val_loss is not None:
-        detections += state.validation.detect(point.val_loss, None)
-    return [
-        ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, d.kind in state.halt_on)
+        check = cast(OptimizerCheck, _Detecting(state.detectors))
+        detections += OptimizerCheck.detect(check, figures)
+        # `Responder.respond_to_step`'s skip: a halting alert, a non-finite step, or a figure beyond a `skip_on` limit.
+        beyond = OptimizerCheck.beyond(check, state.skip_on)
+        skip = any(d.kind in state.halt_on for d in detections) or figures.unsafe or beyond
+    alerts = [
+        ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, _action(d.kind, state.halt_on, skip))
         for d in detections
     ]
+    if point.val_loss is not None:
+        alerts += [
+            ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, _action(d.kind, state.halt_on, False))
+            for d in state.validation.detect(point.val_loss, None)
+        ]
+    return alerts
+
+
+def _action(kind: Any, halt_on: frozenset[Any], skipped: bool) -> Literal["halt", "skip", "alert"]:
+    return "halt" if kind in halt_on else "skip" if skipped else "alert"
 
 
 # ------------------------------------------------------------------------------------------------------- reading

@@ -125,7 +125,11 @@ def test_plain_csv_nan_and_keep_going(tmp_path: Path) -> None:
     # A NaN loss makes NaN gradients: one alert for the cause, none for the echo.
     assert _alerts(replay(run)) == [("nonfinite_loss", 6, True)]
     assert _alerts(replay(run, keep_going=True)) == [("nonfinite_loss", 6, True), ("nonfinite_loss", 8, True)]
-    assert replay(run, halt_on=[]).halt is None
+    # Not halting, the NaN step is still kept from the weights (skipped), as the monitor keeps any non-finite step.
+    assert [(a.kind, a.step, a.action) for a in replay(run, halt_on=[]).alerts] == [
+        ("nonfinite_loss", 6, "skip"),
+        ("nonfinite_loss", 8, "skip"),
+    ]
     assert replay(run, val_loss_key=None).val_points == 0
 
 
@@ -144,6 +148,10 @@ def test_amp_makes_an_isolated_overflow_no_alert_and_a_streak_one(tmp_path: Path
 def test_points_as_a_series_and_settings_checked_as_the_monitor_checks_them() -> None:
     points = [Point(s, loss=1.0, grad_norm=3.0 if s != 5 else 30.0) for s in range(10)]
     assert _alerts(replay(points, exploding_grad_threshold=20)) == [("exploding_grad", 5, True)]
+    # `skip_on`: the step beyond the limit is skipped, and the alert does not halt.
+    result = replay(points, exploding_grad_threshold=20, halt_on=[], skip_on=["exploding_grad"])
+    assert [(a.kind, a.step, a.action) for a in result.alerts] == [("exploding_grad", 5, "skip")]
+    assert result.alerts[0].line() == "step 5: skip exploding_grad: gradient norm 30 > exploding_grad_threshold=20"
     with pytest.raises(ValueError, match="`divergence_patience` to be at least 1, but got 0"):
         replay(points, divergence_patience=0)
     with pytest.raises(TypeError, match="no_such_setting"):
