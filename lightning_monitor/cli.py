@@ -8,16 +8,24 @@ Usage::
 
 Exit codes: 0 when the report was written, 1 when it could not be (matplotlib missing, a file not writable, no run
 with anything to draw), 2 for a usage error or a folder without logs.
+
+``replay`` (see :mod:`lightning_monitor.replay`) says what ``TrainingMonitor`` would have alerted over a finished
+run, and where it would have halted: ``lightning-monitor replay PATH [--format FORMAT] [--set KEY=VALUE ...]
+[--loss-key KEY] [--grad-norm-key KEY] [--keep-going] [--amp]``. Exit codes: 0 when replayed, 1 when a file could not
+be read, 2 for a usage error, a bad setting or no run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_monitor.keys import is_layer_key
+from lightning_monitor.replay import FORMATS
 from lightning_monitor.report import (
     MissingDependencyError,
     NoLogsError,
@@ -53,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "replay":
+        return _replay(args)
     return _report(args)
 
 
@@ -94,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         "--val-acc-key", default=None, help="the validation token accuracy key (default: val_token_acc)"
     )
     report.add_argument("--no-plot", action="store_true", help="only print the summary (needs no matplotlib)")
+    _add_replay(commands)
     return parser
 
 
@@ -163,3 +174,108 @@ def _out(text: str) -> None:
 
 def _error(text: str) -> None:
     sys.stderr.write(f"lightning-monitor report: error: {text}\n")
+
+
+# ------------------------------------------------------------------------------------------------------- replay
+
+
+def _add_replay(commands: Any) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="say what TrainingMonitor would have alerted, and where it would have halted, over a finished run",
+        description=(
+            "Read a finished run's logged training loss, gradient norm and validation loss (TensorBoard events, a "
+            "CSVLogger metrics.csv, the monitor's monitor_history.jsonl, a Hugging Face trainer_state.json, or a "
+            "plain CSV of step,loss,grad_norm,val_loss) and run TrainingMonitor's own detectors and halting rule "
+            "over it, with the settings given by --set (TrainingMonitor's keyword arguments, checked as it checks "
+            "them). Print one line per alert, then a summary. Each logged training point is one check."
+        ),
+    )
+    replay.add_argument("path", metavar="PATH", type=Path, help="a run file, or a run folder")
+    replay.add_argument(
+        "--format", default="auto", choices=FORMATS, help="the file's format (default: told from the name/folder)"
+    )
+    replay.add_argument(
+        "--set",
+        dest="settings",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help=(
+            "a TrainingMonitor argument, e.g. exploding_grad_threshold=50, halt_on=nonfinite_loss,exploding_grad, "
+            "halt_on=[] (none), val_loss_key=eval_loss; repeat for several"
+        ),
+    )
+    replay.add_argument("--loss-key", default=None, help="the training loss key (default: first of loss, ...)")
+    replay.add_argument("--grad-norm-key", default=None, help="the gradient norm key (default: grad_norm, ...)")
+    replay.add_argument(
+        "--keep-going", action="store_true", help="replay past the first halt (the monitor would have stopped there)"
+    )
+    replay.add_argument(
+        "--amp",
+        action="store_true",
+        help="the run trained under fp16 AMP and its logs hold no loss_scale (Hugging Face): a non-finite gradient "
+        "norm is an overflow the GradScaler skipped",
+    )
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from lightning_monitor.replay import replay
+
+    def fail(text: str) -> int:
+        sys.stderr.write(f"lightning-monitor replay: error: {text}\n")
+        return 2
+
+    settings: dict[str, Any] = {}
+    for item in args.settings:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            return fail(f"--set takes KEY=VALUE, got {item!r}")
+        settings[key.strip()] = _setting_value(key.strip(), text.strip())
+    try:
+        result = replay(
+            args.path,
+            format=args.format,
+            loss_key=args.loss_key,
+            grad_norm_key=args.grad_norm_key,
+            keep_going=args.keep_going,
+            amp=args.amp,
+            **settings,
+        )
+    except FileNotFoundError as err:
+        return fail(str(err))
+    except TypeError as err:  # a keyword TrainingMonitor does not take
+        return fail(f"{err} (--set takes TrainingMonitor's keyword arguments)")
+    except ValueError as err:
+        return fail(str(err))
+    except OSError as err:  # a file that cannot be read
+        sys.stderr.write(f"lightning-monitor replay: error: could not read the run: {err}\n")
+        return 1
+    for alert in result.alerts:
+        _out(alert.line())
+    _out(result.summary())
+    return 0
+
+
+def _setting_value(key: str, text: str) -> Any:
+    """A ``--set`` value, read as the argument it sets expects.
+
+    JSON (numbers, ``null``, lists), ``none``/``true``/``false`` in any case, a comma-separated list for the
+    ``*_on`` kinds, else the text itself (``auto``, a key name).
+
+    Example:
+        >>> [_setting_value(k, v) for k, v in (("a", "50"), ("a", "None"), ("a", "auto"), ("halt_on", "x,y"))]
+        [50, None, 'auto', ['x', 'y']]
+    """
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    if key.endswith("_on"):
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return text

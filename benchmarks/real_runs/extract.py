@@ -1,0 +1,95 @@
+"""Pull the logged values of public training runs into small CSVs (provenance of benchmarks/real_runs).
+
+Each source is a public GitHub repository read from a local snapshot (``git --git-dir MIRROR show
+COMMIT:PATH``); only the logged figures are kept: ``step,loss,grad_norm,val_loss,lr``. Run from the
+worktree root after the snapshots are on this machine::
+
+    python benchmarks/real_runs/extract.py /work/.mirror
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# id -> (repository, path, commit, kind)
+TRAINER_STATE: dict[str, tuple[str, str, str, str]] = {}
+PLAIN_LOGS: dict[str, tuple[str, str, str, str]] = {}
+
+
+def _git(mirrors: Path, repo: str, *args: str) -> str:
+    git_dir = mirrors / repo.replace("/", "+") / "repo"
+    return subprocess.run(["git", "--git-dir", str(git_dir), *args], capture_output=True, text=True, check=True).stdout
+
+
+def _num(value: object) -> str:
+    if value is None:
+        return ""
+    number = float(value)  # type: ignore[arg-type]
+    if math.isnan(number):
+        return "nan"
+    if math.isinf(number):
+        return "inf" if number > 0 else "-inf"
+    return repr(number)
+
+
+def from_trainer_state(text: str) -> list[dict[str, str]]:
+    """Rows of a Hugging Face ``trainer_state.json``: train entries and eval entries merged by step."""
+    rows: dict[int, dict[str, str]] = {}
+    for entry in json.loads(text)["log_history"]:
+        if "step" not in entry:
+            continue
+        step = int(entry["step"])
+        row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+        if "loss" in entry:
+            row["loss"] = _num(entry["loss"])
+            row["grad_norm"] = _num(entry.get("grad_norm"))
+            row["lr"] = _num(entry.get("learning_rate", entry.get("lr")))
+        if "eval_loss" in entry:
+            row["val_loss"] = _num(entry["eval_loss"])
+    return [rows[s] for s in sorted(rows)]
+
+
+_TRAIN = re.compile(r"^step:(\d+)/\d+ train_loss:(\S+)")
+_VAL = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+)")
+
+
+def from_nanogpt_log(text: str) -> list[dict[str, str]]:
+    """Rows of a modded-nanogpt record log (``step:N/M train_loss:X``, ``step:N/M val_loss:Y``)."""
+    rows: dict[int, dict[str, str]] = {}
+    for line in text.splitlines():
+        for pattern, key in ((_TRAIN, "loss"), (_VAL, "val_loss")):
+            match = pattern.match(line)
+            if match:
+                step = int(match.group(1))
+                row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+                row[key] = _num(float(match.group(2)))
+    # Step 0's validation is taken before any update; keep it.
+    return [rows[s] for s in sorted(rows)]
+
+
+def write(run_id: str, rows: list[dict[str, str]]) -> None:
+    with open(HERE / f"{run_id}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["step", "loss", "grad_norm", "val_loss", "lr"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(mirrors: Path) -> None:
+    sources = json.loads((HERE / "sources.json").read_text())
+    for run_id, source in sources.items():
+        text = _git(mirrors, source["repo"], "show", f"{source['commit']}:{source['path']}")
+        rows = from_trainer_state(text) if source["format"] == "trainer_state" else from_nanogpt_log(text)
+        write(run_id, rows)
+        print(run_id, len(rows))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

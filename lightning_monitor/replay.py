@@ -1,0 +1,593 @@
+"""Replay a finished run's logged figures through the monitor's own detectors and decision code.
+
+:func:`replay` reads a run's logged series (TensorBoard event files, a Lightning CSVLogger ``metrics.csv``, the
+monitor's ``monitor_history.jsonl``, a Hugging Face ``trainer_state.json``, or a plain CSV of
+``step,loss,grad_norm,val_loss``) and runs what a :class:`~lightning_monitor.TrainingMonitor` built with the same
+keyword arguments runs at each check: the step detectors on each logged training point (loss, gradient norm) and
+the validation rules on each validation loss. It says what the monitor would have alerted and where it would have
+halted. The settings are validated by ``TrainingMonitor`` itself, so a bad value fails here as it would there.
+
+Each logged training point is one check, as with ``check_every_n_steps=1`` and every step logged: a run logged every
+N steps is judged on the figures it kept (a Hugging Face loss is the mean over its N steps, its gradient norm the
+last step's). Within a step the training check comes first, then the validation that followed it. What replay cannot
+reproduce: a rewind (``recover_on``) changes the figures that follow it, so the replay reports the detection and
+goes on; a skipped step is reported as the monitor would have skipped it, but the figures after it are the ones the
+run logged, with the step applied.
+
+Example:
+    >>> from lightning_monitor.replay import Point, replay
+    >>> points = [Point(step, loss=2.0, grad_norm=1.0) for step in range(5)]
+    >>> points.append(Point(5, loss=float("nan"), grad_norm=float("nan")))
+    >>> result = replay(points)
+    >>> [(a.step, a.kind, a.halted) for a in result.alerts]
+    [(5, 'nonfinite_loss', True)]
+    >>> result.halt_step
+    5
+    >>> replay(points, halt_on=[]).halt_step is None
+    True
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, cast
+
+__all__ = [
+    "FORMATS",
+    "Point",
+    "ReplayAlert",
+    "ReplayResult",
+    "read_series",
+    "replay",
+]
+
+Format = Literal["auto", "tensorboard", "csv", "history", "trainer_state", "plain"]
+#: The formats :func:`read_series` reads (``"auto"`` tells them apart).
+FORMATS: tuple[str, ...] = ("auto", "tensorboard", "csv", "history", "trainer_state", "plain")
+
+#: Keys tried, in order, for the training loss: the monitor's own ``loss`` first (``monitor_history.jsonl``).
+LOSS_KEYS = ("loss", "train_loss", "train_loss_step", "train/loss", "training_loss", "loss_step", "train/loss_step")
+#: Keys tried, in order, for the gradient norm: the monitor's, then Hugging Face's TensorBoard name.
+GRAD_NORM_KEYS = ("grad_norm", "train/grad_norm", "grad_norm_opt0")
+#: Keys tried, in order, after the monitor's ``val_loss_key``, for the validation loss.
+VAL_LOSS_KEYS = ("val_loss", "val/loss", "eval_loss", "eval/loss", "val_loss_epoch", "valid_loss", "validation_loss")
+_EVENTS_PREFIX = "events.out.tfevents."
+_HISTORY_FILE = "monitor_history.jsonl"  # `lightning_monitor.history.HISTORY_FILE`, without importing torch
+
+
+@dataclass(frozen=True)
+class Point:
+    """The figures logged at one step; ``None`` where the run logged nothing.
+
+    Attributes:
+        step: The step they were logged at.
+        loss: The training loss.
+        grad_norm: The total gradient norm.
+        val_loss: The validation loss of a validation run that ended at this step.
+        loss_scale: The fp16 loss scale (the monitor logs it under fp16 AMP): the step is then judged as under
+            AMP, where a non-finite gradient is the GradScaler's overflow, not an alert.
+    """
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    val_loss: float | None = None
+    loss_scale: float | None = None
+
+    @property
+    def trains(self) -> bool:
+        """Whether the point holds a training check (a loss or a gradient norm)."""
+        return self.loss is not None or self.grad_norm is not None
+
+
+@dataclass(frozen=True)
+class ReplayAlert:
+    """An alert the monitor would have raised.
+
+    Attributes:
+        kind: The alert kind's name (``AlertKind`` value), e.g. ``"exploding_grad"``.
+        step: The logged step of the figure.
+        value: The figure.
+        threshold: The limit it crossed, when the rule has one.
+        reason: The detector's words.
+        action: What the monitor would have done: ``"halt"`` (training halts), ``"skip"`` (the step's update is
+            kept from the weights and training goes on) or ``"alert"`` (an alert only).
+    """
+
+    kind: str
+    step: int
+    value: float
+    threshold: float | None
+    reason: str
+    action: Literal["halt", "skip", "alert"]
+
+    @property
+    def halted(self) -> bool:
+        """Whether this alert would have halted training."""
+        return self.action == "halt"
+
+    def line(self) -> str:
+        """One line: the step, what the monitor would have done, the kind, and the detector's reason."""
+        return f"step {self.step}: {self.action.upper() if self.halted else self.action} {self.kind}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What the monitor would have done over a run.
+
+    Attributes:
+        alerts: Every alert, in order (after a halt only with ``keep_going=True``).
+        source: Where the figures came from, in words (the format and the file).
+        train_points: How many training checks were replayed.
+        val_points: How many validation losses were replayed.
+        first_step: The first step replayed, or ``None`` for an empty run.
+        last_step: The last step replayed (the halt's, when the replay stopped there), or ``None``.
+        notes: What the monitor would have said besides alerts (a one-time notice), and what the replay could not
+            reproduce.
+    """
+
+    alerts: tuple[ReplayAlert, ...]
+    source: str = "series"
+    train_points: int = 0
+    val_points: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def halt(self) -> ReplayAlert | None:
+        """The first alert that would have halted training, or ``None``."""
+        return next((a for a in self.alerts if a.halted), None)
+
+    @property
+    def halt_step(self) -> int | None:
+        """The step training would have halted at, or ``None``."""
+        halt = self.halt
+        return None if halt is None else halt.step
+
+    def counts(self) -> dict[str, int]:
+        """How many alerts of each kind, in order of first appearance."""
+        out: dict[str, int] = {}
+        for alert in self.alerts:
+            out[alert.kind] = out.get(alert.kind, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        """The result in words: what was replayed, the alerts by kind, and the halt.
+
+        Example:
+            >>> print(ReplayResult((), "plain CSV run.csv", 3, 1, 0, 2).summary())
+            Replayed plain CSV run.csv: 3 training checks and 1 validation loss, steps 0 to 2.
+            No alert; training would not have halted.
+        """
+        checks = f"{self.train_points} training check{'s' if self.train_points != 1 else ''}"
+        vals = f"{self.val_points} validation loss{'es' if self.val_points != 1 else ''}"
+        span = "" if self.first_step is None else f", steps {self.first_step} to {self.last_step}"
+        lines = [f"Replayed {self.source}: {checks} and {vals}{span}."]
+        counts = self.counts()
+        total = sum(counts.values())
+        kinds = ", ".join(f"{kind} {n}" for kind, n in counts.items())
+        said = "No alert" if not total else f"{total} alert{'s' if total != 1 else ''} ({kinds})"
+        halt = self.halt
+        if halt is None:
+            lines.append(f"{said}; training would not have halted.")
+        else:
+            lines.append(f"{said}; training would have halted at step {halt.step} ({halt.kind}).")
+        lines.extend(f"Note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------- replay
+
+
+def replay(
+    path_or_series: str | os.PathLike[str] | Iterable[Point],
+    *,
+    format: Format = "auto",
+    loss_key: str | None = None,
+    grad_norm_key: str | None = None,
+    keep_going: bool = False,
+    amp: bool = False,
+    **monitor_kwargs: Any,
+) -> ReplayResult:
+    """Run the monitor's detectors and decisions over a finished run's figures.
+
+    Args:
+        path_or_series: A run's file or folder (see :func:`read_series`), or its points.
+        format: The file's format, or ``"auto"`` (see :func:`read_series`).
+        loss_key: The logged training-loss key (default: the first of :data:`LOSS_KEYS` that was logged).
+        grad_norm_key: The logged gradient-norm key (default: the first of :data:`GRAD_NORM_KEYS`).
+        keep_going: Replay the whole run, reporting what comes after the first halt too (the monitor would have
+            stopped there).
+        amp: The run trained under fp16 AMP (a GradScaler) but its logs hold no ``loss_scale`` (a Hugging Face fp16
+            run): a non-finite gradient norm is then an overflow the scaler skipped, alerted only when
+            ``amp_overflow_patience`` come in a row, as the monitor does under AMP. Points with a logged loss scale
+            are judged as under AMP whatever this says.
+        **monitor_kwargs: ``TrainingMonitor``'s keyword arguments (``val_loss_key`` also picks the validation
+            loss read from a file); validated as ``TrainingMonitor`` validates them.
+
+    Returns:
+        The alerts and where training would have halted.
+
+    Raises:
+        ValueError: If a setting's value is not what ``TrainingMonitor`` accepts, or the file cannot be read as
+            ``format``.
+        TypeError: If a keyword argument is not one of ``TrainingMonitor``'s.
+        FileNotFoundError: If the path holds no run that can be read.
+    """
+    from lightning_monitor.monitor import TrainingMonitor  # torch, only when something is replayed
+
+    config = TrainingMonitor(**monitor_kwargs).config
+    if isinstance(path_or_series, (str, os.PathLike)):
+        val_key = config.validation.val_loss_key
+        points, source = read_series(
+            path_or_series, format, loss_key=loss_key, grad_norm_key=grad_norm_key, val_loss_key=val_key
+        )
+    else:
+        points, source = list(path_or_series), "series"
+    if amp:  # an unknown loss scale: one that never falls, so only a streak of overflows alerts
+        points = [replace(p, loss_scale=math.inf) if p.trains and p.loss_scale is None else p for p in points]
+    state = _ReplayState.from_settings(config)
+    notes: list[str] = []
+    if config.recovery.recover_on:
+        notes.append(
+            "recover_on is not replayed: a rewind changes the figures that follow it, so its kinds are reported where"
+            " they were detected and the run's own figures go on."
+        )
+    alerts: list[ReplayAlert] = []
+    done: list[Point] = []
+    for point in sorted(points, key=lambda p: p.step):
+        done.append(point)
+        found = _judge_point(state, point)
+        alerts.extend(found)
+        notice = getattr(state.detectors.exploding, "notice", None)
+        if notice is not None and notice not in notes:
+            notes.append(notice)
+        if not keep_going and any(a.halted for a in found):
+            break
+    return ReplayResult(
+        alerts=tuple(alerts),
+        source=source,
+        train_points=sum(1 for p in done if p.trains),
+        val_points=sum(1 for p in done if p.val_loss is not None),
+        first_step=done[0].step if done else None,
+        last_step=done[-1].step if done else None,
+        notes=tuple(notes),
+    )
+
+
+@dataclass
+class _ReplayState:
+    """A run's detectors and the settings the decision reads, as a fresh ``TrainingMonitor`` holds them."""
+
+    detectors: Any  # `checks.StepDetectors`
+    validation: Any  # `validation.ValidationCheck`
+    halt_on: frozenset[Any]  # of `AlertKind`
+    skip_on: frozenset[Any]  # of `AlertKind`
+
+    @classmethod
+    def from_settings(cls, config: Any) -> _ReplayState:
+        from lightning_monitor.checks import StepDetectors
+        from lightning_monitor.validation import ValidationCheck
+
+        return cls(
+            StepDetectors.from_settings(config.step, config.spikes),
+            ValidationCheck(config.validation),
+            config.response.halt_on,
+            config.response.skip_on,
+        )
+
+
+class _Detecting:
+    """What :meth:`~lightning_monitor.checks.OptimizerCheck.detect` reads of its check: the detectors."""
+
+    def __init__(self, detectors: Any) -> None:
+        self.detectors = detectors
+
+
+def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
+    """The monitor's verdict on one logged point: its detections, and what each would have done.
+
+    This is the one place the replay decides; it runs the monitor's own code: ``OptimizerCheck.detect`` (the step
+    detectors and their "causes, not echoes" rule) on the training figures, ``ValidationCheck.detect`` on the
+    validation loss, and the rules of ``Responder``: a detection whose kind is in ``halt_on`` halts; a step with a
+    halting alert, a non-finite loss or gradient, or a figure beyond a ``skip_on`` limit is skipped.
+    """
+    from lightning_monitor.checks import OptimizerCheck
+    from lightning_monitor.step_figures import StepFigures
+
+    detections, skip = [], False
+    if point.trains:
+        amp = point.loss_scale is not None
+        grad = point.grad_norm
+        overflowed = amp and grad is not None and not math.isfinite(grad)
+        figures = StepFigures(
+            loss=point.loss,
+            grad_norm=grad,
+            grad_peak=grad,
+            layer_sq=[],
+            overflow_steps=int(overflowed),
+            checked_steps=1,
+            loss_scale=point.loss_scale,
+            amp=amp,
+            loss_ranks=[],
+            grad_ranks=[],
+        )
+        check = cast(OptimizerCheck, _Detecting(state.detectors))
+        detections += OptimizerCheck.detect(check, figures)
+        # `Responder.respond_to_step`'s skip: a halting alert, a non-finite step, or a figure beyond a `skip_on` limit.
+        beyond = OptimizerCheck.beyond(check, state.skip_on)
+        skip = any(d.kind in state.halt_on for d in detections) or figures.unsafe or beyond
+    alerts = [
+        ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, _action(d.kind, state.halt_on, skip))
+        for d in detections
+    ]
+    if point.val_loss is not None:
+        alerts += [
+            ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, _action(d.kind, state.halt_on, False))
+            for d in state.validation.detect(point.val_loss, None)
+        ]
+    return alerts
+
+
+def _action(kind: Any, halt_on: frozenset[Any], skipped: bool) -> Literal["halt", "skip", "alert"]:
+    return "halt" if kind in halt_on else "skip" if skipped else "alert"
+
+
+# ------------------------------------------------------------------------------------------------------- reading
+
+
+def read_series(
+    path: str | os.PathLike[str],
+    format: Format = "auto",
+    *,
+    loss_key: str | None = None,
+    grad_norm_key: str | None = None,
+    val_loss_key: str | None = "val_loss",
+) -> tuple[list[Point], str]:
+    r"""Read a run's training loss, gradient norm, validation loss and fp16 loss scale, by step.
+
+    Formats:
+        ``tensorboard``: a folder of TensorBoard event files, or one such file (tensorboard's ``EventAccumulator``).
+        ``csv``: a Lightning CSVLogger ``metrics.csv`` (rows merged by step).
+        ``history``: the monitor's ``monitor_history.jsonl`` (its own ``loss`` and ``grad_norm``).
+        ``trainer_state``: a Hugging Face ``trainer_state.json`` (its ``log_history``: ``loss``, ``grad_norm``,
+        ``eval_loss``).
+        ``plain``: a CSV whose columns include ``step`` and any of ``loss``, ``grad_norm``, ``val_loss``.
+        ``auto``: a file by its name and content; in a folder, the first found of ``monitor_history.jsonl`` (the
+        figures the monitor itself checked), TensorBoard events, ``metrics.csv``, ``trainer_state.json``, then the
+        ``trainer_state.json`` of the latest ``checkpoint-N`` subfolder.
+
+    Args:
+        path: A file or a run folder.
+        format: One of :data:`FORMATS`.
+        loss_key: The training-loss key (default: the first of :data:`LOSS_KEYS` present).
+        grad_norm_key: The gradient-norm key (default: the first of :data:`GRAD_NORM_KEYS` present).
+        val_loss_key: The validation-loss key tried first, before :data:`VAL_LOSS_KEYS`; ``None``: none is read.
+
+    Returns:
+        The points in step order, and the source in words.
+
+    Raises:
+        FileNotFoundError: If there is nothing readable at ``path``.
+        ValueError: If ``format`` is unknown, the file does not read as ``format``, or a key given was not logged.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp()) / "run.csv"
+        >>> _ = run.write_text("step,loss,grad_norm,val_loss\n0,2.5,1.0,\n1,nan,inf,\n1,,,2.0\n")
+        >>> points, source = read_series(run)
+        >>> for point in points:
+        ...     print(point)
+        Point(step=0, loss=2.5, grad_norm=1.0, val_loss=None, loss_scale=None)
+        Point(step=1, loss=nan, grad_norm=inf, val_loss=2.0, loss_scale=None)
+        >>> source == f"plain CSV {run}"
+        True
+    """
+    if format not in FORMATS:
+        raise ValueError(f"Expected argument `format` to be one of {list(FORMATS)}, but got {format!r}")
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"No run at {str(root)!r}: no such file or folder")
+    file, chosen = _locate(root, format)
+    if chosen == "tensorboard":
+        columns = _read_tensorboard(file)
+    elif chosen == "trainer_state":
+        columns = _read_trainer_state(file)
+    elif chosen == "history":
+        columns = _read_history(file)
+    else:
+        columns = _read_csv(file)
+    words = {
+        "tensorboard": "TensorBoard events",
+        "csv": "CSV",
+        "history": "monitor history",
+        "trainer_state": "trainer_state.json",
+        "plain": "plain CSV",
+    }
+    return _points(columns, loss_key, grad_norm_key, val_loss_key), f"{words[chosen]} {file}"
+
+
+def _locate(root: Path, format: str) -> tuple[Path, str]:
+    """The file (or events folder) to read, and its format."""
+    if root.is_file():
+        name = root.name
+        if format != "auto":
+            if format == "tensorboard":
+                return root.parent, format
+            return root, format
+        if name.startswith(_EVENTS_PREFIX):
+            return root.parent, "tensorboard"
+        if name.endswith(".jsonl"):
+            return root, "history"
+        if name.endswith(".json"):
+            return root, "trainer_state"
+        if name.endswith(".csv"):
+            return root, "csv" if name == "metrics.csv" else "plain"
+        raise ValueError(
+            f"Cannot tell the format of {str(root)!r} from its name: pass --format (one of {', '.join(FORMATS[1:])})"
+        )
+    events = sorted(root.glob(f"{_EVENTS_PREFIX}*"))
+    found: dict[str, Path | None] = {
+        "history": root / _HISTORY_FILE if (root / _HISTORY_FILE).is_file() else None,
+        "tensorboard": root if events else None,
+        "csv": root / "metrics.csv" if (root / "metrics.csv").is_file() else None,
+        "trainer_state": _trainer_state_in(root),
+    }
+    if format == "auto":
+        for name, where in found.items():
+            if where is not None:
+                return where, name
+    elif format == "plain":
+        plain = sorted(root.glob("*.csv"))
+        if len(plain) == 1:
+            return plain[0], format
+    elif found.get(format) is not None:
+        return cast(Path, found[format]), format
+    wanted = "run file" if format == "auto" else f"{format} file"
+    raise FileNotFoundError(
+        f"No {wanted} in {str(root)!r}: looked for {_HISTORY_FILE}, TensorBoard event files ({_EVENTS_PREFIX}*),"
+        " metrics.csv (CSVLogger), trainer_state.json (also in checkpoint-N folders) and, with --format plain, one"
+        " CSV file"
+    )
+
+
+def _trainer_state_in(root: Path) -> Path | None:
+    """``trainer_state.json`` in ``root``, else the one of its latest ``checkpoint-N`` subfolder."""
+    if (root / "trainer_state.json").is_file():
+        return root / "trainer_state.json"
+    best: tuple[int, Path] | None = None
+    for sub in root.glob("checkpoint-*/trainer_state.json"):
+        number = sub.parent.name.split("-", 1)[1]
+        if number.isdigit() and (best is None or int(number) > best[0]):
+            best = (int(number), sub)
+    return None if best is None else best[1]
+
+
+Columns = dict[str, dict[int, float]]
+
+
+def _put(columns: Columns, key: str, step: int, value: float) -> None:
+    columns.setdefault(key, {})[step] = value  # the last value of a step wins
+
+
+def _read_tensorboard(folder: Path) -> Columns:
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(folder), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    columns: Columns = {}
+    for tag in acc.Tags().get(event_accumulator.SCALARS, []):
+        for event in acc.Scalars(tag):
+            _put(columns, tag, int(event.step), float(event.value))
+    return columns
+
+
+def _read_csv(path: Path) -> Columns:
+    columns: Columns = {}
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if reader.fieldnames is None or "step" not in reader.fieldnames:
+            raise ValueError(f"{str(path)!r} is not a CSV with a `step` column (its header: {reader.fieldnames})")
+        for row in reader:
+            step = _step(row.get("step"))
+            if step is None:
+                continue
+            for key, text in row.items():
+                if key not in (None, "step") and text not in (None, ""):
+                    value = _number(text)
+                    if value is not None:
+                        _put(columns, key, step, value)
+    return columns
+
+
+def _read_history(path: Path) -> Columns:
+    columns: Columns = {}
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a last line still being written
+                continue
+            if not isinstance(record, dict):
+                continue
+            step = _step(record.get("step"))
+            if step is None:
+                continue
+            for key, value in record.items():
+                number = None if key in ("step", "epoch") else _number(value)
+                if number is not None:
+                    _put(columns, key, step, number)
+    return columns
+
+
+def _read_trainer_state(path: Path) -> Columns:
+    try:
+        history = json.loads(path.read_text(encoding="utf-8"))["log_history"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{str(path)!r} is not a trainer_state.json with a `log_history` ({err!r})") from None
+    columns: Columns = {}
+    for entry in history:
+        step = _step(entry.get("step")) if isinstance(entry, dict) else None
+        if step is None:
+            continue
+        for key, value in entry.items():
+            number = _number(value)
+            if number is not None and key not in ("step", "epoch"):
+                _put(columns, key, step, number)
+    return columns
+
+
+def _points(columns: Columns, loss_key: str | None, grad_key: str | None, val_key: str | None) -> list[Point]:
+    loss = _pick(columns, loss_key, LOSS_KEYS, "loss_key")
+    grad = _pick(columns, grad_key, GRAD_NORM_KEYS, "grad_norm_key")
+    val = None if val_key is None else _pick(columns, None, (val_key, *VAL_LOSS_KEYS), "val_loss_key")
+    scale = columns.get("loss_scale", {})
+    chosen = {name: columns.get(key, {}) if key else {} for name, key in (("l", loss), ("g", grad), ("v", val))}
+    steps = sorted(set(chosen["l"]) | set(chosen["g"]) | set(chosen["v"]))
+    return [
+        Point(
+            step,
+            loss=chosen["l"].get(step),
+            grad_norm=chosen["g"].get(step),
+            val_loss=chosen["v"].get(step),
+            loss_scale=scale.get(step) if (step in chosen["l"] or step in chosen["g"]) else None,
+        )
+        for step in steps
+    ]
+
+
+def _pick(columns: Mapping[str, Any], given: str | None, candidates: Sequence[str], argument: str) -> str | None:
+    if given is not None:
+        if given not in columns:
+            logged = ", ".join(sorted(columns)) or "none"
+            raise ValueError(f"Expected `{argument}` to name a logged key, but got {given!r} (logged: {logged})")
+        return given
+    return next((k for k in candidates if k in columns), None)
+
+
+def _step(value: object) -> int | None:
+    number = _number(value)
+    if number is None or not math.isfinite(number) or number < 0 or number != int(number):
+        return None
+    return int(number)
+
+
+def _number(value: object) -> float | None:
+    """A float from a logged value (NaN and infinities kept, written as numbers or names); ``None`` if not one."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None

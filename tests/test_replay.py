@@ -1,0 +1,187 @@
+"""``lightning-monitor replay`` and :func:`lightning_monitor.replay.replay`: every format, and agreement with a run.
+
+The Lightning formats (TensorBoard events, CSVLogger ``metrics.csv``, the monitor's ``monitor_history.jsonl``) are
+written by a real ``Trainer`` run watched by ``TrainingMonitor``; the replay of each must raise the alerts that run
+raised, at the same steps, and halt where it halted. A Hugging Face ``trainer_state.json`` and a plain CSV are
+written by hand, with the alerts they must give worked out from the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import ScriptedModel, jsonl, loader, make_trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_monitor import TrainingMonitor
+from lightning_monitor.cli import main
+from lightning_monitor.replay import Point, read_series, replay
+
+# The settings of the real run and of its replays: fixed limits and a short spike warm-up, so that a 40-step run
+# meets every rule; `exploding_grad` and `diverging_val_loss` alert without halting, a NaN loss halts.
+SETTINGS: dict[str, Any] = {
+    "exploding_grad_threshold": 50.0,
+    "vanishing_grad_threshold": None,
+    "spike_window": 16,
+    "spike_warmup": 8,
+    "divergence_patience": 2,
+    "halt_on": ["nonfinite_loss"],
+}
+SPIKE_STEP, NAN_STEP = 24, 33
+VAL_LOSSES = [1.0, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4]  # rises at the 3rd and 4th validation: diverging at the 4th
+
+
+class LoggedModel(ScriptedModel):
+    """The suite's scripted model, logging its training loss as users do (to TensorBoard and metrics.csv)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"])
+        return out
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 40-step run with a 1000x loss at SPIKE_STEP, a NaN loss at NAN_STEP and a rising validation loss."""
+    root = tmp_path_factory.mktemp("real_run")
+    torch.manual_seed(0)  # the data and the weights: the same alerts at every run of the suite
+    model = LoggedModel(loss_factor={SPIKE_STEP: 1000.0, NAN_STEP: math.nan}, val_losses=VAL_LOSSES)
+    tb = TensorBoardLogger(root, name="tb", version=0)
+    csv_logger = CSVLogger(root, name="csv", version=0)
+    monitor = TrainingMonitor(**SETTINGS)
+    trainer = make_trainer(root, [monitor], max_steps=40, val_check_interval=5, logger=[tb, csv_logger])
+    trainer.fit(model, loader(n=200), loader(n=8))
+    alerts = [(a["kind"], a["step"], a["halted"]) for a in jsonl(Path(tb.log_dir) / "alerts.jsonl")]
+    return {"tb": Path(tb.log_dir), "csv": Path(csv_logger.log_dir) / "metrics.csv", "alerts": alerts}
+
+
+def _alerts(result: Any) -> list[tuple[str, int, bool]]:
+    return [(a.kind, a.step, a.halted) for a in result.alerts]
+
+
+def test_the_real_run_raised_what_it_was_scripted_to(real_run: dict[str, Any]) -> None:
+    # The reference the replays are held to: the explosion (its loss spike with it), the divergence at the 4th
+    # validation (step 19: the monitor and the loggers put a validation at the step of the batch before it), and the
+    # halting NaN.
+    kinds = [(kind, step, halted) for kind, step, halted in real_run["alerts"]]
+    assert ("exploding_grad", SPIKE_STEP, False) in kinds
+    assert ("loss_spike", SPIKE_STEP, False) in kinds
+    assert ("diverging_val_loss", 19, False) in kinds
+    assert kinds[-1] == ("nonfinite_loss", NAN_STEP, True)
+
+
+@pytest.mark.parametrize(("where", "format"), [("tb", "tensorboard"), ("csv", "csv"), ("tb", "history")])
+def test_replay_of_each_lightning_format_agrees_with_the_run(real_run: dict[str, Any], where: str, format: Any) -> None:
+    path = real_run[where] / "monitor_history.jsonl" if format == "history" else real_run[where]
+    result = replay(path, format=format, loss_key=None if format == "history" else "train_loss", **SETTINGS)
+    assert _alerts(result) == real_run["alerts"]
+    assert result.halt_step == NAN_STEP
+    assert result.last_step == NAN_STEP  # the replay stops where the run stopped
+    # Validation after steps 4 to 29, and the one Lightning runs as the halted run ends, at the halting step.
+    assert result.val_points == 7
+
+
+def test_a_run_folder_reads_the_monitors_history_first(real_run: dict[str, Any]) -> None:
+    points, source = read_series(real_run["tb"])
+    assert source.startswith("monitor history")
+    assert [p.step for p in points if p.val_loss is not None] == [4, 9, 14, 19, 24, 29, NAN_STEP]
+    assert all(p.loss is not None and p.grad_norm is not None for p in points if p.step < NAN_STEP)
+
+
+def test_trainer_state_with_a_jump_and_a_blowup(tmp_path: Path) -> None:
+    # Hand-written Hugging Face log: the gradient norm crosses 100 once at step 40 (default: halts), the evaluation
+    # loss rises 4 times in a row from step 60 (the 4th rise, at step 120, is `diverging_val_loss`).
+    history: list[dict[str, Any]] = []
+    for step in range(10, 130, 10):
+        history.append({"loss": 1.0, "grad_norm": 250.0 if step == 40 else 1.0, "learning_rate": 1e-4, "step": step})
+    for step, value in zip(range(40, 140, 20), (0.5, 0.6, 0.7, 0.8, 0.9), strict=False):
+        history.append({"eval_loss": value, "step": step})
+    (tmp_path / "checkpoint-80").mkdir()
+    (tmp_path / "checkpoint-120").mkdir()
+    (tmp_path / "checkpoint-80" / "trainer_state.json").write_text(json.dumps({"log_history": history[:4]}))
+    (tmp_path / "checkpoint-120" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+
+    result = replay(tmp_path)  # the latest checkpoint's state
+    assert result.source.endswith(str(tmp_path / "checkpoint-120" / "trainer_state.json"))
+    assert _alerts(result) == [("exploding_grad", 40, True)]
+    assert result.halt_step == 40
+
+    result = replay(tmp_path, halt_on=["diverging_val_loss"])
+    assert _alerts(result) == [("exploding_grad", 40, False), ("diverging_val_loss", 120, True)]
+    assert (result.train_points, result.val_points, result.last_step) == (12, 5, 120)
+
+
+def test_plain_csv_nan_and_keep_going(tmp_path: Path) -> None:
+    rows = ["step,loss,grad_norm,val_loss"]
+    rows += [f"{s},2.0,1.0," for s in range(0, 6)]
+    rows += ["6,nan,nan,", "7,2.0,1.0,", "8,inf,nan,", "8,,,3.0"]
+    run = tmp_path / "run.csv"
+    run.write_text("\n".join(rows) + "\n")
+    # A NaN loss makes NaN gradients: one alert for the cause, none for the echo.
+    assert _alerts(replay(run)) == [("nonfinite_loss", 6, True)]
+    assert _alerts(replay(run, keep_going=True)) == [("nonfinite_loss", 6, True), ("nonfinite_loss", 8, True)]
+    # Not halting, the NaN step is still kept from the weights (skipped), as the monitor keeps any non-finite step.
+    assert [(a.kind, a.step, a.action) for a in replay(run, halt_on=[]).alerts] == [
+        ("nonfinite_loss", 6, "skip"),
+        ("nonfinite_loss", 8, "skip"),
+    ]
+    assert replay(run, val_loss_key=None).val_points == 0
+
+
+def test_amp_makes_an_isolated_overflow_no_alert_and_a_streak_one(tmp_path: Path) -> None:
+    # A Hugging Face fp16 run logs no loss scale: with amp=True a NaN gradient norm is an overflow the GradScaler
+    # skipped, and only `amp_overflow_patience` of them in a row alert (and halt: `nonfinite_grad`).
+    rows = ["step,loss,grad_norm"] + [f"{s},1.0,{'nan' if s in (3, 9) else 1.0}" for s in range(12)]
+    rows += [f"{s},1.0,nan" for s in range(12, 16)]
+    run = tmp_path / "fp16.csv"
+    run.write_text("\n".join(rows) + "\n")
+    assert _alerts(replay(run)) == [("nonfinite_grad", 3, True)]  # without amp: a non-finite gradient halts
+    assert _alerts(replay(run, amp=True)) == []
+    assert _alerts(replay(run, amp=True, amp_overflow_patience=4)) == [("nonfinite_grad", 15, True)]
+
+
+def test_points_as_a_series_and_settings_checked_as_the_monitor_checks_them() -> None:
+    points = [Point(s, loss=1.0, grad_norm=3.0 if s != 5 else 30.0) for s in range(10)]
+    assert _alerts(replay(points, exploding_grad_threshold=20)) == [("exploding_grad", 5, True)]
+    # `skip_on`: the step beyond the limit is skipped, and the alert does not halt.
+    result = replay(points, exploding_grad_threshold=20, halt_on=[], skip_on=["exploding_grad"])
+    assert [(a.kind, a.step, a.action) for a in result.alerts] == [("exploding_grad", 5, "skip")]
+    assert result.alerts[0].line() == "step 5: skip exploding_grad: gradient norm 30 > exploding_grad_threshold=20"
+    with pytest.raises(ValueError, match="`divergence_patience` to be at least 1, but got 0"):
+        replay(points, divergence_patience=0)
+    with pytest.raises(TypeError, match="no_such_setting"):
+        replay(points, no_such_setting=1)
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run.csv"
+    run.write_text("step,loss,grad_norm\n" + "".join(f"{s},1.0,{60.0 if s == 3 else 1.0}\n" for s in range(6)))
+    assert main(["replay", str(run), "--set", "exploding_grad_threshold=50", "--set", "halt_on=[]"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "step 3: alert exploding_grad: gradient norm 60 > exploding_grad_threshold=50"
+    assert out[-1] == "1 alert (exploding_grad 1); training would not have halted."
+
+    assert (
+        main(
+            [
+                "replay",
+                str(run),
+                "--set",
+                "halt_on=exploding_grad,nonfinite_loss",
+                "--set",
+                "exploding_grad_threshold=50",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.splitlines()[0].startswith("step 3: HALT exploding_grad")
+
+    assert main(["replay", str(run), "--set", "top_k=0"]) == 2
+    assert "Expected argument `top_k` to be at least 1, but got 0" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "missing")]) == 2
+    assert main(["replay", str(run), "--set", "nokey"]) == 2
