@@ -18,7 +18,9 @@ Example:
     >>> from lightning_monitor.replay import Point, replay
     >>> points = [Point(step, loss=2.0, grad_norm=1.0) for step in range(5)]
     >>> points.append(Point(5, loss=float("nan"), grad_norm=float("nan")))
-    >>> result = replay(points)
+    >>> [(a.step, a.kind, a.action) for a in replay(points).alerts]  # an isolated bad step: skipped
+    [(5, 'nonfinite_loss', 'skip')]
+    >>> result = replay(points, halt_after=1)
     >>> [(a.step, a.kind, a.halted) for a in result.alerts]
     [(5, 'nonfinite_loss', True)]
     >>> result.halt_step
@@ -264,45 +266,41 @@ def replay(
 
 @dataclass
 class _ReplayState:
-    """A run's detectors and the settings the decision reads, as a fresh ``TrainingMonitor`` holds them."""
+    """A run's detectors, its escalation ladder and the policy, as a fresh ``TrainingMonitor`` holds them."""
 
-    detectors: Any  # `checks.StepDetectors`
+    detectors: Any  # `judging.StepDetectors`
     validation: Any  # `validation.ValidationCheck`
-    halt_on: frozenset[Any]  # of `AlertKind`
-    skip_on: frozenset[Any]  # of `AlertKind`
+    policy: Any  # `decision.Policy`
+    ladder: Any  # `decision.Ladder`
+    checks: int = 0
 
     @classmethod
     def from_settings(cls, config: Any) -> _ReplayState:
-        from lightning_monitor.checks import StepDetectors
+        from lightning_monitor.decision import Ladder, Policy
+        from lightning_monitor.judging import StepDetectors
         from lightning_monitor.validation import ValidationCheck
 
         return cls(
             StepDetectors.from_settings(config.step, config.spikes),
             ValidationCheck(config.validation),
-            config.response.halt_on,
-            config.response.skip_on,
+            Policy.of(config.response),
+            Ladder(),
         )
-
-
-class _Detecting:
-    """What :meth:`~lightning_monitor.checks.OptimizerCheck.detect` reads of its check: the detectors."""
-
-    def __init__(self, detectors: Any) -> None:
-        self.detectors = detectors
 
 
 def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
     """The monitor's verdict on one logged point: its detections, and what each would have done.
 
-    This is the one place the replay decides; it runs the monitor's own code: ``OptimizerCheck.detect`` (the step
-    detectors and their "causes, not echoes" rule) on the training figures, ``ValidationCheck.detect`` on the
-    validation loss, and the rules of ``Responder``: a detection whose kind is in ``halt_on`` halts; a step with a
-    halting alert, a non-finite loss or gradient, or a figure beyond a ``skip_on`` limit is skipped.
+    This is the one place the replay decides, and it runs the monitor's own stages: ``judging.judge`` (the step
+    detectors and their "causes, not echoes" rule) and ``decision.decide`` (the escalation ladder, ``halt_on``,
+    ``skip_on``) on the training figures, ``ValidationCheck.detect`` and ``decision.decide_validation`` on the
+    validation loss.
     """
-    from lightning_monitor.checks import OptimizerCheck
+    from lightning_monitor.decision import RecoveryPlan, StepFacts, decide, decide_validation
+    from lightning_monitor.judging import judge
     from lightning_monitor.step_figures import StepFigures
 
-    detections, skip = [], False
+    alerts: list[ReplayAlert] = []
     if point.trains:
         amp = point.loss_scale is not None
         grad = point.grad_norm
@@ -319,25 +317,26 @@ def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
             loss_ranks=[],
             grad_ranks=[],
         )
-        check = cast(OptimizerCheck, _Detecting(state.detectors))
-        detections += OptimizerCheck.detect(check, figures)
-        # `Responder.respond_to_step`'s skip: a halting alert, a non-finite step, or a figure beyond a `skip_on` limit.
-        beyond = OptimizerCheck.beyond(check, state.skip_on)
-        skip = any(d.kind in state.halt_on for d in detections) or figures.unsafe or beyond
-    alerts = [
-        ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, _action(d.kind, state.halt_on, skip))
-        for d in detections
-    ]
+        judged = judge(state.detectors, figures)
+        facts = StepFacts(check=state.checks, unsafe=figures.unsafe, amp=amp)
+        verdict = decide(judged, facts, RecoveryPlan(list(judged.detections)), state.ladder, state.policy)
+        state.ladder, state.checks = verdict.ladder, state.checks + 1
+        alerts += [_replay_alert(point.step, r, verdict.skip) for r in verdict.rulings]
     if point.val_loss is not None:
-        alerts += [
-            ReplayAlert(d.kind.value, point.step, d.value, d.threshold, d.reason, _action(d.kind, state.halt_on, False))
-            for d in state.validation.detect(point.val_loss, None)
-        ]
+        verdict = decide_validation(state.validation.detect(point.val_loss, None), state.policy)
+        alerts += [_replay_alert(point.step, r, False) for r in verdict.rulings]
     return alerts
 
 
-def _action(kind: Any, halt_on: frozenset[Any], skipped: bool) -> Literal["halt", "skip", "alert"]:
-    return "halt" if kind in halt_on else "skip" if skipped else "alert"
+def _replay_alert(step: int, ruling: Any, skipped: bool) -> ReplayAlert:
+    """What one ruling says the monitor would have done at ``step``."""
+    from lightning_monitor.decision import Rung
+
+    d = ruling.detection
+    action: Literal["halt", "skip", "alert"] = (
+        "halt" if ruling.rung is Rung.HALT else "skip" if ruling.rung is Rung.SKIP or skipped else "alert"
+    )
+    return ReplayAlert(d.kind.value, step, d.value, d.threshold, d.reason, action)
 
 
 # ------------------------------------------------------------------------------------------------------- reading

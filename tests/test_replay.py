@@ -25,6 +25,7 @@ from lightning_monitor.replay import Point, read_series, replay
 # The settings of the real run and of its replays: fixed limits and a short spike warm-up, so that a 40-step run
 # meets every rule; `exploding_grad` and `diverging_val_loss` alert without halting, a NaN loss halts.
 SETTINGS: dict[str, Any] = {
+    "halt_after": 1,  # halt at the first bad step, so that the run and its replay stop at the same one
     "exploding_grad_threshold": 50.0,
     "vanishing_grad_threshold": None,
     "spike_window": 16,
@@ -106,12 +107,12 @@ def test_trainer_state_with_a_jump_and_a_blowup(tmp_path: Path) -> None:
     (tmp_path / "checkpoint-80" / "trainer_state.json").write_text(json.dumps({"log_history": history[:4]}))
     (tmp_path / "checkpoint-120" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
 
-    result = replay(tmp_path)  # the latest checkpoint's state
+    result = replay(tmp_path, halt_after=1)  # the latest checkpoint's state
     assert result.source.endswith(str(tmp_path / "checkpoint-120" / "trainer_state.json"))
     assert _alerts(result) == [("exploding_grad", 40, True)]
     assert result.halt_step == 40
 
-    result = replay(tmp_path, halt_on=["diverging_val_loss"])
+    result = replay(tmp_path, halt_after=1, halt_on=["diverging_val_loss"])
     assert _alerts(result) == [("exploding_grad", 40, False), ("diverging_val_loss", 120, True)]
     assert (result.train_points, result.val_points, result.last_step) == (12, 5, 120)
 
@@ -123,8 +124,11 @@ def test_plain_csv_nan_and_keep_going(tmp_path: Path) -> None:
     run = tmp_path / "run.csv"
     run.write_text("\n".join(rows) + "\n")
     # A NaN loss makes NaN gradients: one alert for the cause, none for the echo.
-    assert _alerts(replay(run)) == [("nonfinite_loss", 6, True)]
-    assert _alerts(replay(run, keep_going=True)) == [("nonfinite_loss", 6, True), ("nonfinite_loss", 8, True)]
+    assert _alerts(replay(run, halt_after=1)) == [("nonfinite_loss", 6, True)]
+    assert _alerts(replay(run, halt_after=1, keep_going=True)) == [
+        ("nonfinite_loss", 6, True),
+        ("nonfinite_loss", 8, True),
+    ]
     # Not halting, the NaN step is still kept from the weights (skipped), as the monitor keeps any non-finite step.
     assert [(a.kind, a.step, a.action) for a in replay(run, halt_on=[]).alerts] == [
         ("nonfinite_loss", 6, "skip"),
@@ -140,14 +144,16 @@ def test_amp_makes_an_isolated_overflow_no_alert_and_a_streak_one(tmp_path: Path
     rows += [f"{s},1.0,nan" for s in range(12, 16)]
     run = tmp_path / "fp16.csv"
     run.write_text("\n".join(rows) + "\n")
-    assert _alerts(replay(run)) == [("nonfinite_grad", 3, True)]  # without amp: a non-finite gradient halts
+    assert _alerts(replay(run, halt_after=1)) == [
+        ("nonfinite_grad", 3, True)
+    ]  # without amp: a non-finite gradient halts
     assert _alerts(replay(run, amp=True)) == []
     assert _alerts(replay(run, amp=True, amp_overflow_patience=4)) == [("nonfinite_grad", 15, True)]
 
 
 def test_points_as_a_series_and_settings_checked_as_the_monitor_checks_them() -> None:
     points = [Point(s, loss=1.0, grad_norm=3.0 if s != 5 else 30.0) for s in range(10)]
-    assert _alerts(replay(points, exploding_grad_threshold=20)) == [("exploding_grad", 5, True)]
+    assert _alerts(replay(points, halt_after=1, exploding_grad_threshold=20)) == [("exploding_grad", 5, True)]
     # `skip_on`: the step beyond the limit is skipped, and the alert does not halt.
     result = replay(points, exploding_grad_threshold=20, halt_on=[], skip_on=["exploding_grad"])
     assert [(a.kind, a.step, a.action) for a in result.alerts] == [("exploding_grad", 5, "skip")]
@@ -175,6 +181,8 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                 "halt_on=exploding_grad,nonfinite_loss",
                 "--set",
                 "exploding_grad_threshold=50",
+                "--set",
+                "halt_after=1",
             ]
         )
         == 0
@@ -185,3 +193,12 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "Expected argument `top_k` to be at least 1, but got 0" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing")]) == 2
     assert main(["replay", str(run), "--set", "nokey"]) == 2
+
+
+def test_replay_climbs_the_escalation_ladder():
+    points = [Point(step, loss=2.0, grad_norm=1.0) for step in range(20)]
+    for step in (6, 8, 10):
+        points[step] = Point(step, loss=math.nan, grad_norm=math.nan)
+    result = replay(points)
+    assert [(a.step, a.action) for a in result.alerts] == [(6, "skip"), (8, "skip"), (10, "halt")]
+    assert result.halt_step == 10
