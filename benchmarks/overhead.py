@@ -131,6 +131,7 @@ from _common import (
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
+from sync_count import HostSyncCounter
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
@@ -139,7 +140,6 @@ from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
 from lightning_monitor.grad_norms import LayerGradNorms
 from lightning_monitor.sinks import LoggerSink
-from sync_count import HostSyncCounter
 from lightning_monitor.token_accuracy import TokenAccuracy
 
 CONFIGS = ("bare", "floor", "monitor", "recipe", "naive")

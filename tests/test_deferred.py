@@ -15,12 +15,12 @@ import pytest
 import torch
 from helpers import ScriptedModel, all_finite, csv_column, jsonl, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger
+from sync_count import HostSyncCounter
 from test_distributed import TensorBatchModel, fit, reports
 from test_syncs import ProgressBarLoss, count_syncs
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor.halting import StepGuard
-from sync_count import HostSyncCounter
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),

@@ -14,13 +14,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import close, make_trainer
+from sync_count import HostSyncCounter
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
 from lightning_monitor.grad_norms import LayerGradNorms
-from sync_count import HostSyncCounter
 
 V, T = 5, 6  # a batch of 2 sequences holds 12 tokens out of 5: some token is always there twice
 

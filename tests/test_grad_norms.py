@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from sync_count import HostSyncCounter
 from torch import nn
 
 from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from sync_count import HostSyncCounter
 
 
 class TinyGPT(nn.Module):

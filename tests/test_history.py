@@ -19,12 +19,12 @@ import torch
 from helpers import ScriptedModel, close, loader, make_trainer, tb_scalars
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from sync_count import HostSyncCounter
 
 from lightning_monitor import Alert, AlertKind, TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.history import HISTORY_FILE, RunHistory
 from lightning_monitor.report import RunAlert, detect_keys, load_run, plan_run, summarize_run
-from sync_count import HostSyncCounter
 
 LR0, GAMMA, EVERY = 2.0**-3, 0.5, 2  # StepLR(step_size=EVERY, gamma=GAMMA) stepped after every optimizer step
 NAN_AT = 6

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port
+from sync_count import HostSyncCounter
 from torch import nn
 
 from lightning_monitor._host import gather_ranks
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
-from sync_count import HostSyncCounter
 
 WORLD = 2
 RTOL = 1e-5

@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from sync_count import HostSyncCounter
 from torch import nn
 
 from lightning_monitor.alerts import AlertKind
 from lightning_monitor.checks import HELD_STEPS_AT_MOST, OptimizerCheck
-from lightning_monitor.judging import StepDetectors
 from lightning_monitor.detectors import AmpOverflowDetector, NonFiniteDetector
 from lightning_monitor.grad_norms import LayerGradNorms
-from sync_count import HostSyncCounter
+from lightning_monitor.judging import StepDetectors
 
 
 def make_check(model: nn.Module) -> OptimizerCheck:

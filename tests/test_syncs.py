@@ -10,10 +10,10 @@ import pytest
 from helpers import ScriptedModel, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
+from sync_count import HostSyncCounter
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
-from sync_count import HostSyncCounter
 
 
 def count_syncs(callback: pl.Callback, counter: HostSyncCounter, per_step: Counter, hooks=STEP_HOOKS) -> None:

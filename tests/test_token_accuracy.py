@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port
+from sync_count import HostSyncCounter
 from torchmetrics.classification import MulticlassAccuracy
 
-from sync_count import HostSyncCounter
 from lightning_monitor.token_accuracy import TokenAccuracy, token_accuracy_counts
 from lightning_monitor.token_tracker import HOLD_AT_MOST, TokenAccuracyTracker
 
