@@ -29,6 +29,7 @@ class AlertKind(str, Enum):
     EXPLODING_GRAD = "exploding_grad"
     VANISHING_GRAD = "vanishing_grad"
     DIVERGING_VAL_LOSS = "diverging_val_loss"
+    DIVERGING_LOSS = "diverging_loss"
     LOSS_SPIKE = "loss_spike"
     GRAD_SPIKE = "grad_spike"
     TOKEN_ACC_STALL = "token_acc_stall"
@@ -76,6 +77,10 @@ ADVICE: dict[AlertKind, str] = {
     AlertKind.DIVERGING_VAL_LOSS: (
         "The model is over-fitting or the learning rate is too high for this stage: restore the best "
         "checkpoint, lower the learning rate or add regularisation."
+    ),
+    AlertKind.DIVERGING_LOSS: (
+        "The training loss has left where it started: lower the learning rate or lengthen the warm-up, check the "
+        "data and labels of this stage, and restart from the last good checkpoint."
     ),
     AlertKind.LOSS_SPIKE: (
         "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and look for bad "

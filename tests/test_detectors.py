@@ -60,19 +60,43 @@ def test_threshold_detection_fields():
 
 
 @pytest.mark.parametrize(
-    ("values", "patience", "min_delta", "expected_index"),
+    ("values", "patience", "min_delta", "margin", "expected_index"),
     [
-        ([1.0, 2.0, 3.0, 4.0, 5.0], 4, 0.0, 4),
-        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, 7),
-        ([1.0, 1.05, 1.1, 1.15, 1.2], 4, 0.1, None),  # rises smaller than min_delta do not count
-        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1, 0.0, None),  # flat is not rising
-        ([3.0, NAN], 4, 0.0, 1),
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 4, 0.0, None, 4),
+        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, None, 7),  # rises in a row only
+        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, 0.1, 4),  # four values off the best 1.0 come first
+        ([1.0, 1.05, 1.1, 1.15, 1.2], 4, 0.1, None, None),  # rises smaller than min_delta do not count
+        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1, 0.0, None, None),  # flat is not rising
+        ([3.0, NAN], 4, 0.0, None, 1),
+        # A long plateau creeping up by a hair (a healthy continued pretraining): rises, but not off its best.
+        ([0.4853, 0.4873, 0.4906, 0.4907, 0.4917], 4, 0.0, 0.1, None),
+        ([0.4853, 0.4873, 0.4906, 0.4907, 0.4917], 4, 0.0, None, 4),  # which rises alone call diverging
+        # The speech fine-tune that jumps and plateaus high: never four rises in a row.
+        ([0.3, 0.219, 0.416, 0.423, 0.41, 0.438, 0.402], 4, 0.0, 0.1, 5),
+        ([0.3, 0.219, 0.416, 0.423, 0.41, 0.438, 0.402], 4, 0.0, None, None),
+        ([0.3, 0.219, 0.416, 0.423, 0.24, 0.438, 0.402, 0.45, 0.46], 4, 0.0, 0.1, 8),  # came back once: count anew
+        ([-2.0, -2.5, -2.1, -2.0, -2.2, -1.9], 4, 0.0, 0.1, 5),  # a negative loss: the margin of its magnitude
     ],
 )
-def test_rising(values, patience, min_delta, expected_index):
-    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience, min_delta)
+def test_rising(values, patience, min_delta, margin, expected_index):
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience, min_delta, margin)
     hits = [i for i, v in enumerate(values) if det.update(v) is not None]
     assert hits == ([] if expected_index is None else [expected_index])
+
+
+def test_rising_off_its_best_message_and_episode():
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 2, margin=0.5)
+    found = [det.update(v) for v in (1.0, 0.4, 0.7, 0.65)][-1]
+    assert (
+        found.reason == "val_loss has stayed more than 50% above its best 0.4 for 2 validations in a row (0.7 -> 0.65)"
+    )
+    assert (found.value, found.threshold) == (0.65, pytest.approx(0.6))
+    assert fired(det, [0.9, 0.8, 0.5, 0.7, 0.7]) == [False, False, False, False, True]  # one alert per episode
+
+
+def test_rising_rejects_a_bad_margin():
+    with pytest.raises(ValueError, match=r"`margin` to be a finite number >= 0 or None, but got -0\.1"):
+        RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 2, margin=-0.1)
 
 
 def test_rising_message_lists_the_values():
@@ -201,21 +225,73 @@ def test_exploding_arms_only_below_its_limit_and_warns_once():
     det = ExplodingDetector("gradient norm", limit=100.0, factor=10.0, early=5)
     fired_at = fired(det, [3000.0])
     assert fired_at == [False] and det.notice is not None and "set exploding_grad_threshold" in det.notice
+    assert det.limit_now == INF  # no limit until the run has its tail
     assert fired(det, [2000.0, 1500.0, 1200.0, 1000.0, 900.0]) == [False] * 5 and det.notice is None
-    assert not det.armed
-    assert fired(det, [29000.0, 31000.0, 32000.0, 800.0, 40000.0]) == [False, True, False, False, True]
-    assert fired(det, [50.0, 150.0]) == [False, False]  # a dip below the limit does not arm it: the start decides
+    assert not det.armed and det.limit_now == 10000.0  # 10x the tail of six, at most their fifth largest: 1000
+    assert fired(det, [10500.0, 11000.0, 800.0, 12000.0]) == [True, False, False, True]
     found = ExplodingDetector("gradient norm", early=5)
-    assert fired(found, [2.0, 1.0, 150.0, 1.0]) == [False, False, True, False]  # absolute, armed at once
+    assert fired(found, [2.0, 1.0, 150.0, 1.0]) == [False, False, True, False]  # the fixed limit, armed at once
+    assert found.armed and found.limit_now == 100.0
 
 
-def test_exploding_relative_rule_at_any_scale_and_early_max_not_poisoned():
+def test_exploding_fixed_limit_is_raised_to_the_runs_own_early_scale():
+    # A full fine-tune whose norms are at 30 to 75 in its warm-up, with one batch at 164 while the loss falls fast
+    # (a real run): 100 is no explosion for it, 20x its largest norm so far is.
+    det = ExplodingDetector("gradient norm", early=100)
+    assert fired(det, [46.8, 32.9, 32.7, 36.0, 48.7, 75.7, 37.1, 164.5, 15.1, 5.7]) == [False] * 10
+    assert det.limit_now == 3290.0 and not det.armed
+    assert det.update(20000.0).reason == "gradient norm 2e+04 > 20x the largest of its first 10 steps (164.5)"
+
+
+def test_exploding_relative_rule_at_any_scale_and_the_tail_not_poisoned():
     det = ExplodingDetector("gradient norm", limit=100.0, factor=10.0, early=4)
-    # A LoRA-sized run: armed at once; an early explosion fires and stays out of the early maximum.
+    # A LoRA-sized run: armed at once; an early explosion fires and stays out of the tail.
     assert fired(det, [0.03, 0.04, 500.0, 0.03, 0.02]) == [False, False, True, False, False]
-    assert det.early_max == 0.04
-    assert fired(det, [0.3, 0.41, 50.0]) == [False, True, False]  # 10x the early max, long before 100
-    assert fired(det, [INF, NAN]) == [False, False]
+    assert det.tail == 0.02 and det.early_max == 0.02 and det.limit_now == pytest.approx(0.2)  # the 5th largest
+    assert fired(det, [INF, NAN, 0.5]) == [False, False, True]  # 10x the tail, long before 100
+
+
+def test_a_norm_climbing_under_the_limit_does_not_carry_it_up():
+    # A blow-up doubling at each step from a steady 1: a running maximum would follow it (each step under 20x the
+    # largest so far), the 99th percentile of the last 500 norms (their 6th largest) does not.
+    det = ExplodingDetector("gradient norm")
+    fired(det, [1.0 + 0.01 * (i % 7) for i in range(500)])
+    hits = fired(det, [2.0**k for k in range(1, 10)])
+    assert hits.index(True) == 4  # 32 > 20 x 1.06
+    assert det.limit_now == pytest.approx(20 * 1.06)
+
+
+def test_exploding_tail_is_a_long_window_quantile_of_the_runs_norms():
+    # A classifier near zero loss: most norms near 0.017, the batches it gets wrong at 5 to 31 (a real run's median
+    # and 99th percentile), and once 108: under the fixed 100's rule an explosion, here within its tail.
+    heavy = [31.0 if i % 50 == 7 else 5.0 if i % 10 == 3 else 0.017 for i in range(2000)]
+    det = ExplodingDetector("gradient norm")
+    assert not any(fired(det, [*heavy, 108.0, 0.015]))
+    assert det.limit_now == 620.0  # 20x the 99th percentile, 31
+    assert fired(det, [700.0]) == [True]
+    # The 99th percentile of the last `window` norms, the 11th largest of 1,000: the top ten do not set it, and the
+    # oldest leave it.
+    det = ExplodingDetector("gradient norm", early=10, window=1000)
+    fired(det, [1.0] * 990 + [5.0] * 10)
+    assert det.tail == 1.0
+    fired(det, [5.0])
+    assert det.tail == 5.0
+    fired(det, [1.0] * 1000)
+    assert det.tail == 1.0
+
+
+def test_exploding_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="`window` to be at least `early` \\(100\\), but got 50"):
+        ExplodingDetector("gradient norm", window=50)
+    with pytest.raises(ValueError, match="`quantile` to be in \\(0, 1\\], but got 0"):
+        ExplodingDetector("gradient norm", quantile=0)
+
+
+def test_exploding_reads_the_state_of_a_checkpoint_from_before_the_tail():
+    det = ExplodingDetector("gradient norm", early=3)
+    det.load_state_dict({"armed": True, "warned": False, "seen": 100, "early_max": 0.5, "count": 0})
+    assert det.armed and det.limit_now == 100.0  # the fixed limit again, until it has a tail of its own
+    assert fired(det, [1.0, 2.0, 1.0, 25.0]) == [False, False, False, True]
 
 
 def test_collapse_is_relative_to_the_early_median():
