@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from lightning_monitor.detectors import (
     AmpOverflowDetector,
     CollapseDetector,
     ExplodingDetector,
+    LossDivergenceDetector,
     NonFiniteDetector,
     RisingDetector,
     SpikeDetector,
@@ -151,6 +153,8 @@ def test_amp_overflow_persistent_and_collapse():
         ),
         lambda: ExplodingDetector("norm", limit=0.035, factor=1.5, early=2),
         lambda: CollapseDetector("norm", ratio=0.5, patience=2, early=2),
+        lambda: LossDivergenceDetector(factor=2.0, patience=2, start=2),
+        lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 3, margin=0.5),
     ],
 )
 def test_state_dict_round_trip_continues_the_streak(make):
@@ -345,3 +349,141 @@ def test_signed_losses_keep_spike_detection(offset):
 def test_unsigned_spike_detector_ignores_non_positive_values():
     det = SpikeDetector(AlertKind.GRAD_SPIKE, "norm", warmup=2)
     assert fired(det, [1.0, 0.0, -1.0, 1.0]) == [False] * 4 and not det.linear
+
+
+def quiet_loss(n: int = 200) -> list[float]:
+    """A falling loss with a deterministic wiggle of +-4%."""
+    return [3.0 / (1 + 0.002 * i) * (1 + 0.02 * ((i * 7) % 5 - 2)) for i in range(n)]
+
+
+def test_a_big_spike_alerts_at_its_step_and_a_small_one_only_if_the_next_step_stays_up():
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    assert not any(fired(det, quiet_loss()))
+    level = quiet_loss(201)[-1]
+    # A single batch at 2x, the next one back: an outlier, not an alert (the real pretraining logs' noise).
+    assert fired(det, [2 * level, level, level]) == [False, False, False]
+    assert det.pending is None
+    # 3x: at once.
+    assert fired(det, [3 * level, level]) == [True, False]
+    fired(det, [level] * 20)
+    # 1.8x that stays up (the level moved): at the next step, naming both.
+    found = [det.update(v) for v in (1.8 * level, 1.7 * level, 1.8 * level)]
+    assert [f is not None for f in found] == [False, True, False]
+    assert "and the next step stayed up at" in found[1].reason and found[1].value == pytest.approx(1.7 * level)
+
+
+def test_a_confirmed_spike_is_one_alert_and_a_nan_does_not_confirm_or_clear_it():
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    fired(det, quiet_loss())
+    level = quiet_loss(201)[-1]
+    assert fired(det, [2 * level, NAN, 2 * level, 2 * level, 2 * level]) == [False, False, True, False, False]
+    assert fired(det, [level] * 30) == [False] * 30  # the episode ended with the level learnt or gone
+
+
+@pytest.mark.parametrize(("at_once", "expected"), [(1.0, [True, False]), (2.5, [False, False]), (1.5, [True, False])])
+def test_at_once_sets_the_size_of_spike_that_alerts_alone(at_once, expected):
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss", at_once=at_once)
+    fired(det, quiet_loss())
+    level = quiet_loss(201)[-1]
+    assert fired(det, [2 * level, level]) == expected
+
+
+def test_spike_patience_then_confirmation():
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss", patience=2)
+    fired(det, quiet_loss())
+    level = quiet_loss(201)[-1]
+    assert fired(det, [2 * level, 2 * level, level]) == [False, False, False]  # two outliers, then back: none
+    fired(det, [level] * 20)
+    assert fired(det, [2 * level, 2 * level, 2 * level]) == [False, False, True]  # within patience + 1
+    assert fired(det, [4 * level, 4 * level]) == [False, False]  # the same episode
+    fired(det, [level] * 20)
+    assert fired(det, [4 * level, 4 * level]) == [False, True]  # large: at the patience-th
+
+
+def test_a_pending_spike_survives_a_checkpoint():
+    first = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    fired(first, quiet_loss())
+    level = quiet_loss(201)[-1]
+    fired(first, [2 * level])
+    assert first.pending is not None
+    second = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    second.load_state_dict(first.state_dict())
+    assert second.pending == first.pending and fired(second, [2 * level]) == [True]
+    old = {k: v for k, v in first.state_dict().items() if k not in ("pending", "alerted")}
+    third = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    third.load_state_dict(old)  # a checkpoint from before the rule: nothing pending, its outlier was alerted
+    assert third.pending is None and third.alerted
+    assert fired(third, [2 * level, level]) == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"), [("at_once", 0.5), ("at_once", INF), ("confirm", 0.0), ("confirm", NAN)]
+)
+def test_spike_rejects_bad_rule_arguments(argument, value):
+    with pytest.raises(ValueError, match=f"`{argument}` to be a finite number"):
+        SpikeDetector(AlertKind.LOSS_SPIKE, "loss", **{argument: value})
+
+
+@pytest.mark.parametrize(
+    ("values", "expected_index"),
+    [
+        # Real fine-tunes that blow up in their first checks (issue 33): caught at the third check above 4x.
+        ([1.0, 0.98, 1.02, 1.3, 2.9, 6.5, 14.0, 29.6, 29.0], 7),
+        ([1.64, 1.6, 1.7, 11.8, 11.6, 11.9, 11.7, 11.8], 5),
+        ([1.0, 0.9, 0.95, 5.0, 0.8, 5.0, 5.0, 0.7, 5.0], None),  # never three checks in a row
+        ([3.0 / (1 + 0.1 * i) for i in range(50)], None),  # a healthy falling loss
+        ([1.0, NAN, 1.0, 1.0, 5.0, INF, 5.0, 5.0], 7),  # non-finite losses are another detector's
+        ([0.0, -0.5, -1.0, 5.0, 5.0, 5.0, 5.0], None),  # a start at or below zero has no ratio: off
+    ],
+)
+def test_loss_divergence_against_the_starting_level(values, expected_index):
+    det = LossDivergenceDetector()
+    hits = [i for i, v in enumerate(values) if det.update(v) is not None]
+    assert hits == ([] if expected_index is None else [expected_index])
+
+
+def test_loss_divergence_message_episode_and_rearm():
+    det = LossDivergenceDetector(factor=4.0, patience=3)
+    found = [det.update(v) for v in (1.64, 1.6, 1.7, 11.8, 11.6, 11.9)][-1]
+    assert found.kind is AlertKind.DIVERGING_LOSS and (found.value, found.threshold) == (11.9, pytest.approx(6.56))
+    assert found.reason == (
+        "training loss 11.9 > 4x its starting level 1.64 (the median of its first 3 steps) for 3 steps in a row"
+    )
+    assert fired(det, [12.0, 12.0]) == [False, False]
+    det.rearm()  # a resume: the divergence still there is reported again
+    assert fired(det, [12.0]) == [True]
+    assert fired(det, [1.0, 12.0, 12.0, 12.0]) == [False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"factor": 1.0}, "`factor` to be a finite number > 1, but got 1.0"),
+        ({"patience": 0}, "`patience` to be at least 1, but got 0"),
+        ({"start": 0}, "`start` to be at least 1, but got 0"),
+    ],
+)
+def test_loss_divergence_rejects_bad_arguments(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LossDivergenceDetector(**arguments)
+
+
+def test_the_new_detector_settings_have_defaults_and_are_checked():
+    from dataclasses import replace
+
+    from lightning_monitor import TrainingMonitor
+
+    config = TrainingMonitor().config
+    assert (config.spikes.loss_divergence_factor, config.validation.divergence_margin) == (4.0, 0.1)
+    assert {"loss_divergence_factor": 4.0, "divergence_margin": 0.1}.items() <= config.as_dict().items()
+    assert replace(config.spikes, loss_divergence_factor=None).loss_divergence_factor is None  # off
+    assert replace(config.validation, divergence_margin=None).divergence_margin is None  # rises in a row alone
+    assert replace(config.validation, divergence_margin=1).divergence_margin == 1.0
+    for group, name, value, expected in (
+        (config.spikes, "loss_divergence_factor", 1.0, "a finite number > 1, but got 1.0 (or None, off)"),
+        (config.spikes, "loss_divergence_factor", "4", "a finite number > 1, but got '4' (or None, off)"),
+        (config.validation, "divergence_margin", -0.1, "a finite number >= 0, but got -0.1 (or None, off)"),
+        (config.validation, "divergence_margin", INF, "a finite number >= 0, but got inf (or None, off)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"Expected argument `{name}` to be {expected}")):
+            replace(group, **{name: value})
