@@ -27,6 +27,7 @@ import copy
 import csv
 import inspect
 import json
+import math
 import os
 import random
 import sys
@@ -70,6 +71,7 @@ class Run:
 @dataclass
 class Outcome:
     alerts: list[tuple[str, int, str]] = field(default_factory=list)  # kind, step, reason
+    closest: tuple[float, int, float] = (0.0, 0, math.inf)  # the largest norm / exploding limit: ratio, step, limit
 
     def halts(self, halt_on: Iterable[str] = DEFAULT_HALT_ON) -> list[tuple[str, int, str]]:
         return [a for a in self.alerts if a[0] in set(halt_on)]
@@ -148,6 +150,9 @@ def replay(run: Run, spike: dict[str, Any] | None = None) -> Outcome:
             value = row[FIGURE[key]]
             if value is None:
                 continue
+            limit = getattr(detector, "limit_now", math.inf) if key == "exploding" else math.inf
+            if math.isfinite(limit) and math.isfinite(value) and value / limit > outcome.closest[0]:
+                outcome.closest = (value / limit, row[0], limit)
             found = detector.update(value)
             if found is not None:
                 outcome.alerts.append((found.kind.value, row[0], found.reason))
@@ -249,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     for heldout in (False, True):
         print("\n".join(["", *summary(runs, outcomes, heldout)]))
+    near = sorted(((outcomes[r.name].closest, r.name) for r in runs if r.label == "healthy"), reverse=True)[:5]
+    print("\nThe healthy runs' norms closest to the exploding_grad limit in force (norm / limit, at step, limit):")
+    print("; ".join(f"{name} {ratio:.2f} at {step} (limit {limit:.4g})" for (ratio, step, limit), name in near))
     print("\nEvery alert:")
     for run in runs:
         for kind, step, reason in outcomes[run.name].alerts:

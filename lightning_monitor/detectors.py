@@ -11,7 +11,6 @@ after the figure has been healthy once. A run that stays NaN therefore gives one
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -25,8 +24,6 @@ DIVERGENCE_MARGIN = 0.1
 LOSS_DIVERGENCE_FACTOR = 4.0
 #: Consecutive checks above that level that make ``diverging_loss``.
 LOSS_DIVERGENCE_PATIENCE = 3
-#: How many first finite training losses make the starting level of ``diverging_loss``.
-LOSS_DIVERGENCE_START = 3
 
 # The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
 # detectors all the same, re-exported here.
@@ -36,7 +33,6 @@ __all__ = [
     "EARLY_CHECKS",
     "LOSS_DIVERGENCE_FACTOR",
     "LOSS_DIVERGENCE_PATIENCE",
-    "LOSS_DIVERGENCE_START",
     "MIN_SPIKE_WINDOW",
     "AccuracyStallDetector",
     "AmpOverflowDetector",
@@ -297,31 +293,30 @@ class RisingDetector:
 
 
 class LossDivergenceDetector:
-    """Fire when the training loss climbs far above its own starting level and stays there.
+    """Fire when the training loss climbs far above where it started and stays there.
 
     A fine-tune that blows up in its first steps (a loss of 1 going to 30, or 1.6 to 12 and flat) is inside every
     warm-up of the spike rule, which has no level to judge against yet, and a loss that climbs over a few checks is
-    no single spike anyway. This rule needs no warm-up: the **starting level** is the median of the first ``start``
-    finite losses, and the detector fires when ``patience`` checks in a row are above ``factor`` times it (one alert
-    per episode). A healthy loss falls from where it starts; one several times above its start has diverged. A loss
-    that starts at or below zero (a likelihood) has no such ratio, and the rule stays off for it.
+    no single spike anyway. This rule needs no warm-up: the **starting level** is the first finite loss, the loss of
+    the weights as they were before any update, which no blow-up can have touched yet; the detector fires when
+    ``patience`` checks in a row are above ``factor`` times it (one alert per episode). A healthy loss falls from
+    where it starts; one several times above its start has diverged. A loss that starts at or below zero (a
+    likelihood) has no such ratio, and the rule stays off for it.
 
     Args:
         factor: How many times its starting level the loss must be.
         patience: Consecutive checks above it that make an alert.
-        start: How many first finite losses make the starting level.
         name: What the figure is called in messages.
 
     Attributes:
-        reference: The starting level, once known (``None`` before; ``None`` for good when it is not above zero).
+        reference: The starting level (``None`` before the first finite loss; ``math.nan`` when it was not above
+            zero, which turns the rule off).
         count: Consecutive figures above the limit.
 
     Example:
         >>> det = LossDivergenceDetector(factor=4.0, patience=3)
-        >>> [det.update(v) is not None for v in (1.64, 1.5, 1.7, 11.8, 11.6, 11.9, 11.7)]
-        [False, False, False, False, False, True, False]
-        >>> print(det.update(12.0))
-        None
+        >>> [det.update(v) is not None for v in (1.64, 11.8, 11.6, 10.4, 10.4)]
+        [False, False, False, True, False]
     """
 
     kind = AlertKind.DIVERGING_LOSS
@@ -330,38 +325,26 @@ class LossDivergenceDetector:
         self,
         factor: float = LOSS_DIVERGENCE_FACTOR,
         patience: int = LOSS_DIVERGENCE_PATIENCE,
-        start: int = LOSS_DIVERGENCE_START,
         name: str = "training loss",
     ) -> None:
         if not (math.isfinite(factor) and factor > 1):
             raise ValueError(f"Expected argument `factor` to be a finite number > 1, but got {factor}")
-        for argument, count in (("patience", patience), ("start", start)):
-            if count < 1:
-                raise ValueError(f"Expected argument `{argument}` to be at least 1, but got {count}")
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
         self.factor = factor
         self.patience = patience
-        self.start = start
         self.name = name
-        self.first: list[float] = []  # the first `start` finite losses
+        self.reference: float | None = None
         self.count = 0
-
-    @property
-    def reference(self) -> float | None:
-        """The median of the first ``start`` finite losses, if they are all in and it is above zero."""
-        if len(self.first) < self.start:
-            return None
-        level = statistics.median(self.first)
-        return level if level > 0 else None
 
     def update(self, value: float) -> Detection | None:
         """Take one training loss; return a detection on the ``patience``-th check in a row far above the start."""
         if not math.isfinite(value):
             return None
-        if len(self.first) < self.start:
-            self.first.append(value)
+        if self.reference is None:
+            self.reference = value if value > 0 else math.nan
             return None
-        reference = self.reference
-        if reference is None or not value > self.factor * reference:
+        if not value > self.factor * self.reference:  # never true for a NaN reference
             self.count = 0
             return None
         self.count += 1
@@ -369,19 +352,20 @@ class LossDivergenceDetector:
             return None
         reason = (
             f"{self.name} {format_value(value)} > {format_value(self.factor)}x its starting level "
-            f"{format_value(reference)} (the median of its first {self.start} steps)"
+            f"{format_value(self.reference)} (its first step)"
         )
         if self.patience > 1:
             reason += f" for {self.patience} steps in a row"
-        return Detection(self.kind, value, self.factor * reference, reason)
+        return Detection(self.kind, value, self.factor * self.reference, reason)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"first": list(self.first), "count": self.count}
+        return {"reference": self.reference, "count": self.count}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
-        self.first = [float(v) for v in state.get("first", [])]
+        reference = state.get("reference")
+        self.reference = None if reference is None else float(reference)
         self.count = int(state.get("count", 0))
 
     def rearm(self) -> None:
