@@ -11,7 +11,7 @@ last step's gradient norm), so these replays judge a thinned series; the every-s
 Printed: for each run its alerts (kind, step, and whether that kind halts under the default ``halt_on`` at its
 first occurrence); then, training and held-out runs apart, the halts on healthy runs, the warnings per 1,000 logged
 points on healthy every-step runs, and the sick runs caught. ``--spike-curve`` adds the trade-off of the loss-spike
-rule on the healthy every-step runs: false warnings per 1,000 steps against the share of injected spikes caught
+rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share of injected spikes caught
 within ``spike_patience + 1`` checks. Run (from the repository root)::
 
     python benchmarks/detector_calibration.py                                  # the table of every run
@@ -198,10 +198,10 @@ def spike_curve(runs: list[Run], settings: list[dict[str, Any]], positions: int,
     Each healthy run's loss is replayed once per setting; at each injection step a copy of the detector as it
     stands there takes the faulty values, so a fault is judged by exactly the statistics the run had built.
     """
-    every = [r for r in runs if r.every_step and r.label == "healthy" and not r.heldout]
+    every = [r for r in runs if r.every_step and r.label == "healthy" and not r.heldout and r.points >= 400]
     series = [[loss for _, loss, _, _ in r.rows if loss is not None] for r in every]
     rng = random.Random(seed)
-    places = [set(rng.sample(range(200, len(s) - 5), min(positions, len(s) - 205))) for s in series]
+    places = [set(rng.sample(range(200, len(s) - 5), positions)) for s in series]  # after the warm-up
     lines = [
         f"Loss-spike rule on {len(series)} healthy every-step training runs ({sum(map(len, series))} steps: "
         f"{', '.join(r.name for r in every)}); each fault at {positions} random steps of each run, caught when a "
