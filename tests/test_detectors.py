@@ -485,3 +485,23 @@ def test_the_new_detector_settings_have_defaults_and_are_checked():
     ):
         with pytest.raises(ValueError, match=re.escape(f"Expected argument `{name}` to be {expected}")):
             replace(group, **{name: value})
+
+
+def test_the_former_attributes_still_give_the_limit_in_force():
+    # What `deferred.halting_limit` reads until it reads `limit_now`: the fixed limit while it is in force as is, then
+    # `factor` times the tail. In the first checks with the limit raised to the run's own scale it finds none (inf).
+    def former(det):
+        limits = [INF]
+        if det.armed:
+            limits.append(det.limit)
+        if det.seen >= det.early and det.early_max > 0:
+            limits.append(det.factor * det.early_max)
+        return min(limits)
+
+    det = ExplodingDetector("gradient norm", early=20)
+    for value in [0.5, 0.7, 0.6] * 10 + [8.0, 0.5] * 30:
+        assert former(det) == det.limit_now
+        det.update(value)
+    raised = ExplodingDetector("gradient norm", early=20)
+    fired(raised, [40.0, 70.0])
+    assert raised.limit_now == 1400.0 and former(raised) == INF
