@@ -129,6 +129,8 @@ class ExplodingDetector:
         self.sorted: list[float] = []  # the same, sorted
         self.count = 0
         self.notice: str | None = None
+        self._tail, self._limit = 0.0, math.inf
+        self._refresh()
 
     @property
     def tail(self) -> float:
@@ -137,11 +139,7 @@ class ExplodingDetector:
         Never above the ``TAIL_RANK``-th (5th) largest of them, so that one or two norms cannot set it: the top 1% of
         a few hundred norms is only a handful.
         """
-        n = len(self.sorted)
-        if self.seen < self.early or not n:
-            return 0.0
-        from_top = max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK)
-        return self.sorted[n - min(from_top, n)]
+        return self._tail
 
     @property
     def armed(self) -> bool:
@@ -160,12 +158,21 @@ class ExplodingDetector:
     @property
     def limit_now(self) -> float:
         """The norm above which the next check fires: the (raised) fixed limit, ``factor`` times the tail, or inf."""
-        tail = self.tail
-        if tail > 0:
-            return self.factor * tail
-        if not self.starts_below:
-            return math.inf
-        return max(self.limit, self.factor * self.sorted[-1]) if self.sorted else self.limit
+        return self._limit
+
+    def _refresh(self) -> None:
+        """Recompute the tail and the limit in force (after a norm came in), so that reading them costs nothing."""
+        n = len(self.sorted)
+        self._tail = 0.0
+        if self.seen >= self.early and n:
+            from_top = max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK)
+            self._tail = self.sorted[n - min(from_top, n)]
+        if self._tail > 0:
+            self._limit = self.factor * self._tail
+        elif not self.starts_below:
+            self._limit = math.inf
+        else:
+            self._limit = max(self.limit, self.factor * self.sorted[-1]) if self.sorted else self.limit
 
     def update(self, value: float) -> Detection | None:
         """Take one figure; return a detection when it is the first beyond the limit of an episode."""
@@ -175,6 +182,7 @@ class ExplodingDetector:
         if not self.warned and not self.starts_below:  # the first finite norm decides
             self.starts_below = value <= self.limit
             self.warned = not self.starts_below
+            self._refresh()
             if self.warned:
                 self.notice = (
                     f"The {self.name} is {format_value(value)} at the first step, above {format_value(self.limit)} "
@@ -213,6 +221,7 @@ class ExplodingDetector:
         bisect.insort(self.sorted, value)
         if len(self.recent) > self.window:
             del self.sorted[bisect.bisect_left(self.sorted, self.recent.popleft())]
+        self._refresh()
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
@@ -232,6 +241,7 @@ class ExplodingDetector:
         self.sorted = sorted(self.recent)
         self.seen = min(int(state.get("seen", 0)), len(self.recent)) if "recent" in state else 0
         self.count = int(state.get("count", 0))
+        self._refresh()
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
