@@ -11,8 +11,8 @@ last step's gradient norm), so these replays judge a thinned series; the every-s
 Printed: for each run its alerts (kind, step, and whether that kind halts under the default ``halt_on`` at its
 first occurrence); then, training and held-out runs apart, the halts on healthy runs, the warnings per 1,000 logged
 points on healthy every-step runs, and the sick runs caught. ``--spike-curve`` adds the trade-off of the loss-spike
-rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share of injected spikes caught
-within ``spike_patience + 1`` checks. Run (from the repository root)::
+rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share
+of injected spikes caught within ``spike_patience + 1`` checks. Run (from the repository root)::
 
     python benchmarks/detector_calibration.py                                  # the table of every run
     python benchmarks/detector_calibration.py --spike-curve                    # and the spike rule's trade-off
