@@ -30,6 +30,7 @@ class AlertKind(str, Enum):
     EXPLODING_GRAD = "exploding_grad"
     VANISHING_GRAD = "vanishing_grad"
     DIVERGING_VAL_LOSS = "diverging_val_loss"
+    DIVERGING_LOSS = "diverging_loss"
     LOSS_SPIKE = "loss_spike"
     GRAD_SPIKE = "grad_spike"
     TOKEN_ACC_STALL = "token_acc_stall"

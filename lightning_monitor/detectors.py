@@ -18,18 +18,29 @@ from lightning_monitor.alerts import AlertKind, Detection, format_value
 from lightning_monitor.learned_rules import DEFAULT_EXPLODING_LIMIT, EARLY_CHECKS, CollapseDetector, ExplodingDetector
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW, SpikeDetector
 
+#: How far above its best a validation loss must stay, as a fraction of the best, to count as diverging.
+DIVERGENCE_MARGIN = 0.1
+#: How many times its starting level the training loss must be for ``diverging_loss``.
+LOSS_DIVERGENCE_FACTOR = 4.0
+#: Consecutive checks above that level that make ``diverging_loss``.
+LOSS_DIVERGENCE_PATIENCE = 3
+
 # The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
 # detectors all the same, re-exported here.
 __all__ = [
     "DEFAULT_EXPLODING_LIMIT",
     "Detector",
     "GuardedDetector",
+    "DIVERGENCE_MARGIN",
     "EARLY_CHECKS",
+    "LOSS_DIVERGENCE_FACTOR",
+    "LOSS_DIVERGENCE_PATIENCE",
     "MIN_SPIKE_WINDOW",
     "AccuracyStallDetector",
     "AmpOverflowDetector",
     "CollapseDetector",
     "ExplodingDetector",
+    "LossDivergenceDetector",
     "NonFiniteDetector",
     "RisingDetector",
     "SpikeDetector",
@@ -211,15 +222,24 @@ class ThresholdDetector:
 
 
 class RisingDetector:
-    """Fire when a figure rises ``patience`` times in a row (``patience + 1`` rising values), or is not finite.
+    """Fire when a figure diverges: it rises ``patience`` times in a row, stays well above its best, or is not finite.
 
-    Meant for a validation loss read once per validation run.
+    Meant for a validation loss read once per validation run. Two rules, one alert per episode:
+
+    * **rises in a row**: ``patience`` consecutive rises (``patience + 1`` rising values), each by more than
+      ``min_delta``, that end more than ``margin`` above the best: a loss climbing steadily, not creeping up by a
+      hair at each validation of a long plateau.
+    * **off its best**: ``patience`` consecutive values all above the best (lowest) value so far by more than
+      ``margin`` times its magnitude (and by more than ``min_delta``): a loss that jumps and then plateaus high,
+      which need not rise in a row, and has not come back within ``patience`` checks.
 
     Args:
         kind: The alert kind to report.
         name: What the figure is called in messages.
-        patience: How many consecutive rises it takes to fire.
+        patience: How many consecutive rises, or values off the best, it takes to fire.
         min_delta: A value counts as a rise only when it exceeds the previous one by more than this.
+        margin: How far above its best, as a fraction of the best's magnitude, a value must be to count as off its
+            best. ``None`` turns that rule off.
 
     Example:
         >>> det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=2)
@@ -227,22 +247,40 @@ class RisingDetector:
         [False, False, False, True, False]
         >>> det.update(float("nan")).reason
         'val_loss is nan'
+        >>> det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=4)
+        >>> [det.update(v) is not None for v in (0.3, 0.219, 0.416, 0.423, 0.41, 0.438, 0.402)]
+        [False, False, False, False, False, True, False]
+        >>> print(det.update(0.5))  # the same episode: no second alert until it comes back
+        None
     """
 
-    def __init__(self, kind: AlertKind, name: str, patience: int, min_delta: float = 0.0) -> None:
+    def __init__(
+        self,
+        kind: AlertKind,
+        name: str,
+        patience: int,
+        min_delta: float = 0.0,
+        margin: float | None = DIVERGENCE_MARGIN,
+    ) -> None:
         if patience < 1:
             raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        if margin is not None and not (math.isfinite(margin) and margin >= 0):
+            raise ValueError(f"Expected argument `margin` to be a finite number >= 0 or None, but got {margin}")
         self.kind = kind
         self.name = name
         self.patience = patience
         self.min_delta = min_delta
+        self.margin = margin
         self.previous: float | None = None
         self.count = 0
         self.history: list[float] = []
         self.nonfinite = False
+        self.best: float | None = None
+        self.off = 0  # consecutive values off the best
+        self.active = False  # an alert of the episode under way has been raised
 
     def update(self, value: float) -> Detection | None:
-        """Take one figure; return a detection on the ``patience``-th consecutive rise or on a non-finite value."""
+        """Take one figure; return a detection when it starts an episode of divergence, or is not finite."""
         if not math.isfinite(value):
             first = not self.nonfinite
             self.nonfinite = True
@@ -252,12 +290,29 @@ class RisingDetector:
         self.count = self.count + 1 if rose else 0
         self.previous = value
         self.history = [*self.history, value][-(self.patience + 1) :]
-        if self.count != self.patience:
+        best = value if self.best is None else self.best
+        limit = best + max(self.min_delta, (self.margin or 0.0) * abs(best))
+        above = self.margin is None or value > limit
+        self.off = self.off + 1 if self.margin is not None and above else 0
+        self.best = min(best, value)
+        climbed = self.count >= self.patience and above
+        if not climbed and self.off < self.patience:
+            self.active = False
             return None
-        values = " -> ".join(format_value(v) for v in self.history)
-        return Detection(
-            self.kind, value, self.history[0], f"{self.name} rose {self.patience} times in a row ({values})"
+        if self.active:
+            return None
+        self.active = True
+        if climbed:
+            values = " -> ".join(format_value(v) for v in self.history)
+            reason = f"{self.name} rose {self.patience} times in a row ({values})"
+            return Detection(self.kind, value, self.history[0], reason)
+        values = " -> ".join(format_value(v) for v in self.history[1:])
+        gap = f"{format_value(100 * (self.margin or 0.0))}%" if limit - best > self.min_delta else "min_delta"
+        reason = (
+            f"{self.name} has stayed more than {gap} above its best {format_value(best)} for {self.patience} "
+            f"validations in a row ({values})"
         )
+        return Detection(self.kind, value, limit, reason)
 
     @property
     def beyond(self) -> bool:
@@ -271,15 +326,21 @@ class RisingDetector:
             "count": self.count,
             "history": list(self.history),
             "nonfinite": self.nonfinite,
+            "best": self.best,
+            "off": self.off,
+            "active": self.active,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict`."""
-        previous = state.get("previous")
+        """Restore the state saved by :meth:`state_dict` (one saved before the best was kept starts it afresh)."""
+        previous, best = state.get("previous"), state.get("best")
         self.previous = None if previous is None else float(previous)
         self.count = int(state.get("count", 0))
         self.history = [float(v) for v in state.get("history", [])]
         self.nonfinite = bool(state.get("nonfinite", False))
+        self.best = None if best is None else float(best)
+        self.off = int(state.get("off", 0))
+        self.active = bool(state.get("active", self.count >= self.patience))
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
@@ -287,7 +348,98 @@ class RisingDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.count = min(self.count, self.patience - 1)
+        self.off = min(self.off, self.patience - 1)
+        self.active = False
         self.nonfinite = False
+
+
+class LossDivergenceDetector:
+    """Fire when the training loss climbs far above where it started and stays there.
+
+    A fine-tune that blows up in its first steps (a loss of 1 going to 30, or 1.6 to 12 and flat) is inside every
+    warm-up of the spike rule, which has no level to judge against yet, and a loss that climbs over a few checks is
+    no single spike anyway. This rule needs no warm-up: the **starting level** is the first finite loss, the loss of
+    the weights as they were before any update, which no blow-up can have touched yet; the detector fires when
+    ``patience`` checks in a row are above ``factor`` times it (one alert per episode). A healthy loss falls from
+    where it starts; one several times above its start has diverged. A loss that starts at or below zero (a
+    likelihood) has no such ratio, and the rule stays off for it.
+
+    Args:
+        factor: How many times its starting level the loss must be.
+        patience: Consecutive checks above it that make an alert.
+        name: What the figure is called in messages.
+
+    Attributes:
+        reference: The starting level (``None`` before the first finite loss; ``math.nan`` when it was not above
+            zero, which turns the rule off).
+        count: Consecutive figures above the limit.
+
+    Example:
+        >>> det = LossDivergenceDetector(factor=4.0, patience=3)
+        >>> [det.update(v) is not None for v in (1.64, 11.8, 11.6, 10.4, 10.4)]
+        [False, False, False, True, False]
+    """
+
+    kind = AlertKind.DIVERGING_LOSS
+
+    def __init__(
+        self,
+        factor: float = LOSS_DIVERGENCE_FACTOR,
+        patience: int = LOSS_DIVERGENCE_PATIENCE,
+        name: str = "training loss",
+    ) -> None:
+        if not (math.isfinite(factor) and factor > 1):
+            raise ValueError(f"Expected argument `factor` to be a finite number > 1, but got {factor}")
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        self.factor = factor
+        self.patience = patience
+        self.name = name
+        self.reference: float | None = None
+        self.count = 0
+
+    def update(self, value: float) -> Detection | None:
+        """Take one training loss; return a detection on the ``patience``-th check in a row far above the start."""
+        if not math.isfinite(value):
+            return None
+        if self.reference is None:
+            self.reference = value if value > 0 else math.nan
+            return None
+        if not value > self.factor * self.reference:  # never true for a NaN reference
+            self.count = 0
+            return None
+        self.count += 1
+        if self.count != self.patience:
+            return None
+        reason = (
+            f"{self.name} {format_value(value)} > {format_value(self.factor)}x its starting level "
+            f"{format_value(self.reference)} (its first step)"
+        )
+        if self.patience > 1:
+            reason += f" for {self.patience} steps in a row"
+        return Detection(self.kind, value, self.factor * self.reference, reason)
+
+    @property
+    def beyond(self) -> bool:
+        """Whether the last figure was above the limit."""
+        return self.count > 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {"reference": self.reference, "count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        reference = state.get("reference")
+        self.reference = None if reference is None else float(reference)
+        self.count = int(state.get("count", 0))
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
+
+        A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
+        """
+        self.count = min(self.count, self.patience - 1)
 
 
 class AmpOverflowDetector:

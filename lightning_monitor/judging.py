@@ -19,6 +19,7 @@ from lightning_monitor.detectors import (
     AmpOverflowDetector,
     CollapseDetector,
     ExplodingDetector,
+    LossDivergenceDetector,
     NonFiniteDetector,
     SpikeDetector,
     ThresholdDetector,
@@ -40,6 +41,7 @@ class StepDetectors:
     vanishing: ThresholdDetector | CollapseDetector | None = None
     loss_spike: SpikeDetector | None = None
     grad_spike: SpikeDetector | None = None
+    loss_divergence: LossDivergenceDetector | None = None
 
     @classmethod
     def from_settings(cls, step: StepSettings, spikes: SpikeSettings) -> StepDetectors:
@@ -72,6 +74,8 @@ class StepDetectors:
             )
         if loss_z is not None:  # a loss may be negative (a likelihood, an ELBO): `signed`
             detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike, signed=True)
+        if spikes.loss_divergence_factor is not None:  # a fine-tune that blows up before any warm-up ends
+            detectors.loss_divergence = LossDivergenceDetector(spikes.loss_divergence_factor)
         if grad_z is not None:
             detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike, tail_margin=True)
         return detectors
@@ -112,6 +116,8 @@ def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
         found.append(detectors.nonfinite_loss.update(step.loss))
         if detectors.loss_spike is not None:
             found.append(detectors.loss_spike.update(step.loss))
+        if detectors.loss_divergence is not None:
+            found.append(detectors.loss_divergence.update(step.loss))
     measured = step.grad_norm is not None and step.grad_peak is not None
     if measured:
         if step.amp:
@@ -176,6 +182,8 @@ def _any_beyond(detectors: StepDetectors, measured: bool, amp: bool) -> bool:
     d = detectors
     if d.nonfinite_loss.beyond or (d.loss_spike is not None and d.loss_spike.beyond):
         return True
+    if d.loss_divergence is not None and d.loss_divergence.beyond:
+        return True
     if not measured:
         return False
     return (
@@ -205,6 +213,8 @@ def _beyond(detectors: StepDetectors, step: StepFigures) -> dict[AlertKind, Dete
             out[AlertKind.GRAD_SPIKE] = _described(AlertKind.GRAD_SPIKE, "gradient norm", grad, None)
     if d.loss_spike is not None and d.loss_spike.beyond and step.loss is not None:
         out[AlertKind.LOSS_SPIKE] = _described(AlertKind.LOSS_SPIKE, "training loss", step.loss, None)
+    if d.loss_divergence is not None and d.loss_divergence.beyond and step.loss is not None:
+        out[AlertKind.DIVERGING_LOSS] = _described(AlertKind.DIVERGING_LOSS, "training loss", step.loss, None)
     return out
 
 

@@ -7,6 +7,7 @@ Like every detector (:mod:`lightning_monitor.detectors` re-exports them) they ar
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -15,41 +16,68 @@ from typing import Any
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
-__all__ = ["DEFAULT_EXPLODING_LIMIT", "EARLY_CHECKS", "CollapseDetector", "ExplodingDetector"]
+__all__ = [
+    "DEFAULT_EXPLODING_LIMIT",
+    "EARLY_CHECKS",
+    "TAIL_FACTOR",
+    "TAIL_QUANTILE",
+    "TAIL_RANK",
+    "TAIL_WINDOW",
+    "CollapseDetector",
+    "ExplodingDetector",
+]
 
 
 #: The fixed limit the learned ``exploding_grad`` rule starts from (the old default ``exploding_grad_threshold``).
 DEFAULT_EXPLODING_LIMIT = 100.0
 #: Checks whose figures make the early reference of the learned gradient rules (Megatron-LM's first 100 steps).
 EARLY_CHECKS = 100
+#: The learnt ``exploding_grad`` limit, in multiples of the run's tail.
+TAIL_FACTOR = 20.0
+#: How many last norms the run's tail is taken over.
+TAIL_WINDOW = 2000
+#: Which quantile of them is the tail.
+TAIL_QUANTILE = 0.99
+#: The tail is never above the fifth largest of those norms (the 99th percentile of fewer than 500 is higher).
+TAIL_RANK = 5
 
 
 class ExplodingDetector:
-    """Fire when the gradient norm explodes, judged against the run's own scale (the default ``exploding_grad``).
+    """Fire when the gradient norm explodes, judged against the run's own tail (the default ``exploding_grad``).
 
-    Two rules, each of which fires at once (one alert per episode, like :class:`ThresholdDetector`):
+    The limit in force (:attr:`limit_now`) depends on how much the detector has seen:
 
-    * **absolute**: the norm is above ``limit`` (100), but only in a run that starts on the healthy side of it (its
-      first finite norm at or below ``limit``). A run whose norms are naturally in the hundreds or thousands (a
-      summed loss, large regression targets) never arms it, even when its norm later dips below ``limit`` and comes
-      back; it gets one :attr:`notice` instead, saying how to set a limit of its own.
-    * **relative**: after ``early`` checks, the norm is more than ``factor`` times the largest norm of those first
-      checks (Megatron-LM: 10x the maximum of the first 100 steps). It covers the runs the absolute rule does not,
-      at any scale.
+    * **for the first** ``early`` **checks**: the fixed ``limit`` (100), in a run that starts on the healthy side of
+      it (its first finite norm at or below ``limit``), and only where it is meaningful for the run's own scale: it
+      is raised to ``factor`` times the largest norm seen so far when that is higher (a run whose norms are already
+      at 40 in its warm-up is not exploding at 150). A run whose norms are naturally in the hundreds or thousands (a
+      summed loss, large regression targets) has no limit yet; it gets one :attr:`notice` instead, saying how to set
+      a limit of its own.
+    * **from then on**: ``factor`` (20) times the run's own tail, the ``quantile`` (0.99) of its last ``window``
+      (2,000) norms, and never above the fifth largest of them. A long-window statistic: a heavy-tailed healthy
+      run (a classifier near zero loss whose norm jumps a thousandfold on the rare batch it gets wrong) sets it
+      high, a smooth one low. A quantile, not the largest norm: one batch does not move it, and a norm that climbs
+      a little under the limit at each step (a blow-up) does not carry the limit up with it, as it would a running
+      maximum. The fixed ``limit`` plays no part any more: where ``factor`` times the tail is below it, that is
+      the tighter limit, and where above, the run's own scale says ``limit`` is within its healthy range.
 
-    Norms the detector fired on do not enter the early maximum, and non-finite ones are left to
-    :class:`NonFiniteDetector`.
+    A norm beyond the limit fires at once, once per episode (like :class:`ThresholdDetector`). Norms the detector
+    fired on do not enter the tail, and non-finite ones are left to :class:`NonFiniteDetector`. The tail is kept as a
+    sorted list, so a check costs a binary search and a short memory move, not a sort.
 
     Args:
         name: What the figure is called in messages.
-        limit: The absolute limit, armed once a norm has been at or below it.
-        factor: The relative limit, in multiples of the early maximum.
-        early: How many checks make the early maximum.
+        limit: The fixed limit of the first ``early`` checks, armed when the first norm is at or below it.
+        factor: The learnt limit, in multiples of the run's tail.
+        early: How many checks the fixed limit guards before the tail is used.
+        window: How many last norms the tail is taken over (at least ``early``).
+        quantile: Which quantile of them is the tail, in (0, 1].
 
     Attributes:
+        limit_now: The norm above which the next check fires (``math.inf`` when none): read it to guard a step.
         notice: Set by the update that finds the run starting above ``limit`` (once per detector), else ``None``:
             a warning for the user, not an alert.
-        count: Consecutive figures beyond a limit (0 or more), as :class:`ThresholdDetector` counts them.
+        count: Consecutive figures beyond the limit (0 or more), as :class:`ThresholdDetector` counts them.
 
     Example:
         >>> det = ExplodingDetector("gradient norm", early=3)
@@ -59,100 +87,166 @@ class ExplodingDetector:
         True
         >>> [det.update(v) is not None for v in (1800.0, 1500.0, 1400.0)]
         [False, False, False]
+        >>> det.limit_now  # 20x the tail of these four norms: the smallest, as a tail is the fifth largest at most
+        28000.0
         >>> print(det.update(3e4).reason)
-        gradient norm 3e+04 > 10x the largest of the first 3 steps (2500)
+        gradient norm 3e+04 > 20x its 99th percentile over the last 4 steps (1400)
         >>> det = ExplodingDetector("gradient norm", early=3)
         >>> [det.update(v) is not None for v in (3.0, 2.0, 150.0)]  # armed: the run starts below 100
         [False, False, True]
+        >>> det = ExplodingDetector("gradient norm", early=30)
+        >>> [det.update(v) is not None for v in (47.0, 33.0, 76.0, 164.0, 15.0, 5000.0)]  # 100 raised to 3280
+        [False, False, False, False, False, True]
     """
 
     kind = AlertKind.EXPLODING_GRAD
 
     def __init__(
-        self, name: str, limit: float = DEFAULT_EXPLODING_LIMIT, factor: float = 10.0, early: int = EARLY_CHECKS
+        self,
+        name: str,
+        limit: float = DEFAULT_EXPLODING_LIMIT,
+        factor: float = TAIL_FACTOR,
+        early: int = EARLY_CHECKS,
+        window: int = TAIL_WINDOW,
+        quantile: float = TAIL_QUANTILE,
     ) -> None:
         if early < 1:
             raise ValueError(f"Expected argument `early` to be at least 1, but got {early}")
+        if window < early:
+            raise ValueError(f"Expected argument `window` to be at least `early` ({early}), but got {window}")
+        if not 0 < quantile <= 1:
+            raise ValueError(f"Expected argument `quantile` to be in (0, 1], but got {quantile}")
         self.name = name
         self.limit = limit
         self.factor = factor
         self.early = early
-        self.armed = False
+        self.window = window
+        self.quantile = quantile
+        self.starts_below = False  # the first finite norm was at or below `limit`
         self.warned = False
-        self.seen = 0
-        self.early_max = 0.0
+        self.seen = 0  # finite norms taken into the tail, at most `early` (counted as before: see `armed`)
+        self.recent: deque[float] = deque()  # the last `window` norms taken, in order
+        self.sorted: list[float] = []  # the same, sorted
         self.count = 0
         self.notice: str | None = None
+        self._tail, self._limit = 0.0, math.inf
+        self._refresh()
+
+    @property
+    def tail(self) -> float:
+        """The run's tail, the ``quantile`` of its last ``window`` norms, once it has ``early`` of them; else 0.
+
+        Never above the ``TAIL_RANK``-th (5th) largest of them, so that one or two norms cannot set it: the top 1% of
+        a few hundred norms is only a handful.
+        """
+        return self._tail
+
+    @property
+    def armed(self) -> bool:
+        """Whether the fixed ``limit`` itself is in force (not raised, and no tail yet)."""
+        return self.limit_now == self.limit and self.tail == 0
+
+    @property
+    def early_max(self) -> float:
+        """The tail the limit in force is ``factor`` times, once there is one (else 0).
+
+        Kept so that a reader of the former attributes (``armed``, ``limit``, ``factor``, ``early``, ``early_max``,
+        ``seen``) finds :attr:`limit_now`; read :attr:`limit_now` instead.
+        """
+        return self.tail
+
+    @property
+    def limit_now(self) -> float:
+        """The norm above which the next check fires: the (raised) fixed limit, ``factor`` times the tail, or inf."""
+        return self._limit
+
+    def _refresh(self) -> None:
+        """Recompute the tail and the limit in force (after a norm came in), so that reading them costs nothing."""
+        n = len(self.sorted)
+        self._tail = 0.0
+        if self.seen >= self.early and n:
+            from_top = max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK)
+            self._tail = self.sorted[n - min(from_top, n)]
+        if self._tail > 0:
+            self._limit = self.factor * self._tail
+        elif not self.starts_below:
+            self._limit = math.inf
+        else:
+            self._limit = max(self.limit, self.factor * self.sorted[-1]) if self.sorted else self.limit
 
     def update(self, value: float) -> Detection | None:
-        """Take one figure; return a detection when it is the first beyond a limit of an episode."""
+        """Take one figure; return a detection when it is the first beyond the limit of an episode."""
         self.notice = None
         if not math.isfinite(value):
             return None
-        if not self.warned and not self.armed:  # the first finite norm decides
-            self.armed = value <= self.limit
-            self.warned = not self.armed
-        if self.warned and self.notice is None and not self.seen:
-            self.notice = (
-                f"The {self.name} is {format_value(value)} at the first step, above {format_value(self.limit)} (the "
-                "default exploding_grad_threshold), so that fixed limit stays off for this run; instead "
-                f"exploding_grad fires at {format_value(self.factor)}x the largest {self.name} of the first "
-                f"{self.early} steps. If norms this large are normal for this run (a summed loss, large targets), "
-                "set exploding_grad_threshold to the norm that should halt it."
-            )
-        reason = None
-        limit = math.inf
-        if self.armed and value > self.limit:
-            limit = self.limit
-            reason = f"{self.name} {format_value(value)} > {format_value(limit)} (the default exploding_grad_threshold)"
-        elif self.seen >= self.early and self.early_max > 0 and value > self.factor * self.early_max:
-            limit = self.factor * self.early_max
-            reason = (
-                f"{self.name} {format_value(value)} > {format_value(self.factor)}x the largest of the first "
-                f"{self.early} steps ({format_value(self.early_max)})"
-            )
-        if reason is None:
+        if not self.warned and not self.starts_below:  # the first finite norm decides
+            self.starts_below = value <= self.limit
+            self.warned = not self.starts_below
+            self._refresh()
+            if self.warned:
+                self.notice = (
+                    f"The {self.name} is {format_value(value)} at the first step, above {format_value(self.limit)} "
+                    "(the default exploding_grad_threshold), so that fixed limit stays off for this run; instead "
+                    f"exploding_grad fires at {format_value(self.factor)}x the run's own tail (its "
+                    f"{_ordinal(self.quantile)} percentile) once it has seen {self.early} steps. If norms this large "
+                    "are normal for this run (a summed loss, large targets), set exploding_grad_threshold to the norm "
+                    "that should halt it."
+                )
+        limit = self.limit_now
+        if not value > limit:
             self.count = 0
-            if self.seen < self.early:
-                self.early_max = max(self.early_max, value)
-        self.seen = min(self.seen + 1, self.early)
-        if reason is None:
+            self._take(value)
             return None
         self.count += 1
-        return Detection(self.kind, value, limit, reason) if self.count == 1 else None
+        if self.count > 1:
+            return None
+        if self.tail > 0:
+            reason = (
+                f"{self.name} {format_value(value)} > {format_value(self.factor)}x its {_ordinal(self.quantile)} "
+                f"percentile over the last {len(self.sorted)} steps ({format_value(self.tail)})"
+            )
+        elif limit > self.limit:
+            reason = (
+                f"{self.name} {format_value(value)} > {format_value(self.factor)}x the largest of its first "
+                f"{len(self.sorted)} steps ({format_value(limit / self.factor)})"
+            )
+        else:
+            reason = f"{self.name} {format_value(value)} > {format_value(limit)} (the default exploding_grad_threshold)"
+        return Detection(self.kind, value, limit, reason)
+
+    def _take(self, value: float) -> None:
+        """Put a norm into the tail, dropping the oldest beyond ``window``."""
+        self.seen = min(self.seen + 1, self.early)
+        self.recent.append(value)
+        bisect.insort(self.sorted, value)
+        if len(self.recent) > self.window:
+            del self.sorted[bisect.bisect_left(self.sorted, self.recent.popleft())]
+        self._refresh()
 
     @property
     def beyond(self) -> bool:
         """Whether the last figure was above a limit."""
         return self.count > 0
 
-    @property
-    def limit_now(self) -> float:
-        """The lowest limit the next figure is judged against: the armed absolute one, the relative one once learnt."""
-        limits = [math.inf]
-        if self.armed:
-            limits.append(self.limit)
-        if self.seen >= self.early and self.early_max > 0:
-            limits.append(self.factor * self.early_max)
-        return min(limits)
-
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
         return {
-            "armed": self.armed,
+            "starts_below": self.starts_below,
             "warned": self.warned,
             "seen": self.seen,
-            "early_max": self.early_max,
+            "recent": list(self.recent),
             "count": self.count,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict`."""
-        self.armed = bool(state.get("armed", False))
+        """Restore the state saved by :meth:`state_dict` (one saved before the tail was kept starts it afresh)."""
+        self.starts_below = bool(state.get("starts_below", state.get("armed", False)))
         self.warned = bool(state.get("warned", False))
-        self.seen = int(state.get("seen", 0))
-        self.early_max = float(state.get("early_max", 0.0))
+        self.recent = deque(float(v) for v in state.get("recent", [])[-self.window :])
+        self.sorted = sorted(self.recent)
+        self.seen = min(int(state.get("seen", 0)), len(self.recent)) if "recent" in state else 0
         self.count = int(state.get("count", 0))
+        self._refresh()
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
@@ -160,6 +254,11 @@ class ExplodingDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.count = 0
+
+
+def _ordinal(quantile: float) -> str:
+    """``0.99`` as ``"99th"``, ``0.995`` as ``"99.5th"``, ``1.0`` as ``"100th"``."""
+    return f"{100 * quantile:g}th"
 
 
 class CollapseDetector:

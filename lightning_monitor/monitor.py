@@ -132,6 +132,12 @@ class TrainingMonitor(Callback):
         val_loss_key: The logged validation metric to watch for divergence. ``None`` turns the check off.
         divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (4: five values).
         divergence_min_delta: A validation value counts as a rise only when it exceeds the previous one by more.
+        divergence_margin: ``diverging_val_loss`` also fires when the validation loss stays more than this fraction
+            of its best above its best for ``divergence_patience`` validations in a row, and rises in a row count only
+            when they end that far above it. ``None``: rises in a row alone.
+        loss_divergence_factor: ``diverging_loss`` fires when the training loss is above this many times its first
+            value for 3 checks in a row (a fine-tune that blows up before any spike warm-up ends). ``None`` turns it
+            off.
         halt_on: The alert kinds that stop training; an empty collection only observes.
         halt_after: How many of the last 16 checks of an optimizer a step-level problem of a ``halt_on`` kind (a
             non-finite loss or gradient, an exploding gradient) must be found at before training halts; until then
@@ -231,6 +237,8 @@ class TrainingMonitor(Callback):
         val_loss_key: str | None = "val_loss",
         divergence_patience: int = 4,
         divergence_min_delta: float = 0.0,
+        divergence_margin: float | None = 0.1,
+        loss_divergence_factor: float | None = 4.0,
         halt_on: Sequence[str] = DEFAULT_HALT_ON,
         halt_after: int = 3,
         halt_mode: Literal["stop", "raise"] = "stop",

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, Literal
 
 from torch import Tensor
 
 from lightning_monitor.alerts import AlertKind
+from lightning_monitor.detectors import DIVERGENCE_MARGIN, LOSS_DIVERGENCE_FACTOR
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
 __all__ = [
@@ -83,13 +84,18 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class SpikeSettings:
-    """The loss and gradient-norm spike rules (see :class:`~lightning_monitor.detectors.SpikeDetector`)."""
+    """The training-loss and gradient-norm rules that learn the run's course.
+
+    Spikes (see :class:`~lightning_monitor.detectors.SpikeDetector`), and a loss far above its start (see
+    :class:`~lightning_monitor.detectors.LossDivergenceDetector`).
+    """
 
     loss_spike_threshold: float | None
     grad_spike_threshold: float | None
     spike_window: int
     spike_warmup: int
     spike_patience: int
+    loss_divergence_factor: float | None = LOSS_DIVERGENCE_FACTOR
 
     def __post_init__(self) -> None:
         # A z-score of 0 would call every rise a spike.
@@ -98,6 +104,8 @@ class SpikeSettings:
         _count(self, "spike_window", MIN_SPIKE_WINDOW)
         _count(self, "spike_warmup", 1)
         _count(self, "spike_patience", 1)
+        # A factor of 1 or less would call a loss that has not fallen a divergence.
+        _number(self, "loss_divergence_factor", optional=True, above=1.0)
 
 
 @dataclass(frozen=True)
@@ -108,12 +116,14 @@ class ValidationSettings:
     divergence_patience: int
     divergence_min_delta: float
     token_acc_patience: int | None
+    divergence_margin: float | None = DIVERGENCE_MARGIN
 
     def __post_init__(self) -> None:
         _text(self, "val_loss_key", optional=True)
         _count(self, "divergence_patience", 1)
         _number(self, "divergence_min_delta")
         _count(self, "token_acc_patience", 1, optional=True)
+        _number(self, "divergence_margin", optional=True)
 
 
 @dataclass(frozen=True)
@@ -265,8 +275,8 @@ class MonitorSettings:
         if unknown:
             raise TypeError(f"Unknown settings: {sorted(unknown)}")
 
-        def build(group: type[Any]) -> Any:
-            return group(**{f.name: arguments[f.name] for f in fields(group)})
+        def build(group: type[Any]) -> Any:  # a setting with a default may be left out
+            return group(**{f.name: arguments[f.name] for f in fields(group) if f.name in arguments or _required(f)})
 
         return cls(*(build(group) for group in _GROUPS))
 
@@ -303,18 +313,32 @@ class MonitorSettings:
 # ----------------------------------------------------------------------------------------------- validation
 
 
-def _number(group: Any, name: str, *, optional: bool = False, positive: bool = False, auto: bool = False) -> None:
-    """A finite real number (of any numeric type: numpy scalars too, not a bool), ``> 0`` or ``>= 0``."""
+def _number(
+    group: Any,
+    name: str,
+    *,
+    optional: bool = False,
+    positive: bool = False,
+    auto: bool = False,
+    above: float | None = None,
+) -> None:
+    """A finite real number (of any numeric type: numpy scalars too, not a bool), ``> 0``, ``> above`` or ``>= 0``."""
     value = getattr(group, name)
     if (value is None and optional) or (value == "auto" and auto):
         return
+    low = above if above is not None else 0.0
+    strict = positive or above is not None
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not (ok and (value > 0 if positive else value >= 0)):
-        also = " (or 'auto', the default rule, or None, off)" if auto else ""
-        raise ValueError(
-            f"Expected argument `{name}` to be a finite number {'> 0' if positive else '>= 0'}, but got {value!r}{also}"
-        )
+    if not (ok and (value > low if strict else value >= low)):
+        also = " (or 'auto', the default rule, or None, off)" if auto else " (or None, off)" if optional else ""
+        bound = f"{'>' if strict else '>='} {low:g}"
+        raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {value!r}{also}")
     object.__setattr__(group, name, float(value))
+
+
+def _required(f: Field[Any]) -> bool:
+    """Whether a settings field has no default (``TrainingMonitor`` must pass it)."""
+    return f.default is MISSING and f.default_factory is MISSING
 
 
 def _count(group: Any, name: str, least: int, *, optional: bool = False) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
-__all__ = ["MIN_SPIKE_WINDOW", "PEAK_MARGIN", "PEAK_MEMORY", "RECENT", "SpikeDetector"]
+__all__ = ["AT_ONCE", "CONFIRM", "MIN_SPIKE_WINDOW", "PEAK_MARGIN", "PEAK_MEMORY", "RECENT", "SpikeDetector"]
 
 
 #: The number of last values whose moving average :class:`SpikeDetector` also judges a value against.
@@ -24,10 +24,16 @@ MIN_SPIKE_WINDOW = 8
 PEAK_MARGIN = 3.0
 #: The half-life of that largest rise, in ``window`` lengths: it is forgotten slowly, as a heavy tail is seen rarely.
 PEAK_MEMORY = 4
+#: In log space, a spike at least this many times its recent level alerts at its own check; a smaller one only if
+#: the next check stays up.
+AT_ONCE = 2.5
+#: The next check stays up when it is above the level the spike was judged against by this fraction of the spike's
+#: bar (1: it is an outlier against that same level too).
+CONFIRM = 1.0
 
 
 class SpikeDetector:
-    """Fire when a figure jumps far above what its recent course predicts, for ``patience`` steps in a row.
+    """Fire when a figure jumps far above what its recent course predicts and is large, or stays up the next step.
 
     A positive figure is watched in log space, where a loss going from 2 to 4 and a gradient norm going from 0.5 to 1
     are the same size of event. Its **level** is an exponential moving average over about ``window / 4`` values,
@@ -53,6 +59,14 @@ class SpikeDetector:
     linear space, so the rises it is compared with are its own. Without ``signed`` (a gradient norm, never
     negative) non-positive values are ignored.
 
+    **Which outliers alert.** A heavy-tailed loss (every-step pretraining logs) has single batches 1.4 to 2 times
+    its level, many spreads above it, after which the next batch is back where it was: noise, not a problem. So
+    ``patience`` outliers in a row alert at once only when the last is at least ``at_once`` (2.5) times the
+    reference (in log space; in linear space, where the largest recent rise already bars them, every one does).
+    A smaller one alerts one check later, if the next finite value is still up: above the same reference by
+    ``confirm`` (1) times the bar the spike crossed, a spike that persists or a level that moved. The alert then
+    carries the later step, and its message both values.
+
     The statistics cannot be poisoned: NaN and infinite values are ignored, and after warm-up an outlier enters the
     averages clipped to ``reference + threshold * std`` (winsorised), so one spike barely moves them, while a
     lasting change of level is still learnt within about ``window / 4`` values.
@@ -70,12 +84,17 @@ class SpikeDetector:
             instead of ignoring it.
         tail_margin: Bar a spike by the largest recent rise in log space too, as in linear space (a heavy-tailed
             figure: the gradient norm).
+        at_once: In log space, the multiple of the reference from which a spike alerts at its own check (at least
+            1; 1 alerts on every outlier at once, the rule before this one).
+        confirm: The fraction of the spike's bar the next check must still be above for a smaller spike to alert.
 
     Attributes:
         outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
         linear: Whether the detector works on the raw values (after a value at or below zero with ``signed``).
         peak: The largest rise above the reference of the values that were not outliers, decaying (in linear space,
             or with ``tail_margin``).
+        pending: A spike under ``at_once`` waiting for the next check (its value, reference, spread and bar), else
+            ``None``.
 
     Example:
         >>> det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5)
@@ -84,6 +103,11 @@ class SpikeDetector:
         True
         >>> print(det.update(6.0).reason)
         training loss 6 is 22 std above its recent level 2.002 (3x)
+        >>> quiet = [det.update(v) for v in (2.0, 2.1, 1.9, 2.05, 1.95, 2.0, 2.02)]
+        >>> print(det.update(3.6))  # 1.8x: an outlier, but not alone
+        None
+        >>> print(det.update(3.4).reason)  # still up at the next step: the level moved
+        training loss 3.6 is 6.7 std above its recent level 2.031 (1.8x), and the next step stayed up at 3.4 (1.7x)
         >>> nll = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5, signed=True)
         >>> quiet = [nll.update(v) for v in (-1.0, -1.1, -0.9, -1.05, -0.95, -1.0, -1.02)]
         >>> quiet == [None] * 7
@@ -104,10 +128,16 @@ class SpikeDetector:
         *,
         signed: bool = False,
         tail_margin: bool = False,
+        at_once: float = AT_ONCE,
+        confirm: float = CONFIRM,
     ) -> None:
         for argument, value in (("threshold", threshold), ("min_std", min_std)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"Expected argument `{argument}` to be a finite number > 0, but got {value}")
+        if not (math.isfinite(at_once) and at_once >= 1):
+            raise ValueError(f"Expected argument `at_once` to be a finite number >= 1, but got {at_once}")
+        if not (math.isfinite(confirm) and confirm > 0):
+            raise ValueError(f"Expected argument `confirm` to be a finite number > 0, but got {confirm}")
         for argument, count, least in (
             ("window", window, MIN_SPIKE_WINDOW),
             ("warmup", warmup, 1),
@@ -124,6 +154,8 @@ class SpikeDetector:
         self.min_std = min_std
         self.signed = signed
         self.tail_margin = tail_margin
+        self.at_once = at_once
+        self.confirm = confirm
         self.seen = 0
         self.level = 0.0
         self.recent = 0.0  # EMA of the last RECENT values
@@ -135,6 +167,9 @@ class SpikeDetector:
         self.peak = 0.0  # the largest recent rise above the reference, where it is tracked
         self.count = 0
         self.outlier = False
+        # A spike under `at_once` waiting for the next check: (value, reference, std, bar, peaked).
+        self.pending: tuple[float, float, float, float, bool] | None = None
+        self.alerted = False  # the episode under way has been reported
 
     @property
     def std(self) -> float:
@@ -146,6 +181,7 @@ class SpikeDetector:
         """Carry the log-space state over to linear space (first order: d(exp y) = exp(y) dy)."""
         self.linear = True
         self.linear_seen, self.peak = 0, 0.0  # the rises it bars a spike with are learnt afresh on raw values
+        self.pending = None
         if self.seen == 0:
             return
         typical = math.exp(self.level)
@@ -169,7 +205,6 @@ class SpikeDetector:
         std = self.std
         predicted = self.recent
         rise = y - predicted
-        z = rise / std
         bar = self.threshold * std
         tracked = self.linear or self.tail_margin  # the largest recent rise is tracked, and bars a spike
         peaked = tracked and PEAK_MARGIN * self.peak > bar
@@ -192,8 +227,31 @@ class SpikeDetector:
         self.magnitude += rate * (abs(clipped) - self.magnitude)
         self.previous = clipped
         self.count = self.count + 1 if self.outlier else 0
-        if self.count != self.patience:
-            return None
+        found = None
+        if self.pending is not None:  # the check after a spike too small to alert alone: is the level still up?
+            first, reference, spread, high, peak = self.pending
+            self.pending = None
+            if y - reference > self.confirm * high:
+                found = self._detection(first, reference, spread, high, peak, after=value)
+        if self.count == self.patience and found is None and not self.alerted:
+            big = self.linear or rise >= math.log(self.at_once)
+            if big:
+                found = self._detection(value, predicted, std, bar, peaked)
+            else:
+                self.pending = (value, predicted, std, bar, peaked)
+        if found is not None:
+            self.alerted = True
+        elif self.count == 0 and self.pending is None:
+            self.alerted = False
+        return found
+
+    def _detection(
+        self, value: float, predicted: float, std: float, bar: float, peaked: bool, after: float | None = None
+    ) -> Detection:
+        """The alert for a spike of ``value`` over ``predicted`` (``bar`` above it), confirmed by ``after`` if given."""
+        z = ((value if self.linear else math.log(value)) - predicted) / std
+        if after is not None:  # what the next step had to stay above
+            bar *= self.confirm
         if self.linear:
             typical, limit = predicted, predicted + bar
             jump = f"+{format_value(value - typical)}"
@@ -210,7 +268,11 @@ class SpikeDetector:
         )
         if self.patience > 1:
             reason += f" for {self.patience} steps in a row"
-        return Detection(self.kind, value, limit, reason)
+        if after is None:
+            return Detection(self.kind, value, limit, reason)
+        stayed = f"+{format_value(after - typical)}" if self.linear else f"{after / typical:.2g}x"
+        reason += f", and the next step stayed up at {format_value(after)} ({stayed})"
+        return Detection(self.kind, after, limit, reason)
 
     @property
     def beyond(self) -> bool:
@@ -230,6 +292,8 @@ class SpikeDetector:
             "linear_seen": self.linear_seen,
             "peak": self.peak,
             "count": self.count,
+            "pending": None if self.pending is None else list(self.pending),
+            "alerted": self.alerted,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -244,6 +308,12 @@ class SpikeDetector:
         self.linear_seen = int(state.get("linear_seen", self.seen if self.linear else 0))
         self.peak = float(state.get("peak", 0.0))
         self.count = int(state.get("count", 0))
+        pending = state.get("pending")
+        self.pending = None
+        if pending is not None:
+            value, reference, spread, bar, peaked = pending
+            self.pending = (float(value), float(reference), float(spread), float(bar), bool(peaked))
+        self.alerted = bool(state.get("alerted", self.count >= self.patience))
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
@@ -251,3 +321,4 @@ class SpikeDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.count = min(self.count, self.patience - 1)
+        self.alerted = False

@@ -52,7 +52,9 @@ class ValidationCheck:
         self.rising = None
         if self.key is not None:
             kind, patience = AlertKind.DIVERGING_VAL_LOSS, settings.divergence_patience
-            self.rising = RisingDetector(kind, self.key, patience, settings.divergence_min_delta)
+            self.rising = RisingDetector(
+                kind, self.key, patience, settings.divergence_min_delta, margin=settings.divergence_margin
+            )
         self._warned = False  # about a missing validation loss, once per monitor
         stall = settings.token_acc_patience
         self.stall = None if stall is None else AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, stall)

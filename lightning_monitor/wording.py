@@ -59,6 +59,10 @@ ADVICE: dict[AlertKind, str] = {
         "The model is over-fitting or the learning rate is too high for this stage: restore the best "
         "checkpoint, lower the learning rate or add regularisation."
     ),
+    AlertKind.DIVERGING_LOSS: (
+        "The training loss has left where it started: lower the learning rate or lengthen the warm-up, check the "
+        "data and labels of this stage, and restart from the last good checkpoint."
+    ),
     AlertKind.LOSS_SPIKE: (
         "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and look for bad "
         "or duplicated data in the batch (`postmortem='alert'` saves it)."
@@ -297,7 +301,7 @@ def blame(
         >>> blame(AlertKind.EXPLODING_GRAD, ["a", "b"], [9.0, 1.0], held_peak=False)
         ' Largest layers (norm, share of squared total): a 3 (90%), b 1 (10%).'
     """
-    if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS):
+    if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS, AlertKind.DIVERGING_LOSS):
         return ""
     if kind is AlertKind.EXPLODING_GRAD and held_peak:
         return " It came from a step between checks, whose per-layer norms are not kept."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from lightning_monitor.detectors import (
     AmpOverflowDetector,
     CollapseDetector,
     ExplodingDetector,
+    LossDivergenceDetector,
     NonFiniteDetector,
     RisingDetector,
     SpikeDetector,
@@ -60,19 +62,43 @@ def test_threshold_detection_fields():
 
 
 @pytest.mark.parametrize(
-    ("values", "patience", "min_delta", "expected_index"),
+    ("values", "patience", "min_delta", "margin", "expected_index"),
     [
-        ([1.0, 2.0, 3.0, 4.0, 5.0], 4, 0.0, 4),
-        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, 7),
-        ([1.0, 1.05, 1.1, 1.15, 1.2], 4, 0.1, None),  # rises smaller than min_delta do not count
-        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1, 0.0, None),  # flat is not rising
-        ([3.0, NAN], 4, 0.0, 1),
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 4, 0.0, None, 4),
+        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, None, 7),  # rises in a row only
+        ([1.0, 2.0, 3.0, 2.5, 3.0, 4.0, 5.0, 6.0], 4, 0.0, 0.1, 4),  # four values off the best 1.0 come first
+        ([1.0, 1.05, 1.1, 1.15, 1.2], 4, 0.1, None, None),  # rises smaller than min_delta do not count
+        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1, 0.0, None, None),  # flat is not rising
+        ([3.0, NAN], 4, 0.0, None, 1),
+        # A long plateau creeping up by a hair (a healthy continued pretraining): rises, but not off its best.
+        ([0.4853, 0.4873, 0.4906, 0.4907, 0.4917], 4, 0.0, 0.1, None),
+        ([0.4853, 0.4873, 0.4906, 0.4907, 0.4917], 4, 0.0, None, 4),  # which rises alone call diverging
+        # The speech fine-tune that jumps and plateaus high: never four rises in a row.
+        ([0.3, 0.219, 0.416, 0.423, 0.41, 0.438, 0.402], 4, 0.0, 0.1, 5),
+        ([0.3, 0.219, 0.416, 0.423, 0.41, 0.438, 0.402], 4, 0.0, None, None),
+        ([0.3, 0.219, 0.416, 0.423, 0.24, 0.438, 0.402, 0.45, 0.46], 4, 0.0, 0.1, 8),  # came back once: count anew
+        ([-2.0, -2.5, -2.1, -2.0, -2.2, -1.9], 4, 0.0, 0.1, 5),  # a negative loss: the margin of its magnitude
     ],
 )
-def test_rising(values, patience, min_delta, expected_index):
-    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience, min_delta)
+def test_rising(values, patience, min_delta, margin, expected_index):
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience, min_delta, margin)
     hits = [i for i, v in enumerate(values) if det.update(v) is not None]
     assert hits == ([] if expected_index is None else [expected_index])
+
+
+def test_rising_off_its_best_message_and_episode():
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 2, margin=0.5)
+    found = [det.update(v) for v in (1.0, 0.4, 0.7, 0.65)][-1]
+    assert (
+        found.reason == "val_loss has stayed more than 50% above its best 0.4 for 2 validations in a row (0.7 -> 0.65)"
+    )
+    assert (found.value, found.threshold) == (0.65, pytest.approx(0.6))
+    assert fired(det, [0.9, 0.8, 0.5, 0.7, 0.7]) == [False, False, False, False, True]  # one alert per episode
+
+
+def test_rising_rejects_a_bad_margin():
+    with pytest.raises(ValueError, match=r"`margin` to be a finite number >= 0 or None, but got -0\.1"):
+        RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 2, margin=-0.1)
 
 
 def test_rising_message_lists_the_values():
@@ -127,6 +153,8 @@ def test_amp_overflow_persistent_and_collapse():
         ),
         lambda: ExplodingDetector("norm", limit=0.035, factor=1.5, early=2),
         lambda: CollapseDetector("norm", ratio=0.5, patience=2, early=2),
+        lambda: LossDivergenceDetector(factor=2.0, patience=2),
+        lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 3, margin=0.5),
     ],
 )
 def test_state_dict_round_trip_continues_the_streak(make):
@@ -201,21 +229,73 @@ def test_exploding_arms_only_below_its_limit_and_warns_once():
     det = ExplodingDetector("gradient norm", limit=100.0, factor=10.0, early=5)
     fired_at = fired(det, [3000.0])
     assert fired_at == [False] and det.notice is not None and "set exploding_grad_threshold" in det.notice
+    assert det.limit_now == INF  # no limit until the run has its tail
     assert fired(det, [2000.0, 1500.0, 1200.0, 1000.0, 900.0]) == [False] * 5 and det.notice is None
-    assert not det.armed
-    assert fired(det, [29000.0, 31000.0, 32000.0, 800.0, 40000.0]) == [False, True, False, False, True]
-    assert fired(det, [50.0, 150.0]) == [False, False]  # a dip below the limit does not arm it: the start decides
+    assert not det.armed and det.limit_now == 10000.0  # 10x the tail of six, at most their fifth largest: 1000
+    assert fired(det, [10500.0, 11000.0, 800.0, 12000.0]) == [True, False, False, True]
     found = ExplodingDetector("gradient norm", early=5)
-    assert fired(found, [2.0, 1.0, 150.0, 1.0]) == [False, False, True, False]  # absolute, armed at once
+    assert fired(found, [2.0, 1.0, 150.0, 1.0]) == [False, False, True, False]  # the fixed limit, armed at once
+    assert found.armed and found.limit_now == 100.0
 
 
-def test_exploding_relative_rule_at_any_scale_and_early_max_not_poisoned():
+def test_exploding_fixed_limit_is_raised_to_the_runs_own_early_scale():
+    # A full fine-tune whose norms are at 30 to 75 in its warm-up, with one batch at 164 while the loss falls fast
+    # (a real run): 100 is no explosion for it, 20x its largest norm so far is.
+    det = ExplodingDetector("gradient norm", early=100)
+    assert fired(det, [46.8, 32.9, 32.7, 36.0, 48.7, 75.7, 37.1, 164.5, 15.1, 5.7]) == [False] * 10
+    assert det.limit_now == 3290.0 and not det.armed
+    assert det.update(20000.0).reason == "gradient norm 2e+04 > 20x the largest of its first 10 steps (164.5)"
+
+
+def test_exploding_relative_rule_at_any_scale_and_the_tail_not_poisoned():
     det = ExplodingDetector("gradient norm", limit=100.0, factor=10.0, early=4)
-    # A LoRA-sized run: armed at once; an early explosion fires and stays out of the early maximum.
+    # A LoRA-sized run: armed at once; an early explosion fires and stays out of the tail.
     assert fired(det, [0.03, 0.04, 500.0, 0.03, 0.02]) == [False, False, True, False, False]
-    assert det.early_max == 0.04
-    assert fired(det, [0.3, 0.41, 50.0]) == [False, True, False]  # 10x the early max, long before 100
-    assert fired(det, [INF, NAN]) == [False, False]
+    assert det.tail == 0.02 and det.early_max == 0.02 and det.limit_now == pytest.approx(0.2)  # the 5th largest
+    assert fired(det, [INF, NAN, 0.5]) == [False, False, True]  # 10x the tail, long before 100
+
+
+def test_a_norm_climbing_under_the_limit_does_not_carry_it_up():
+    # A blow-up doubling at each step from a steady 1: a running maximum would follow it (each step under 20x the
+    # largest so far), the 99th percentile of the last 500 norms (their 6th largest) does not.
+    det = ExplodingDetector("gradient norm")
+    fired(det, [1.0 + 0.01 * (i % 7) for i in range(500)])
+    hits = fired(det, [2.0**k for k in range(1, 10)])
+    assert hits.index(True) == 4  # 32 > 20 x 1.06
+    assert det.limit_now == pytest.approx(20 * 1.06)
+
+
+def test_exploding_tail_is_a_long_window_quantile_of_the_runs_norms():
+    # A classifier near zero loss: most norms near 0.017, the batches it gets wrong at 5 to 31 (a real run's median
+    # and 99th percentile), and once 108: under the fixed 100's rule an explosion, here within its tail.
+    heavy = [31.0 if i % 50 == 7 else 5.0 if i % 10 == 3 else 0.017 for i in range(2000)]
+    det = ExplodingDetector("gradient norm")
+    assert not any(fired(det, [*heavy, 108.0, 0.015]))
+    assert det.limit_now == 620.0  # 20x the 99th percentile, 31
+    assert fired(det, [700.0]) == [True]
+    # The 99th percentile of the last `window` norms, the 11th largest of 1,000: the top ten do not set it, and the
+    # oldest leave it.
+    det = ExplodingDetector("gradient norm", early=10, window=1000)
+    fired(det, [1.0] * 990 + [5.0] * 10)
+    assert det.tail == 1.0
+    fired(det, [5.0])
+    assert det.tail == 5.0
+    fired(det, [1.0] * 1000)
+    assert det.tail == 1.0
+
+
+def test_exploding_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="`window` to be at least `early` \\(100\\), but got 50"):
+        ExplodingDetector("gradient norm", window=50)
+    with pytest.raises(ValueError, match="`quantile` to be in \\(0, 1\\], but got 0"):
+        ExplodingDetector("gradient norm", quantile=0)
+
+
+def test_exploding_reads_the_state_of_a_checkpoint_from_before_the_tail():
+    det = ExplodingDetector("gradient norm", early=3)
+    det.load_state_dict({"armed": True, "warned": False, "seen": 100, "early_max": 0.5, "count": 0})
+    assert det.armed and det.limit_now == 100.0  # the fixed limit again, until it has a tail of its own
+    assert fired(det, [1.0, 2.0, 1.0, 25.0]) == [False, False, False, True]
 
 
 def test_collapse_is_relative_to_the_early_median():
@@ -269,3 +349,159 @@ def test_signed_losses_keep_spike_detection(offset):
 def test_unsigned_spike_detector_ignores_non_positive_values():
     det = SpikeDetector(AlertKind.GRAD_SPIKE, "norm", warmup=2)
     assert fired(det, [1.0, 0.0, -1.0, 1.0]) == [False] * 4 and not det.linear
+
+
+def quiet_loss(n: int = 200) -> list[float]:
+    """A falling loss with a deterministic wiggle of +-4%."""
+    return [3.0 / (1 + 0.002 * i) * (1 + 0.02 * ((i * 7) % 5 - 2)) for i in range(n)]
+
+
+def test_a_big_spike_alerts_at_its_step_and_a_small_one_only_if_the_next_step_stays_up():
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    assert not any(fired(det, quiet_loss()))
+    level = quiet_loss(201)[-1]
+    # A single batch at 2x, the next one back: an outlier, not an alert (the real pretraining logs' noise).
+    assert fired(det, [2 * level, level, level]) == [False, False, False]
+    assert det.pending is None
+    # 3x: at once.
+    assert fired(det, [3 * level, level]) == [True, False]
+    fired(det, [level] * 20)
+    # 1.8x that stays up (the level moved): at the next step, naming both.
+    found = [det.update(v) for v in (1.8 * level, 1.7 * level, 1.8 * level)]
+    assert [f is not None for f in found] == [False, True, False]
+    assert "and the next step stayed up at" in found[1].reason and found[1].value == pytest.approx(1.7 * level)
+
+
+def test_a_confirmed_spike_is_one_alert_and_a_nan_does_not_confirm_or_clear_it():
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    fired(det, quiet_loss())
+    level = quiet_loss(201)[-1]
+    assert fired(det, [2 * level, NAN, 2 * level, 2 * level, 2 * level]) == [False, False, True, False, False]
+    assert fired(det, [level] * 30) == [False] * 30  # the episode ended with the level learnt or gone
+
+
+@pytest.mark.parametrize(("at_once", "expected"), [(1.0, [True, False]), (2.5, [False, False]), (1.5, [True, False])])
+def test_at_once_sets_the_size_of_spike_that_alerts_alone(at_once, expected):
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss", at_once=at_once)
+    fired(det, quiet_loss())
+    level = quiet_loss(201)[-1]
+    assert fired(det, [2 * level, level]) == expected
+
+
+def test_spike_patience_then_confirmation():
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss", patience=2)
+    fired(det, quiet_loss())
+    level = quiet_loss(201)[-1]
+    assert fired(det, [2 * level, 2 * level, level]) == [False, False, False]  # two outliers, then back: none
+    fired(det, [level] * 20)
+    assert fired(det, [2 * level, 2 * level, 2 * level]) == [False, False, True]  # within patience + 1
+    assert fired(det, [4 * level, 4 * level]) == [False, False]  # the same episode
+    fired(det, [level] * 20)
+    assert fired(det, [4 * level, 4 * level]) == [False, True]  # large: at the patience-th
+
+
+def test_a_pending_spike_survives_a_checkpoint():
+    first = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    fired(first, quiet_loss())
+    level = quiet_loss(201)[-1]
+    fired(first, [2 * level])
+    assert first.pending is not None
+    second = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    second.load_state_dict(first.state_dict())
+    assert second.pending == first.pending and fired(second, [2 * level]) == [True]
+    old = {k: v for k, v in first.state_dict().items() if k not in ("pending", "alerted")}
+    third = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
+    third.load_state_dict(old)  # a checkpoint from before the rule: nothing pending, its outlier was alerted
+    assert third.pending is None and third.alerted
+    assert fired(third, [2 * level, level]) == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"), [("at_once", 0.5), ("at_once", INF), ("confirm", 0.0), ("confirm", NAN)]
+)
+def test_spike_rejects_bad_rule_arguments(argument, value):
+    with pytest.raises(ValueError, match=f"`{argument}` to be a finite number"):
+        SpikeDetector(AlertKind.LOSS_SPIKE, "loss", **{argument: value})
+
+
+@pytest.mark.parametrize(
+    ("values", "expected_index"),
+    [
+        # Fine-tunes that blow up in their first checks (issue 33): caught at the third check above 4x the first.
+        ([1.0, 0.98, 1.02, 1.3, 2.9, 6.5, 14.0, 29.6, 29.0], 7),
+        ([1.637, 11.807, 11.605, 10.383, 10.373, 10.373], 3),  # a real QLoRA run at a learning rate of 5
+        ([1.0, 0.9, 0.95, 5.0, 0.8, 5.0, 5.0, 0.7, 5.0], None),  # never three checks in a row
+        ([3.0 / (1 + 0.1 * i) for i in range(50)], None),  # a healthy falling loss
+        ([NAN, 1.0, 1.0, 5.0, INF, 5.0, 5.0], 6),  # non-finite losses are another detector's
+        ([0.0, 5.0, 5.0, 5.0, 5.0], None),  # a start at or below zero has no ratio: off
+        ([-1.0, 5.0, 5.0, 5.0, 5.0], None),
+    ],
+)
+def test_loss_divergence_against_the_starting_level(values, expected_index):
+    det = LossDivergenceDetector()
+    hits = [i for i, v in enumerate(values) if det.update(v) is not None]
+    assert hits == ([] if expected_index is None else [expected_index])
+
+
+def test_loss_divergence_message_episode_and_rearm():
+    det = LossDivergenceDetector(factor=4.0, patience=3)
+    found = [det.update(v) for v in (1.64, 11.8, 11.6, 11.9)][-1]
+    assert found.kind is AlertKind.DIVERGING_LOSS and (found.value, found.threshold) == (11.9, pytest.approx(6.56))
+    assert found.reason == "training loss 11.9 > 4x its starting level 1.64 (its first step) for 3 steps in a row"
+    assert fired(det, [12.0, 12.0]) == [False, False]
+    det.rearm()  # a resume: the divergence still there is reported again
+    assert fired(det, [12.0]) == [True]
+    assert fired(det, [1.0, 12.0, 12.0, 12.0]) == [False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"factor": 1.0}, "`factor` to be a finite number > 1, but got 1.0"),
+        ({"factor": NAN}, "`factor` to be a finite number > 1, but got nan"),
+        ({"patience": 0}, "`patience` to be at least 1, but got 0"),
+    ],
+)
+def test_loss_divergence_rejects_bad_arguments(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LossDivergenceDetector(**arguments)
+
+
+def test_the_new_detector_settings_have_defaults_and_are_checked():
+    from dataclasses import replace
+
+    from lightning_monitor import TrainingMonitor
+
+    config = TrainingMonitor().config
+    assert (config.spikes.loss_divergence_factor, config.validation.divergence_margin) == (4.0, 0.1)
+    assert replace(config.spikes, loss_divergence_factor=None).loss_divergence_factor is None  # off
+    assert replace(config.validation, divergence_margin=None).divergence_margin is None  # rises in a row alone
+    assert replace(config.validation, divergence_margin=1).divergence_margin == 1.0
+    for group, name, value, expected in (
+        (config.spikes, "loss_divergence_factor", 1.0, "a finite number > 1, but got 1.0 (or None, off)"),
+        (config.spikes, "loss_divergence_factor", "4", "a finite number > 1, but got '4' (or None, off)"),
+        (config.validation, "divergence_margin", -0.1, "a finite number >= 0, but got -0.1 (or None, off)"),
+        (config.validation, "divergence_margin", INF, "a finite number >= 0, but got inf (or None, off)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"Expected argument `{name}` to be {expected}")):
+            replace(group, **{name: value})
+
+
+def test_the_former_attributes_still_give_the_limit_in_force():
+    # What `deferred.halting_limit` reads until it reads `limit_now`: the fixed limit while it is in force as is, then
+    # `factor` times the tail. In the first checks with the limit raised to the run's own scale it finds none (inf).
+    def former(det):
+        limits = [INF]
+        if det.armed:
+            limits.append(det.limit)
+        if det.seen >= det.early and det.early_max > 0:
+            limits.append(det.factor * det.early_max)
+        return min(limits)
+
+    det = ExplodingDetector("gradient norm", early=20)
+    for value in [0.5, 0.7, 0.6] * 10 + [8.0, 0.5] * 30:
+        assert former(det) == det.limit_now
+        det.update(value)
+    raised = ExplodingDetector("gradient norm", early=20)
+    fired(raised, [40.0, 70.0])
+    assert raised.limit_now == 1400.0 and former(raised) == INF

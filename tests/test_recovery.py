@@ -291,13 +291,14 @@ def test_outliers_beyond_the_skip_limit_halt_with_the_bundle(tmp_path):
     # 5 poisoned batches are skipped after the restore at step 140; the 6th (step 146) halts.
     monitor = recovering(recovery_skip_limit=5, halt_on=[])
     trainer, model, _ = fit(tmp_path, monitor)
+    # The norm of step 146 (10.35) is 17x the tail it is judged against: a grad_spike, under exploding_grad's 20x.
     assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts if a.step >= 146] == [
         ("recovered", 146, False),
         ("loss_spike", 146, True),
-        ("exploding_grad", 146, True),
+        ("grad_spike", 146, False),
     ]
-    for alert in monitor.alerts[-2:]:
-        assert "; the loss_spike episode of step 140 goes on after the recovery skipped 5 batch(es)" in alert.message
+    alert = monitor.alerts[-2]
+    assert "; the loss_spike episode of step 140 goes on after the recovery skipped 5 batch(es)" in alert.message
     assert monitor.stopping_reason is AlertKind.LOSS_SPIKE and trainer.global_step == 147
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert (tmp_path / "csv" / "version_0" / "postmortem" / "step0000146_loss_spike" / "README.md").exists()
