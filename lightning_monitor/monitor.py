@@ -521,10 +521,11 @@ class TrainingMonitor(Callback):
         if verdict.finished is not None:  # a recovery that ended here: its record comes before this check's alerts
             alerts.insert(0, recovered_alert(verdict.finished, logging_step(trainer), trainer.current_epoch))
         self._state.alerts += alerts
-        if pending.logs or alerts or not self._every:  # the limits in force, for the report (the history keeps them)
-            latest.update(limits_in_force(check.detectors, check.suffix))
+        kept = latest  # the check's record in the history, with the limits in force where the history keeps it
+        if pending.logs or alerts or not self._every:
+            kept = {**latest, **limits_in_force(check.detectors, check.suffix)}
         # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
-        self._writer.step(trainer, pending.at, pending.epoch, logged, latest, logs=pending.logs or bool(halting),
+        self._writer.step(trainer, pending.at, pending.epoch, logged, kept, logs=pending.logs or bool(halting),
                           alerts=alerts, run_alerts=self._state.alerts)  # fmt: skip
         if bundle is not None:
             skipped = "deferred" if pending.on_device is not None else verdict.skip

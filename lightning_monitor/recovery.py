@@ -233,7 +233,7 @@ class Recovery:
                 if window.budget > window.skipped:
                     window.skipped += 1
                     self._reload_statistics()  # the next batch too is judged against the pre-episode level
-                    return RecoveryPlan([d for d in detections if d.kind not in kinds], skip=True)
+                    return RecoveryPlan([d for d in detections if d.kind not in kinds], spared=kinds, skip=True)
                 finished = self._close()
                 why = (
                     f"the {window.trigger.kind.value} episode of step {window.at} goes on after the recovery skipped"

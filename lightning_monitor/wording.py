@@ -354,6 +354,7 @@ def learning_rate_words(optimizer: Optimizer | None) -> tuple[float | None, str]
     Off the hot path: a tensor rate on a device is read here, once per alert.
 
     Example:
+        >>> import torch
         >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=3e-4)
         >>> learning_rate_words(sgd)
         (0.0003, ', learning rate 0.0003')
