@@ -372,7 +372,7 @@ def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
     code = (
         "import sys, lightning.pytorch as pl\n"
         "from lightning_monitor import TrainingMonitor\n"
-        "import lightning_monitor.responder, lightning_monitor.run_folder, lightning_monitor.logger_sinks\n"
+        "import lightning_monitor.writer, lightning_monitor.run_folder, lightning_monitor.logger_sinks\n"
         "trainer = pl.Trainer(logger=False, callbacks=[TrainingMonitor(halt_after=1)], enable_progress_bar=False)\n"
         "print(sorted({'wandb', 'mlflow'} & set(sys.modules)))\n"
     )
