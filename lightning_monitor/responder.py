@@ -29,7 +29,7 @@ from lightning_monitor.halting import StepGuard, TrainingHalted
 from lightning_monitor.history import HISTORY_FILE, RunHistory, alert_learning_rate
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
 from lightning_monitor.recovery import Recovery, RecoveryPlan, RecoveryRecord, StateSources
-from lightning_monitor.run_folder import new_folder, run_folder
+from lightning_monitor.run_folder import new_folder, run_folder, writes_files
 from lightning_monitor.settings import ResponseSettings
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 from lightning_monitor.step_figures import StepFigures
@@ -137,16 +137,16 @@ class Responder:
         """
         if not carry_on:
             self.log_dir = run_folder(trainer)
-        log_dir = self.log_dir
-        alerts_file = self.settings.alerts_file
-        self._jsonl = JsonlSink(log_dir / alerts_file) if alerts_file else None
+        log_dir, writes = self.log_dir, writes_files(trainer)  # no file under fast_dev_run, as Lightning writes none
+        alerts_file, zero = self.settings.alerts_file, trainer.is_global_zero and writes
+        self._jsonl = JsonlSink(log_dir / alerts_file) if alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.history.clear()
-        self.run_history.begin(log_dir / HISTORY_FILE if trainer.is_global_zero else None)
+        self.run_history.begin(log_dir / HISTORY_FILE if zero else None)
         self.stopping_reason, self.stopping_reason_message = None, None
         if self.recovery is not None:
-            self.recovery.begin(log_dir / "recovery", trainer.global_rank)
-        if trainer.is_global_zero:
+            self.recovery.begin(log_dir / "recovery" if writes else None, trainer.global_rank)
+        if zero:
             write_settings(log_dir / SETTINGS_FILE, settings)
             self._loggers.add_layout()
             self._add_files([log_dir / SETTINGS_FILE])
@@ -180,6 +180,8 @@ class Responder:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the alerts and the skipped steps (not the stopping reason: a resumed run has not halted)."""
         self.alerts = [Alert.from_dict(a) for a in state.get("alerts", [])]
+        if self._jsonl is not None:  # the lines written after the checkpoint's step would be written again
+            self._jsonl.keep_only(self.alerts)
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.recovery is not None:
             self.recovery.load_state_dict(state)
@@ -434,7 +436,7 @@ class Responder:
         postmortem = self.settings.postmortem
         halt_on = self.settings.halt_on if halt_on is None else halt_on
         cause = [d for d in detections if postmortem == "alert" or d.kind in halt_on]
-        if postmortem is None or not cause:
+        if postmortem is None or not cause or not writes_files(trainer):
             return None
         at = logging_step(trainer) if at is None else at
         folder = self.log_dir / "postmortem" / f"step{at:07d}_{cause[0].kind.value}"
