@@ -55,6 +55,7 @@ __all__ = [
     "RecoveryPlan",
     "RecoveryRecord",
     "StateSources",
+    "available_disk_bytes",
     "available_host_bytes",
     "state_bytes",
 ]
@@ -402,17 +403,17 @@ class Recovery:
         storage: str = wanted
         why = ""
         if wanted == "memory" and available is not None and needed > HOST_MEMORY_SHARE * available:
-            free = _disk_free(self.folder)
+            free = available_disk_bytes(self.folder)
             short = (
-                f"a kept state takes {_gib(needed)} of host memory on rank {self.rank}, and"
-                f" {_gib(available)} is available"
+                f"a kept state takes {_size(needed)} of host memory on rank {self.rank}, more than"
+                f" {HOST_MEMORY_SHARE:.0%} of the {_size(available)} available"
             )
             if self.folder is not None and free is not None and free >= 2 * needed:
                 storage = "disk"
-                why = f"{short}: it keeps its states on disk in {str(self.folder)!r} instead ({_gib(free)} free)."
+                why = f"{short}: it keeps its states on disk in {str(self.folder)!r} instead ({_size(free)} free)."
             else:
                 storage = "off"
-                room = "no folder to write to" if self.folder is None or free is None else f"{_gib(free)} free on disk"
+                room = "no folder to write to" if free is None else f"{_size(free)} free on disk"
                 why = (
                     f"{short}, with {room}: recovery is off for this run, and alerts of the `recover_on` kinds act"
                     " as they would without it."
@@ -541,25 +542,44 @@ def available_host_bytes() -> int | None:
 def state_bytes(sources: StateSources) -> int:
     """The bytes a state kept from ``sources`` takes on this rank: its module's and optimizers' tensors (shards).
 
+    A parameter an optimizer holds no state for yet (before its first step) counts as two moments of its size, as
+    Adam's and AdamW's: the state a kept state will soon hold.
+
     Example:
-        >>> model = torch.nn.Linear(2, 1)  # 3 float32 parameters
+        >>> model = torch.nn.Linear(2, 1)  # 3 float32 parameters: 12 bytes
         >>> opt = torch.optim.Adam(model.parameters())
+        >>> state_bytes(StateSources(model, [opt]))  # the weights, and two moments to come
+        36
         >>> model(torch.ones(1, 2)).sum().backward()
-        >>> opt.step()  # two moments per parameter, and a step count each
+        >>> opt.step()  # two moments per parameter, and a step count each (4 bytes)
         >>> state_bytes(StateSources(model, [opt]))
         44
     """
-    module = [_local(t) for t in _tensors(sources.module.state_dict())]
-    states = [_local(t) for opt in sources.optimizers for t in _tensors(list(opt.state.values()))]
-    return sum(t.numel() * t.element_size() for t in module + states)
+    tensors = [_local(t) for t in _tensors(sources.module.state_dict())]
+    for opt in sources.optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                state = opt.state.get(param)
+                tensors += [_local(t) for t in _tensors(state)] if state else [_local(param)] * 2
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def _size(nbytes: float) -> str:
+    """A size in words, in the largest binary unit under it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
 
 
-def _disk_free(folder: Path | None) -> int | None:
-    """The free bytes of the disk ``folder`` is (or would be) on, or ``None``."""
+def available_disk_bytes(folder: Path | None) -> int | None:
+    """The free bytes of the disk ``folder`` is (or would be) on, or ``None`` (no folder, or no answer).
+
+    Example:
+        >>> import tempfile
+        >>> available_disk_bytes(Path(tempfile.mkdtemp()) / "not" / "made" / "yet") > 0
+        True
+    """
     if folder is None:
         return None
     for path in (folder, *folder.parents):
