@@ -148,7 +148,7 @@ def write_bundle(
     )
     if left_out:  # this rank's (rank zero writes the README)
         shown = ", ".join(left_out[:10]) + (f" and {len(left_out) - 10} more" if len(left_out) > 10 else "")
-        missing.append(f"in `batch_rank{rank}.pt`, values that are not plain, saved as `None`: {shown}")
+        missing.append(f"the values of `batch_rank{rank}.pt` that are not plain (saved as `None`): {shown}")
     if weights_ok:
         trainer.save_checkpoint(folder / "last_good.ckpt", weights_only=False)  # a full checkpoint, to resume from
     else:
