@@ -143,9 +143,9 @@ def write_bundle(
             write_atomic(folder / f"batch_rank{rank}.error.txt", f"{type(err).__name__}: {err}\n")
     # Every rank's outcome, for the README: one gather, on a path taken only when a bundle is written.
     unsaved = [r for r, ok in enumerate(ranks_where(saved, trainer.strategy.root_device)) if not ok]
-    missing = [f"the batches of rank(s) {unsaved}, which could not be saved (see `batch_rank<r>.error.txt`)"] * bool(
-        unsaved
-    )
+    missing = []
+    if unsaved:
+        missing.append(f"the batches of rank(s) {unsaved}, which could not be saved (see `batch_rank<r>.error.txt`)")
     if left_out:  # this rank's (rank zero writes the README)
         shown = ", ".join(left_out[:10]) + (f" and {len(left_out) - 10} more" if len(left_out) > 10 else "")
         missing.append(f"the values of `batch_rank{rank}.pt` that are not plain (saved as `None`): {shown}")

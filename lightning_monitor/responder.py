@@ -180,8 +180,8 @@ class Responder:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the alerts and the skipped steps (not the stopping reason: a resumed run has not halted)."""
         self.alerts = [Alert.from_dict(a) for a in state.get("alerts", [])]
-        if self._jsonl is not None:  # the lines written after the checkpoint's step would be written again
-            self._jsonl.keep_only(self.alerts)
+        if self._jsonl is not None:  # the alerts written after the checkpoint's step would be written again
+            self._jsonl.restore(self.alerts)
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.recovery is not None:
             self.recovery.load_state_dict(state)

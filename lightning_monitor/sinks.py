@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,13 +171,13 @@ class JsonlSink:
         except OSError as err:
             self._stop(err)
 
-    def keep_only(self, alerts: Sequence[Alert]) -> int:
-        """Make the file agree with ``alerts``, the alerts a resumed run restored: drop every line not among them.
+    def restore(self, alerts: Sequence[Alert]) -> bool:
+        """Make the file hold exactly ``alerts``, the alerts a resumed run restored; return whether it was rewritten.
 
-        A run resumed from a checkpoint older than its last alerts gets those alerts again if they recur; the lines
-        the stopped run wrote after the checkpoint are dropped, so no alert is counted twice. Lines that are not
-        alerts (damaged) are dropped too. The file is rewritten at once (:func:`~lightning_monitor._files.
-        write_atomic`), and only when a line goes. Returns how many lines were dropped.
+        A run resumed from a checkpoint older than its last alerts would get those alerts again if they recur, and a
+        run killed mid-write leaves a line cut short: the file is rewritten at once
+        (:func:`~lightning_monitor._files.write_atomic`) with the restored alerts, oldest first, when its lines are
+        not those. A file that does not exist (a resume into a new folder) stays so.
 
         Example:
             >>> import tempfile
@@ -187,26 +186,22 @@ class JsonlSink:
             >>> early, late = (Alert(AlertKind.LOSS_SPIKE, s, 0, 9.0, 3.0, "spike") for s in (5, 15))
             >>> sink.write(early), sink.write(late)
             (None, None)
-            >>> sink.keep_only([early]), [json.loads(line)["step"] for line in sink.path.read_text().splitlines()]
-            (1, [5])
+            >>> sink.restore([early]), [json.loads(line)["step"] for line in sink.path.read_text().splitlines()]
+            (True, [5])
+            >>> sink.restore([early])
+            False
         """
         if self.broken or self.path.is_symlink() or not self.path.is_file():
-            return 0
-        wanted = Counter(_canonical(a.to_dict()) for a in alerts)
+            return False
+        wanted = [json.dumps(a.to_dict()).encode("utf-8") + b"\n" for a in alerts]
         try:
-            lines = self.path.read_bytes().splitlines(keepends=True)
-            kept = []
-            for line in lines:
-                key = _alert_line(line)
-                if key is not None and wanted[key] > 0:
-                    wanted[key] -= 1
-                    kept.append(line if line.endswith(b"\n") else line + b"\n")
-            if len(kept) < len(lines):
-                write_atomic(self.path, b"".join(kept))
+            if self.path.read_bytes() == b"".join(wanted):
+                return False
+            write_atomic(self.path, b"".join(wanted))
         except OSError as err:
             self._stop(err)
-            return 0
-        return len(lines) - len(kept)
+            return False
+        return True
 
     def _stop(self, err: OSError) -> None:
         """Stop writing, with one warning."""
@@ -216,19 +211,6 @@ class JsonlSink:
             "and the loggers. Pass `alerts_file=None` to silence this.",
             category=RuntimeWarning,
         )
-
-
-def _canonical(record: Mapping[str, Any]) -> str:
-    """An alert's record as one string, for comparing a restored alert with a line of the file."""
-    return json.dumps(Alert.from_dict(dict(record)).to_dict(), sort_keys=True)
-
-
-def _alert_line(line: bytes) -> str | None:
-    """A line of the alerts file as :func:`_canonical` writes it, or ``None`` if it is no alert."""
-    try:
-        return _canonical(json.loads(line))
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
