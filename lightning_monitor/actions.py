@@ -18,7 +18,7 @@ from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.halting import TrainingHalted
 from lightning_monitor.postmortem import NO_CHECKPOINT, write_bundle
-from lightning_monitor.run_folder import new_folder
+from lightning_monitor.run_folder import new_folder, writes_files
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -56,6 +56,8 @@ def open_bundle(trainer: pl.Trainer, log_dir: Path, kind: AlertKind, at: int, wa
     zero creates a new folder (``..._2`` when an earlier bundle has the name: none is overwritten) and tells the
     others.
     """
+    if not writes_files(trainer):  # fast_dev_run: Lightning writes nothing, and neither does the monitor
+        return None
     folder = log_dir / "postmortem" / f"step{at:07d}_{kind.value}"
     created = None
     if trainer.is_global_zero:

@@ -14,7 +14,6 @@ loss the module logged is taken only as a host number (a progress-bar value, whi
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_monitor._compat import FITTING, rank_zero_warn
+from lightning_monitor._files import append_bytes
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step
 from lightning_monitor.alerts import json_float
@@ -207,11 +207,6 @@ def _read_tensors(records: list[dict[str, Any]]) -> None:
 
 
 def _append(path: Path, text: str) -> None:
-    """Append ``text`` to ``path``, ending first a last line a killed run left without its newline."""
+    """Append ``text`` to ``path``, never through a symbolic link (:func:`~lightning_monitor._files.append_bytes`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+b") as f:
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-        f.write(text.encode("utf-8"))
+    append_bytes(path, text.encode("utf-8"))

@@ -49,6 +49,7 @@ from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, Pend
 from lightning_monitor.halting import StepGuard, keep_from_weights
 from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
+from lightning_monitor.run_folder import writes_files
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
@@ -355,7 +356,8 @@ class TrainingMonitor(Callback):
         self._fitted = weakref.ref(trainer)
         self._writer.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
         self._state.begin()
-        self._recovery.begin(self._writer.log_dir / "recovery", trainer.global_rank)
+        recovery_folder = self._writer.log_dir / "recovery" if writes_files(trainer) else None
+        self._recovery.begin(recovery_folder, trainer.global_rank)
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -703,6 +705,7 @@ class TrainingMonitor(Callback):
         # Not the stopping reason: a resumed run has not halted. Nor any alert episode under way: a problem still
         # there after the resume (say, from a post-mortem checkpoint taken before the bad step) fires again.
         self._state.load_state_dict(state_dict)
+        self._writer.restore_alerts(self._state.alerts)  # a resume from before the last alerts writes them once
         self._recovery.load_state_dict(state_dict)
         self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))

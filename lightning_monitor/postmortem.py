@@ -3,15 +3,19 @@
 When training halts (or, if asked, on any alert) :class:`~lightning_monitor.TrainingMonitor` writes one folder:
 
 - ``last_good.ckpt``: a full Lightning checkpoint taken before the bad update was applied;
-- ``batch_rank<r>.pt``: the batches of the bad optimizer step as each rank saw them, ``[(batch_idx, batch), ...]``;
+- ``batch_rank<r>.pt``: the batches of the bad optimizer step as each rank saw them, ``[(batch_idx, batch), ...]``,
+  in plain form (:func:`plain_batch`), which ``torch.load(..., weights_only=True)`` reads without running any code;
 - ``history.jsonl``: the figures of the last checks (loss, gradient norm, per-layer norms...), oldest first;
 - ``alerts.jsonl``: every alert so far, the ones that caused the bundle last;
 - ``README.md``: what is where, and how to reload the batch and replay the step.
+
+Each file is written at once (a temporary file moved into place): a full disk leaves a file out, never half of one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,15 +23,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from lightning_monitor._compat import move_data_to_device
+from lightning_monitor._files import write_atomic
 from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import Alert, json_float
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["NO_CHECKPOINT", "write_bundle"]
+__all__ = ["NO_CHECKPOINT", "plain_batch", "write_bundle"]
 
 #: What a bundle says when it keeps no checkpoint because the weights were no longer finite.
 NO_CHECKPOINT = "`last_good.ckpt`: the weights were no longer finite when the alert came, so none is kept"
@@ -55,11 +61,19 @@ from your_project import YourLightningModule  # the class you trained
 
 model = YourLightningModule.load_from_checkpoint("{folder}/last_good.ckpt")
 model.train()
-for batch_idx, batch in torch.load("{folder}/batch_rank0.pt", weights_only=False):
+for batch_idx, batch in torch.load("{folder}/batch_rank0.pt", weights_only=True):
     out = model.training_step(batch, batch_idx)
     loss = out["loss"] if isinstance(out, dict) else out
     print(batch_idx, loss)  # a non-finite loss here reproduces the failure
 ```
+
+The batches are saved in plain form, which `torch.load(..., weights_only=True)` reads without running any code:
+tensors (on the CPU), numbers, strings, `None`, and lists, tuples and dicts of them. A mapping (such as a Hugging Face
+`BatchEncoding`) is saved as a `dict`, a namedtuple or a dataclass as a `dict` of its fields (rebuild it with
+`YourBatch(**batch)`); any other object is saved as `None` and listed below. Do not load a file of a bundle you did not
+write yourself with `weights_only=False`: that unpickles it, which can run any code the file names. `last_good.ckpt`
+is a full Lightning checkpoint: Lightning loads it as it loads any checkpoint, so trust it as you would any
+checkpoint from the same source.
 
 Move the model and the batch to the device you trained on to replay it there; set the same precision
 (`torch.autocast`) if the run used mixed precision.
@@ -118,19 +132,23 @@ def write_bundle(
     folder.mkdir(parents=True, exist_ok=True)
     rank = trainer.global_rank
     path = folder / f"batch_rank{rank}.pt"
+    left_out: list[str] = []
     try:
-        torch.save([(index, move_data_to_device(batch, "cpu")) for index, batch in batches], path)
+        plain = [(index, plain_batch(batch, f"batch {index}", left_out)) for index, batch in batches]
+        write_atomic(path, lambda f: torch.save(plain, f))
         saved = True
-    except Exception as err:  # a batch of objects that do not pickle (a lambda in it, a custom class)
+    except Exception as err:  # a full disk, a folder that cannot be written
         saved = False
         with contextlib.suppress(OSError):  # no rank may fail alone before the gather below: the others would wait
-            path.unlink(missing_ok=True)
-            (folder / f"batch_rank{rank}.error.txt").write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
+            write_atomic(folder / f"batch_rank{rank}.error.txt", f"{type(err).__name__}: {err}\n")
     # Every rank's outcome, for the README: one gather, on a path taken only when a bundle is written.
     unsaved = [r for r, ok in enumerate(ranks_where(saved, trainer.strategy.root_device)) if not ok]
-    missing = (
-        [f"the batches of rank(s) {unsaved}, which do not pickle (see `batch_rank<r>.error.txt`)"] if unsaved else []
-    )
+    missing = []
+    if unsaved:
+        missing.append(f"the batches of rank(s) {unsaved}, which could not be saved (see `batch_rank<r>.error.txt`)")
+    if left_out:  # this rank's (rank zero writes the README)
+        shown = ", ".join(left_out[:10]) + (f" and {len(left_out) - 10} more" if len(left_out) > 10 else "")
+        missing.append(f"the values of `batch_rank{rank}.pt` that are not plain (saved as `None`): {shown}")
     if weights_ok:
         trainer.save_checkpoint(folder / "last_good.ckpt", weights_only=False)  # a full checkpoint, to resume from
     else:
@@ -162,15 +180,61 @@ def write_bundle(
     )
     if missing:
         readme += "\n## Not in this bundle\n\n" + "".join(f"- {what}.\n" for what in missing)
-    (folder / "README.md").write_text(readme, encoding="utf-8")
+    write_atomic(folder / "README.md", readme)
     return missing
 
 
+#: The values a batch keeps as they are: what ``torch.load(..., weights_only=True)`` reads.
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def plain_batch(value: Any, where: str = "batch", left_out: list[str] | None = None) -> Any:
+    """``value`` in a form ``torch.load(..., weights_only=True)`` reads: nothing in it runs code when loaded.
+
+    Tensors go to the CPU as plain tensors; numbers, strings, bytes and ``None`` stay; lists, tuples and dicts are
+    kept, their items made plain; a mapping (a ``BatchEncoding``...) becomes a ``dict``, a namedtuple or a dataclass
+    a ``dict`` of its fields. Anything else becomes ``None``, and its place (``where`` and the keys or indices to
+    it) and type are added to ``left_out``.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Pair = namedtuple("Pair", "x y")
+        >>> left_out = []
+        >>> plain_batch({"ids": torch.tensor([1, 2]), "pair": Pair(1, "a"), "fn": len}, "batch", left_out)
+        {'ids': tensor([1, 2]), 'pair': {'x': 1, 'y': 'a'}, 'fn': None}
+        >>> left_out
+        ["batch['fn'] (builtin_function_or_method)"]
+    """
+    left = [] if left_out is None else left_out
+    if isinstance(value, Tensor):
+        tensor = move_data_to_device(value.detach(), "cpu")
+        return tensor if type(tensor) is Tensor else tensor.as_subclass(Tensor)
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, bytes):
+        return bytes(value)
+    for base in (bool, int, float, str):  # an enum member, a numpy scalar that subclasses float...
+        if isinstance(value, base):
+            return base(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        value = dict(zip(value._fields, value, strict=True))
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            plain_key = key if type(key) in _PLAIN else str(key)
+            out[plain_key] = plain_batch(item, f"{where}[{key!r}]", left)
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [plain_batch(item, f"{where}[{i}]", left) for i, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    left.append(f"{where} ({type(value).__name__})")
+    return None
+
+
 def _write_lines(path: Path, rows: Iterable[Mapping[str, Any]]) -> int:
-    """Write one JSON object per line; return how many."""
-    count = 0
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({k: json_float(v) if isinstance(v, float) else v for k, v in row.items()}) + "\n")
-            count += 1
-    return count
+    """Write one JSON object per line, at once; return how many."""
+    lines = [json.dumps({k: json_float(v) if isinstance(v, float) else v for k, v in row.items()}) for row in rows]
+    write_atomic(path, "".join(line + "\n" for line in lines))
+    return len(lines)

@@ -15,11 +15,18 @@ step, and how many batches' updates were left out.
 It gives up, and the run halts as it would have without it (the bundle included), after ``max_recoveries``, when the
 batches stay outliers beyond ``recovery_skip_limit``, or when the episode comes back before a new good state was kept
 (restoring the same state would replay it).
+
+A kept state is about the size of the weights and the optimizer's state (three times the fp32 weights with Adam).
+Before the first one, each rank weighs that against the host memory available (:func:`available_host_bytes`): when it
+would not fit, the states go to disk if the disk has room, else recovery is off for the run; one warning says which,
+and every rank does the same. A state that cannot be written to disk (a full disk, a folder that cannot be made) is
+kept in memory instead, with one warning: writing one never stops the run.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_monitor._files import write_atomic
+from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import AlertKind, Detection
 from lightning_monitor.decision import RecoveryPlan
 from lightning_monitor.settings import RecoverySettings
@@ -39,7 +48,20 @@ if TYPE_CHECKING:  # no trainer package at run time: this module works with eith
 
     from lightning_monitor.checks import OptimizerChecks
 
-__all__ = ["CheckStatistics", "KeptState", "Recovery", "RecoveryRecord", "StateSources"]
+__all__ = [
+    "HOST_MEMORY_SHARE",
+    "CheckStatistics",
+    "KeptState",
+    "Recovery",
+    "RecoveryRecord",
+    "StateSources",
+    "available_disk_bytes",
+    "available_host_bytes",
+    "state_bytes",
+]
+
+#: The share of the available host memory a kept state may take; beyond it, the states go to disk (or nowhere).
+HOST_MEMORY_SHARE = 0.8
 
 
 class Stateful(Protocol):
@@ -197,19 +219,25 @@ class Recovery:
         self._next_keep = 0  # the first step at which a state may be kept
         self._copier = _HostCopier()
         self._on_disk: Path | None = None
+        self._storage: str | None = None  # "memory", "disk" or "off" for this run, decided at its first keep
         #: How a warning is given, once per key: the responder hands its own (``rank_zero_warn``, once).
         self.warn: Callable[[str, str], None] = _warn_once(set())
         self._restored_words = "weights"  # what the last restore restored, in words
 
     @property
     def on(self) -> bool:
-        """Whether any alert kind recovers."""
-        return bool(self.settings.recover_on)
+        """Whether any alert kind recovers (not when no state can be kept on this host: see :meth:`keep`)."""
+        return bool(self.settings.recover_on) and self._storage != "off"
 
-    def begin(self, folder: Path, rank: int) -> None:
-        """Start a run: no state kept yet, no recovery under way (the count of recoveries stays)."""
+    def begin(self, folder: Path | None, rank: int) -> None:
+        """Start a run: no state kept yet, no recovery under way (the count of recoveries stays).
+
+        ``folder`` is where ``recovery_storage="disk"`` writes; ``None`` writes nothing (``fast_dev_run``): the
+        states are kept in memory.
+        """
         self.folder, self.rank = folder, rank
         self.kept, self._window, self._restored_from, self._next_keep = None, None, None, 0
+        self._on_disk, self._storage = None, None
 
     # ------------------------------------------------------------------------------------------------ deciding
 
@@ -224,7 +252,7 @@ class Recovery:
             first: Whether it is a check of the first optimizer (states are kept at those only).
         """
         kinds = self.settings.recover_on
-        if not kinds:
+        if not kinds or self._storage == "off":
             return RecoveryPlan(detections)
         hits = [d for d in detections if d.kind in kinds]
         window, finished = self._window, None
@@ -298,30 +326,66 @@ class Recovery:
 
     # ------------------------------------------------------------------------------------------------ acting
 
-    def keep(self, sources: StateSources, step: int) -> KeptState:
+    def keep(self, sources: StateSources, step: int) -> KeptState | None:
         """Keep the state of ``sources`` as the newest good state, taken before ``step``'s update.
 
         In memory the tensors go into host buffers reused from keep to keep (pinned, and copied without blocking,
-        from a GPU). On disk each rank writes its own file, ``rank<r>.pt`` in :attr:`folder`, and keeps nothing in
-        memory; a rank that cannot write keeps that state in memory instead, with one warning.
+        from a GPU). On disk each rank writes its own file, ``rank<r>.pt`` in :attr:`folder`, straight from the
+        tensors (a tensor at a time passes through host memory), and keeps nothing in memory; a rank that cannot
+        write keeps that state in memory instead, with one warning.
+
+        At the first keep of a run every rank weighs the state's size against the host memory available (one
+        gather, once): a state that would not fit goes to disk where the disk has room, else recovery is off for
+        the run (:attr:`on` turns false) and this returns ``None``; one warning says which.
         """
+        if self._storage is None:
+            self._storage = self._choose_storage(sources)
+        if self._storage == "off":
+            return None
         statistics = sources.statistics or self.statistics
-        disk = self.settings.recovery_storage == "disk"
-        copier = _HostCopier() if disk else self._copier  # on disk, nothing stays in memory
-        kept = KeptState(
-            step=step,
-            module={name: copier.copy(("module", name), value) for name, value in sources.module.state_dict().items()},
-            optimizers=[_keep_optimizer(copier, i, opt) for i, opt in enumerate(sources.optimizers)],
-            schedulers=[copy.deepcopy(s.state_dict()) for s in sources.schedulers],
-            statistics=None if statistics is None else copy.deepcopy(statistics.state_dict()),
-        )
-        copier.record()
+        kept = None
+        if self._storage == "disk" and self.folder is not None:
+            kept = self._write(_snapshot(_LiveTensors(), sources, step, statistics))
+        if kept is None:
+            kept = _snapshot(self._copier, sources, step, statistics)
+            self._on_disk = None
+        self._copier.record()
         self._restored_from = None
         self._next_keep = step + self.settings.recovery_every_n_steps
         self.kept = kept
-        if disk:
-            self._write(kept, copier)
         return kept
+
+    def _choose_storage(self, sources: StateSources) -> str:
+        """Where this run's states go: as set, unless host memory is short (then disk, or off); alike on every rank."""
+        wanted = self.settings.recovery_storage
+        needed = state_bytes(sources)
+        available = available_host_bytes()
+        storage: str = wanted
+        why = ""
+        if wanted == "memory" and available is not None and needed > HOST_MEMORY_SHARE * available:
+            free = available_disk_bytes(self.folder)
+            short = (
+                f"a kept state takes {_size(needed)} of host memory on rank {self.rank}, more than"
+                f" {HOST_MEMORY_SHARE:.0%} of the {_size(available)} available"
+            )
+            if self.folder is not None and free is not None and free >= 2 * needed:
+                storage = "disk"
+                why = f"{short}: it keeps its states on disk in {str(self.folder)!r} instead ({_size(free)} free)."
+            else:
+                storage = "off"
+                room = "no folder to write to" if free is None else f"{_size(free)} free on disk"
+                why = (
+                    f"{short}, with {room}: recovery is off for this run, and alerts of the `recover_on` kinds act"
+                    " as they would without it."
+                )
+        device = _device_of(sources.module)
+        if not all(ranks_where(storage != "off", device)):  # one rank without room turns it off on every rank
+            if storage != "off":
+                why = "another rank has no room to keep a state: recovery is off for this run."
+            storage = "off"
+        if why:
+            self.warn("room", f"TrainingMonitor's recovery: {why}")
+        return storage
 
     def restore(self, sources: StateSources) -> KeptState:
         """Copy the newest kept state back into ``sources``, in place, and count a recovery.
@@ -355,23 +419,30 @@ class Recovery:
             self._next_keep = self._window.at + self.settings.recovery_every_n_steps
         return kept
 
-    def _write(self, kept: KeptState, copier: _HostCopier) -> None:
-        """Write ``kept`` to this rank's file, and keep only its step in memory (or all of it, if that fails)."""
-        if self.folder is None:
-            return
+    def _write(self, kept: KeptState) -> KeptState | None:
+        """Write ``kept`` to this rank's file, and return it with only its step and plain values in memory.
+
+        The file is replaced at once (a failed write leaves the earlier one). ``None``, with one warning, if it
+        cannot be written: a full disk makes ``torch.save`` raise ``RuntimeError``, a folder that cannot be made
+        ``OSError``; either way the caller keeps the state in memory.
+        """
+        assert self.folder is not None
         path = self.folder / f"rank{self.rank}.pt"
-        copier.wait()
+        written = {"module": kept.module, "state": [opt["state"] for opt in kept.optimizers]}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            torch.save({"module": kept.module, "state": [opt["state"] for opt in kept.optimizers]}, path)
-        except OSError as err:
+            write_atomic(path, lambda f: torch.save(written, f), sync=False)
+        except Exception as err:
             self.warn(
-                "disk", f"TrainingMonitor could not write its recovery state to {str(path)!r} ({err}): kept in memory."
+                "disk",
+                f"TrainingMonitor could not write its recovery state to {str(path)!r} ({type(err).__name__}: {err}):"
+                " kept in memory.",
             )
-            return
+            return None
         self._on_disk = path
-        kept.module = _ON_DISK  # the groups' settings (plain values, any type) stay in memory
-        kept.optimizers = [{"state": _ON_DISK, "groups": opt["groups"]} for opt in kept.optimizers]
+        # The groups' settings (plain values, any type) stay in memory.
+        optimizers = [{"state": _ON_DISK, "groups": opt["groups"]} for opt in kept.optimizers]
+        return KeptState(kept.step, _ON_DISK, optimizers, kept.schedulers, kept.statistics)
 
     def state_dict(self) -> dict[str, Any]:
         """The count of recoveries, as a plain value (the kept state itself is not checkpointed)."""
@@ -397,6 +468,106 @@ def _warn_once(seen: set[str]) -> Callable[[str, str], None]:
     return warn
 
 
+def available_host_bytes() -> int | None:
+    """The host memory this process may still take, in bytes, or ``None`` where that is unknown.
+
+    The least of the system's available memory (``psutil`` if installed, else ``MemAvailable`` in ``/proc/meminfo``)
+    and, in a container, what its cgroup's limit leaves.
+
+    Example:
+        >>> available = available_host_bytes()
+        >>> available is None or available > 0
+        True
+    """
+    found: list[int] = []
+    try:
+        import psutil  # optional
+
+        found.append(int(psutil.virtual_memory().available))
+    except Exception:  # not installed, or no answer
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+        except (OSError, ValueError, IndexError):
+            pass
+    try:  # cgroup v2: the limit less what the group uses
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(max(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()), 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def state_bytes(sources: StateSources) -> int:
+    """The bytes a state kept from ``sources`` takes on this rank: its module's and optimizers' tensors (shards).
+
+    A parameter an optimizer holds no state for yet (before its first step) counts as two moments of its size, as
+    Adam's and AdamW's: the state a kept state will soon hold.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)  # 3 float32 parameters: 12 bytes
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> state_bytes(StateSources(model, [opt]))  # the weights, and two moments to come
+        36
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()  # two moments per parameter, and a step count each (4 bytes)
+        >>> state_bytes(StateSources(model, [opt]))
+        44
+    """
+    tensors = [_local(t) for t in _tensors(sources.module.state_dict())]
+    for opt in sources.optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                state = opt.state.get(param)
+                tensors += [_local(t) for t in _tensors(state)] if state else [_local(param)] * 2
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _size(nbytes: float) -> str:
+    """A size in words, in the largest binary unit under it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+def available_disk_bytes(folder: Path | None) -> int | None:
+    """The free bytes of the disk ``folder`` is (or would be) on, or ``None`` (no folder, or no answer).
+
+    Example:
+        >>> import tempfile
+        >>> available_disk_bytes(Path(tempfile.mkdtemp()) / "not" / "made" / "yet") > 0
+        True
+    """
+    if folder is None:
+        return None
+    for path in (folder, *folder.parents):
+        if path.exists():
+            try:
+                return shutil.disk_usage(path).free
+            except OSError:
+                return None
+    return None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """The device a gather about ``module`` travels on: its first parameter's."""
+    param = next(iter(module.parameters()), None)
+    return torch.device("cpu") if param is None else _local(param).device
+
+
+def _snapshot(copier: _HostCopier, sources: StateSources, step: int, statistics: Stateful | None) -> KeptState:
+    """The state of ``sources`` through ``copier`` (host copies, or the tensors themselves)."""
+    return KeptState(
+        step=step,
+        module={name: copier.copy(("module", name), value) for name, value in sources.module.state_dict().items()},
+        optimizers=[_keep_optimizer(copier, i, opt) for i, opt in enumerate(sources.optimizers)],
+        schedulers=[copy.deepcopy(s.state_dict()) for s in sources.schedulers],
+        statistics=None if statistics is None else copy.deepcopy(statistics.state_dict()),
+    )
+
+
 def _exhausted(detection: Detection, why: str) -> Detection:
     """The detection that halts because recovery is exhausted: the same figure, and why it was not recovered."""
     return Detection(detection.kind, detection.value, detection.threshold, f"{detection.reason}; {why}")
@@ -409,7 +580,7 @@ def _read(path: Path, kept: KeptState) -> KeptState:
         RuntimeError: If the file cannot be read (removed or damaged since it was written).
     """
     try:
-        written = torch.load(path, map_location="cpu", weights_only=True)
+        written = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as it is copied back
     except Exception as err:
         raise RuntimeError(f"TrainingMonitor could not read its kept state back from {str(path)!r}: {err}") from err
     optimizers = [
@@ -448,6 +619,13 @@ class _HostCopier:
         """Wait until the copies marked by :meth:`record` are done (a GPU's run ahead of the host)."""
         if self._event is not None:
             self._event.synchronize()
+
+
+class _LiveTensors(_HostCopier):
+    """No copy: this rank's part of each tensor itself, for a state written to disk at once."""
+
+    def copy(self, key: Any, value: Any) -> Any:
+        return _local(value.detach()) if isinstance(value, Tensor) else copy.deepcopy(value)
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -8,9 +8,15 @@ Each run gets a folder of its own, and no run writes into another's. The folder 
   (``<save_dir>/wandb/run-<time>-<id>/files``), so the files are the run's files;
 - else the first ``MLFlowLogger``: ``lightning_monitor/`` in the run's artifact folder when its artifact URI is a
   local path (a file store, or SQLite with local artifacts), so the files are artifacts as soon as written; else
-  ``<default_root_dir>/lightning_monitor/mlflow_<run id>``, uploaded at the end of fit and at a halt;
-- else (no logger, or only others: Comet, Neptune...): ``<default_root_dir>/lightning_monitor/version_<n>``, the
+  ``<default_root_dir>/lightning-monitor/mlflow_<run id>``, uploaded at the end of fit and at a halt;
+- else (no logger, or only others: Comet, Neptune...): ``<default_root_dir>/lightning-monitor/version_<n>``, the
   first ``n`` free, created at once so that two runs started together never share one.
+
+``default_root_dir`` is the working directory unless set, and the working directory is on ``sys.path`` when a
+script runs: a folder named ``lightning_monitor`` there would be imported in place of this package (a namespace
+package, with no ``TrainingMonitor``). ``lightning-monitor`` is no Python identifier, so nothing can import it.
+Under ``fast_dev_run``, where Lightning writes nothing (no logger, no checkpoint), the monitor writes nothing either
+(:func:`writes_files`): its alerts go to the console, the loggers and ``TrainingMonitor.alerts`` only.
 
 Nothing is written to the root of an MLflow file store (``mlruns/``), where MLflow reads each folder as an
 experiment. W&B and MLflow runs also get the files when the folder is another logger's
@@ -33,10 +39,21 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import Logger, WandbLogger
 
-__all__ = ["MONITOR_FOLDER", "local_artifact_path", "new_folder", "new_version", "run_folder", "wandb_files_dir"]
+__all__ = [
+    "LOCAL_FOLDER",
+    "MONITOR_FOLDER",
+    "local_artifact_path",
+    "new_folder",
+    "new_version",
+    "run_folder",
+    "wandb_files_dir",
+    "writes_files",
+]
 
-#: The name of the monitor's folder inside a W&B run's files, an MLflow run's artifacts, or ``default_root_dir``.
+#: The name of the monitor's folder inside a W&B run's files or an MLflow run's artifacts.
 MONITOR_FOLDER = "lightning_monitor"
+#: The name of the monitor's folder in ``default_root_dir``: no Python identifier, so no package can be shadowed.
+LOCAL_FOLDER = "lightning-monitor"
 
 
 def run_folder(trainer: pl.Trainer) -> Path:
@@ -48,10 +65,26 @@ def run_folder(trainer: pl.Trainer) -> Path:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(logger=False, default_root_dir=root, enable_progress_bar=False)
         >>> [run_folder(trainer).relative_to(root).as_posix() for _ in range(2)]
-        ['lightning_monitor/version_0', 'lightning_monitor/version_1']
+        ['lightning-monitor/version_0', 'lightning-monitor/version_1']
+
+    Under ``fast_dev_run`` (:func:`writes_files` is false) the folder is named but not created, and no rank joins a
+    broadcast.
     """
+    if not writes_files(trainer):
+        return Path(trainer.default_root_dir) / LOCAL_FOLDER / "fast_dev_run"
     chosen = str(_choose(trainer)) if trainer.is_global_zero else ""
     return Path(trainer.strategy.broadcast(chosen, src=0))
+
+
+def writes_files(trainer: pl.Trainer) -> bool:
+    """Whether the monitor writes files for this run: not under ``fast_dev_run``, where Lightning writes none.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> [writes_files(pl.Trainer(fast_dev_run=n, logger=False, enable_progress_bar=False)) for n in (0, 1)]
+        [True, False]
+    """
+    return not getattr(trainer, "fast_dev_run", False)
 
 
 def new_folder(path: str | os.PathLike[str]) -> Path:
@@ -150,7 +183,7 @@ def _choose(trainer: pl.Trainer) -> Path:
             continue
         if folder is not None:
             return folder
-    return new_version(Path(trainer.default_root_dir) / MONITOR_FOLDER)
+    return new_version(Path(trainer.default_root_dir) / LOCAL_FOLDER)
 
 
 def _tracked_run_folder(trainer: pl.Trainer, logger: Logger) -> Path | None:
@@ -164,4 +197,4 @@ def _tracked_run_folder(trainer: pl.Trainer, logger: Logger) -> Path | None:
     artifacts = local_artifact_path(logger.experiment.get_run(run_id).info.artifact_uri)
     if artifacts is not None:
         return artifacts / MONITOR_FOLDER
-    return Path(trainer.default_root_dir) / MONITOR_FOLDER / f"mlflow_{run_id}"
+    return Path(trainer.default_root_dir) / LOCAL_FOLDER / f"mlflow_{run_id}"

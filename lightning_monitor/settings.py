@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, Literal
@@ -183,7 +184,7 @@ class ResponseSettings:
             raise ValueError(
                 f"Expected argument `postmortem` to be 'halt', 'alert' or None, but got {self.postmortem!r}"
             )
-        _text(self, "alerts_file", optional=True)
+        _file_name(self, "alerts_file")
         _flag(self, "summary_on_fit_end")
         _count(self, "halt_after", 1)
         if self.halt_after > HALT_WINDOW:
@@ -373,6 +374,28 @@ def _text(group: Any, name: str, *, optional: bool = False) -> None:
     if not (isinstance(value, str) and value):
         expected = "a non-empty string or None" if optional else "a non-empty string"
         raise ValueError(f"Expected argument `{name}` to be {expected}, but got {value!r}")
+
+
+def _file_name(group: Any, name: str) -> None:
+    """A plain file name (or ``None``): no folder, no ``..``, nothing that leads out of the run's folder."""
+    value = getattr(group, name)
+    if value is None:
+        return
+    plain = isinstance(value, str) and value not in ("", ".", "..") and "\x00" not in value
+    if not (plain and os.path.basename(value) == value and "/" not in value and "\\" not in value):
+        raise ValueError(
+            f"Expected argument `{name}` to be a plain file name in the run's folder (such as 'alerts.jsonl') or"
+            f" None, but got {value!r}"
+        )
+    if value in _TAKEN_NAMES or value.startswith("events.out.tfevents"):
+        raise ValueError(
+            f"Expected argument `{name}` to be a file name that no other file of the run's folder has, but got"
+            f" {value!r}"
+        )
+
+
+#: Files of a run's folder that the alerts file must not replace: the monitor's others and the loggers'.
+_TAKEN_NAMES = frozenset({"monitor_settings.json", "monitor_history.jsonl", "metrics.csv", "hparams.yaml"})
 
 
 def _step_kinds(argument: str, kinds: Any) -> frozenset[AlertKind]:

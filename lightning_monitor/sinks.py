@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._files import append_bytes, write_atomic
 from lightning_monitor._lightning import is_tensorboard_logger
 from lightning_monitor.alerts import Alert
 from lightning_monitor.keys import ALERTS_PREFIX
@@ -123,8 +124,8 @@ class LoggerSink:
 class JsonlSink:
     """Append each alert as one JSON object per line, flushed to disk at once.
 
-    If the file cannot be written, one ``RuntimeWarning`` says so and the sink stops trying; training and the other
-    sinks carry on.
+    If the file cannot be written, or is a symbolic link (which is never written through), one ``RuntimeWarning``
+    says so and the sink stops trying; training and the other sinks carry on.
 
     Args:
         path: The file to append to. Its folder is created when missing.
@@ -147,9 +148,9 @@ class JsonlSink:
 
         For a run that starts afresh in a folder an earlier run wrote to (``logger=False``, or a fixed logger
         ``version``), as Lightning's CSV logger starts its ``metrics.csv`` afresh: the report of the new run must
-        not show the earlier run's alerts.
+        not show the earlier run's alerts. A symbolic link stays where it is (the first write then warns).
         """
-        if self.broken or not self.path.is_file():
+        if self.broken or self.path.is_symlink() or not self.path.is_file():
             return None
         n = 1
         while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
@@ -166,34 +167,72 @@ class JsonlSink:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a+b") as f:
-                # A run killed mid-write leaves a line without its newline: end it, or this record would join it.
-                # (In append mode every write goes to the end, wherever the read position is.)
-                if f.tell() > 0:
-                    f.seek(-1, os.SEEK_END)
-                    if f.read(1) != b"\n":
-                        f.write(b"\n")
-                f.write(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
-                f.flush()
+            append_bytes(self.path, json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
         except OSError as err:
-            self.broken = True
-            rank_zero_warn(
-                f"TrainingMonitor could not write alerts to {str(self.path)!r} ({err}); alerts still go to the console "
-                "and the loggers. Pass `alerts_file=None` to silence this.",
-                category=RuntimeWarning,
-            )
+            self._stop(err)
+
+    def restore(self, alerts: Sequence[Alert]) -> bool:
+        """Make the file hold exactly ``alerts``, the alerts a resumed run restored; return whether it was rewritten.
+
+        A run resumed from a checkpoint older than its last alerts would get those alerts again if they recur, and a
+        run killed mid-write leaves a line cut short: the file is rewritten at once
+        (:func:`~lightning_monitor._files.write_atomic`) with the restored alerts, oldest first, when its lines are
+        not those. A file that does not exist (a resume into a new folder) stays so.
+
+        Example:
+            >>> import tempfile
+            >>> from lightning_monitor.alerts import AlertKind
+            >>> sink = JsonlSink(Path(tempfile.mkdtemp()) / "alerts.jsonl")
+            >>> early, late = (Alert(AlertKind.LOSS_SPIKE, s, 0, 9.0, 3.0, "spike") for s in (5, 15))
+            >>> sink.write(early), sink.write(late)
+            (None, None)
+            >>> sink.restore([early]), [json.loads(line)["step"] for line in sink.path.read_text().splitlines()]
+            (True, [5])
+            >>> sink.restore([early])
+            False
+        """
+        if self.broken or self.path.is_symlink() or not self.path.is_file():
+            return False
+        wanted = [json.dumps(a.to_dict()).encode("utf-8") + b"\n" for a in alerts]
+        try:
+            if self.path.read_bytes() == b"".join(wanted):
+                return False
+            write_atomic(self.path, b"".join(wanted))
+        except OSError as err:
+            self._stop(err)
+            return False
+        return True
+
+    def _stop(self, err: OSError) -> None:
+        """Stop writing, with one warning."""
+        self.broken = True
+        rank_zero_warn(
+            f"TrainingMonitor could not write alerts to {str(self.path)!r} ({err}); alerts still go to the console "
+            "and the loggers. Pass `alerts_file=None` to silence this.",
+            category=RuntimeWarning,
+        )
 
 
 def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
     """Write the monitor's settings as JSON, so a report can draw the thresholds the run was checked against.
 
-    A folder that cannot be written gets one ``RuntimeWarning``; nothing else depends on this file.
+    The file is written at once (a full disk leaves the earlier file or none, never half of one), and replaces a
+    symbolic link in its place rather than writing through it. A failure gets one ``RuntimeWarning``; nothing
+    else depends on this file.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / SETTINGS_FILE
+        >>> write_settings(path, {"halt_on": ["nonfinite_loss"]})
+        >>> json.loads(path.read_text())
+        {'halt_on': ['nonfinite_loss']}
     """
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dict(settings), indent=2) + "\n", encoding="utf-8")
-    except OSError as err:
+        write_atomic(path, json.dumps(dict(settings), indent=2) + "\n")
+    except Exception as err:  # a full disk, a folder that is a file, a setting JSON cannot hold: never a crash
         rank_zero_warn(
-            f"TrainingMonitor could not write its settings to {str(path)!r} ({err}).", category=RuntimeWarning
+            f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).",
+            category=RuntimeWarning,
         )

@@ -16,7 +16,7 @@ from lightning_monitor._compat import rank_zero_info
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import Alert
 from lightning_monitor.history import HISTORY_FILE, RunHistory
-from lightning_monitor.run_folder import run_folder
+from lightning_monitor.run_folder import run_folder, writes_files
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 
 if TYPE_CHECKING:
@@ -57,14 +57,20 @@ class RunWriter:
         if not carry_on:
             self.log_dir = run_folder(trainer)
         log_dir = self.log_dir
-        self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file else None
+        zero = trainer.is_global_zero and writes_files(trainer)  # no file under fast_dev_run: Lightning writes none
+        self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
-        self.history.begin(log_dir / HISTORY_FILE if trainer.is_global_zero else None)
-        if trainer.is_global_zero:
+        self.history.begin(log_dir / HISTORY_FILE if zero else None)
+        if zero:
             write_settings(log_dir / SETTINGS_FILE, settings)
             self._loggers.add_layout()
             self.add_files([log_dir / SETTINGS_FILE])
+
+    def restore_alerts(self, alerts: Sequence[Alert]) -> None:
+        """On a resume: make the alerts file hold exactly the alerts the checkpoint restored (rank zero)."""
+        if self._jsonl is not None:
+            self._jsonl.restore(alerts)
 
     def set_earlier_alerts_aside(self, trainer: pl.Trainer) -> None:
         """For a run that starts afresh: move the alerts file (and history) an earlier run left in the folder aside."""

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_monitor import TrainingMonitor
 
 #: The monitor's folder, under ``default_root_dir``, of the first run without a logger there.
-NO_LOGGER_RUN = Path("lightning_monitor", "version_0")
+NO_LOGGER_RUN = Path("lightning-monitor", "version_0")
 
 
 def free_port() -> int:

@@ -200,7 +200,7 @@ def test_a_cuda_tensor_learning_rate_makes_no_sync_in_the_step_hooks(tmp_path):
     trainer = make_trainer(tmp_path, [monitor], accelerator="cuda", max_steps=4, logger=CSVLogger(tmp_path))
     trainer.fit(TensorRate(), train_dataloaders=loader())
     assert [per_batch[b] for b in range(4)] == [1] * 4, "\n".join(sites)
-    history = (Path(monitor._responder.log_dir) / "monitor_history.jsonl").read_text().splitlines()
+    history = (Path(monitor.log_dir) / "monitor_history.jsonl").read_text().splitlines()
     assert [json.loads(line)["lr"] for line in history] == [pytest.approx(0.01)] * 4
 
 

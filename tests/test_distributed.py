@@ -143,9 +143,9 @@ def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
 def test_without_a_logger_every_rank_writes_to_the_one_folder_rank_zero_chose(tmp_path):
     torch.manual_seed(0)
     fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, logger=False)
-    folder = tmp_path / "lightning_monitor" / "version_0"
+    folder = tmp_path / "lightning-monitor" / "version_0"
     assert [report["log_dir"] for report in reports(tmp_path)] == [str(folder)] * 2
-    assert [p.name for p in (tmp_path / "lightning_monitor").iterdir()] == ["version_0"]
+    assert [p.name for p in (tmp_path / "lightning-monitor").iterdir()] == ["version_0"]
     (bundle,) = (folder / "postmortem").iterdir()
     assert bundle.name == "step0000003_nonfinite_loss"
     assert {"batch_rank0.pt", "batch_rank1.pt", "last_good.ckpt"} <= {p.name for p in bundle.iterdir()}

@@ -162,15 +162,17 @@ def test_a_batch_that_does_not_pickle_is_left_out_of_the_bundle_with_one_warning
     with pytest.warns(RuntimeWarning, match="post-mortem bundle") as record:
         trainer.fit(model, train_dataloaders=unpicklable_batches())
     (warning,) = [w for w in record if issubclass(w.category, RuntimeWarning)]
-    assert "lacks the batches of rank(s) [0], which do not pickle" in str(warning.message)
+    lacks = f"the values of `batch_rank0.pt` that are not plain (saved as `None`): batch {k}['fn'] (function)"
+    assert f"lacks {lacks}." in str(warning.message)
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == k + 1
     folder = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{k:07d}_nonfinite_loss"
     assert f"Post-mortem bundle: {folder}" in monitor.alerts[0].message
     names = {p.name for p in folder.iterdir()}
-    assert {"last_good.ckpt", "README.md", "batch_rank0.error.txt"} <= names and "batch_rank0.pt" not in names
-    assert "pickle" in (folder / "batch_rank0.error.txt").read_text().lower()
+    assert {"last_good.ckpt", "README.md", "batch_rank0.pt"} <= names and "batch_rank0.error.txt" not in names
+    ((batch_idx, batch),) = torch.load(folder / "batch_rank0.pt", weights_only=True)  # the rest of the batch
+    assert batch_idx == k and batch["fn"] is None and batch["x"].shape == (2, 32)
     readme = words(folder / "README.md")
-    assert "## Not in this bundle - the batches of rank(s) [0], which do not pickle" in readme
+    assert f"## Not in this bundle - {lacks}." in readme
     # The checkpoint is whole: it holds the weights from before the skipped step.
     restored = DictBatchModel.load_from_checkpoint(folder / "last_good.ckpt")
     assert same_weights(list(restored.parameters()), model.weights_before[k])
@@ -192,7 +194,7 @@ def test_a_batch_that_does_not_pickle_does_not_kill_a_run_that_bundles_every_ale
     assert trainer.global_step == 6 and monitor.stopping_reason is None
     assert monitor.alerts and {a.kind for a in monitor.alerts} == {AlertKind.VANISHING_GRAD}
     first = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{monitor.alerts[0].step:07d}_vanishing_grad"
-    assert (first / "batch_rank0.error.txt").exists() and not (first / "batch_rank0.pt").exists()
+    assert (first / "batch_rank0.pt").exists() and not (first / "batch_rank0.error.txt").exists()
 
 
 # ----------------------------------------------------------- 5. a NaN at a step between checks, caught at the next
@@ -389,8 +391,8 @@ def test_numpy_numbers_are_accepted_as_plain_numbers(kwargs):
 @pytest.mark.parametrize(
     ("name", "value", "expected"),
     [
-        ("alerts_file", 3, "a non-empty string or None"),
-        ("alerts_file", "", "a non-empty string or None"),
+        ("alerts_file", 3, "a plain file name in the run's folder (such as 'alerts.jsonl') or None"),
+        ("alerts_file", "", "a plain file name in the run's folder (such as 'alerts.jsonl') or None"),
         ("val_loss_key", 3, "a non-empty string or None"),
         ("val_loss_key", "", "a non-empty string or None"),
         ("logits_key", None, "a non-empty string"),

@@ -155,7 +155,7 @@ def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
     assert [tags[f"lightning_monitor.alert.{n}"] for n in (1, 2)] == [f"[nonfinite_loss] {m}" for m in messages]
     assert "lightning_monitor.halted" not in tags
     assert not own_files_in(mlruns)
-    assert not (tmp_path / "root" / "lightning_monitor").exists()
+    assert not (tmp_path / "root" / "lightning-monitor").exists()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         client.search_experiments()
@@ -182,7 +182,7 @@ def test_mlflow_sqlite_halt_keeps_its_files_in_the_runs_artifacts(tmp_path, monk
     assert monitor.log_dir.is_relative_to(tmp_path / "mlruns")
     bundle = "lightning_monitor/postmortem/step0000004_nonfinite_loss"
     assert {"lightning_monitor/alerts.jsonl", f"{bundle}/last_good.ckpt", f"{bundle}/README.md"} <= artifacts(logger)
-    assert not own_files_in(tmp_path) and not (tmp_path / "root" / "lightning_monitor").exists()
+    assert not own_files_in(tmp_path) and not (tmp_path / "root" / "lightning-monitor").exists()
 
 
 @pytest.mark.usefixtures("mlflow_file_store")
@@ -267,7 +267,7 @@ def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offlin
     assert jsonl(monitor.log_dir / "alerts.jsonl") == [a.to_dict() for a in monitor.alerts]
     bundles = sorted(p.name for p in (monitor.log_dir / "postmortem").iterdir())
     assert bundles == ["step0000002_nonfinite_loss", "step0000005_nonfinite_loss"]
-    assert not own_files_in(tmp_path / "save") and not (tmp_path / "root" / "lightning_monitor").exists()
+    assert not own_files_in(tmp_path / "save") and not (tmp_path / "root" / "lightning-monitor").exists()
 
     records = wandb_records(files.parent)
     saved = {f.path: f.policy for r in records if r.HasField("files") for f in r.files.files}
@@ -309,7 +309,7 @@ def test_two_runs_without_a_logger_in_one_folder_keep_both_bundles(tmp_path):
         assert alert.halted
         folders.append(monitor.log_dir)
         assert f"Post-mortem bundle: {monitor.log_dir / 'postmortem' / 'step0000003_nonfinite_loss'}" in alert.message
-    assert folders == [tmp_path / "lightning_monitor" / f"version_{n}" for n in (0, 1)]
+    assert folders == [tmp_path / "lightning-monitor" / f"version_{n}" for n in (0, 1)]
     for folder in folders:
         assert own_files_in(folder) == OWN_FILES
         assert (folder / "postmortem" / "step0000003_nonfinite_loss" / "last_good.ckpt").is_file()
@@ -348,7 +348,7 @@ def test_tensorboard_run_is_unchanged(tmp_path):
     assert step == 3 and monitor.alerts[0].message in text
     charts = TENSORBOARD_LAYOUT["lightning-monitor"]
     assert charts["gradient norm per layer"] == ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]]
-    assert not (tmp_path / "lightning_monitor").exists()
+    assert not (tmp_path / "lightning-monitor").exists()
 
 
 # ------------------------------------------------------------------------------------------------ key names

@@ -222,7 +222,7 @@ def test_without_logger_alerts_reach_console_and_jsonl(tmp_path, caplog):
     assert len(monitor.alerts) == 1
     assert any("Training loss is nan" in r.getMessage() for r in caplog.records)
     # Without a logger, a folder of the run's own under `default_root_dir`.
-    assert monitor.log_dir == tmp_path / "lightning_monitor" / "version_0"
+    assert monitor.log_dir == tmp_path / "lightning-monitor" / "version_0"
     (line,) = jsonl(monitor.log_dir / "alerts.jsonl")
     assert line["value"] == "nan" and line["halted"] is True
 

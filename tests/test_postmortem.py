@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,6 +82,58 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
         resumed.fit(resumed_model, train_dataloaders=clean, ckpt_path=folder / "last_good.ckpt")
     assert resumed.global_step == 12
     assert all(torch.isfinite(p).all() for p in resumed_model.parameters())
+
+
+@dataclasses.dataclass
+class Rows:
+    """A batch as a dataclass: the rows, their numbers, and an object ``weights_only=True`` cannot load."""
+
+    x: torch.Tensor
+    index: list[int]
+    source: Path
+
+
+class RowsModel(ScriptedModel):
+    def training_step(self, batch: Rows, batch_idx: int) -> dict[str, Any]:
+        return super().training_step(batch.x, batch_idx)
+
+
+def test_bundle_batches_load_without_unpickling_code(tmp_path):
+    """A dataclass batch was pickled as it was, so only `torch.load(weights_only=False)` read it: unsafe on a bundle
+    received from someone else. It is now saved in plain form, which `weights_only=True` reads."""
+    x = poisoned_data().dataset.tensors[0]
+
+    def collate(rows: list[int]) -> Rows:
+        return Rows(x[rows], rows, Path("/data/shard-0.bin"))
+
+    data = DataLoader(list(range(64)), batch_size=2, collate_fn=collate)
+    model = RowsModel()
+    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=20)
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_nonfinite_loss"
+    lacks = "the values of `batch_rank0.pt` that are not plain (saved as `None`): "
+    lacks += f"batch {BAD_BATCH}['source'] (PosixPath)"
+    with pytest.warns(RuntimeWarning, match=re.escape(f"bundle {str(folder)!r} lacks {lacks}.")):
+        trainer.fit(model, train_dataloaders=data)
+    ((batch_idx, batch),) = torch.load(folder / "batch_rank0.pt", weights_only=True)
+    assert batch_idx == BAD_BATCH
+    assert batch.keys() == {"x", "index", "source"} and batch["source"] is None
+    assert batch["index"] == [2 * BAD_BATCH, 2 * BAD_BATCH + 1]
+    torch.testing.assert_close(batch["x"], x[batch["index"]], rtol=0, atol=0, equal_nan=True)  # the NaN row too
+    # The README's way replays the step: the dataclass rebuilt from its fields, on the saved weights.
+    restored = RowsModel.load_from_checkpoint(folder / "last_good.ckpt")
+    assert math.isnan(restored.training_step(Rows(**batch), batch_idx)["loss"].item())
+    readme = words(folder / "README.md")
+    assert f'torch.load("{folder.as_posix()}/batch_rank0.pt", weights_only=True)' in readme
+    assert "a namedtuple or a dataclass as a `dict` of its fields (rebuild it with `YourBatch(**batch)`)" in readme
+    assert "Do not load a file of a bundle you did not write yourself with `weights_only=False`" in readme
+    assert f"## Not in this bundle\n\n- {lacks}.\n" in (folder / "README.md").read_text()
+
+
+def test_no_page_of_the_docs_loads_unsafely():
+    """No snippet a user copies unpickles a file: `torch.load` with `weights_only=False` runs the code a file names."""
+    root = Path(__file__).parent.parent
+    pages = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "examples").rglob("*.py")]
+    assert [p.relative_to(root).as_posix() for p in pages if "weights_only=False" in p.read_text()] == []
 
 
 def test_bundle_on_every_alert_when_asked(tmp_path):

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor import recovery as recovery_module
 from lightning_monitor.alerts import AlertKind, Detection
 from lightning_monitor.recovery import Recovery, StateSources
 from lightning_monitor.settings import RecoverySettings
@@ -241,6 +242,92 @@ def test_poisoned_run_recovers_close_to_a_clean_run(tmp_path, clean_loss, storag
     # And the poisoned updates never reached the weights: every step from 140 to 159 is skipped.
     for step in range(141, 160):
         assert all(torch.equal(a, b) for a, b in zip(probe.states[step][0], kept_weights, strict=True))
+
+
+def _our_warnings(warned: pytest.WarningsRecorder) -> list[str]:
+    return [str(w.message) for w in warned if "TrainingMonitor" in str(w.message)]
+
+
+def _recovers_as_in_memory(trainer: pl.Trainer, model: PoisonedModel, monitor: TrainingMonitor, clean: float) -> None:
+    """The run of `test_poisoned_run_recovers_close_to_a_clean_run`: the same recovery, the same end."""
+    assert trainer.global_step == STEPS and monitor.stopping_reason is None
+    recovered = [a for a in monitor.alerts if a.kind is AlertKind.RECOVERED]
+    assert [(a.step, a.value) for a in recovered] == [(160, 35.0)]
+    assert recovered[0].message.startswith(EXPECTED)
+    assert abs(model.final_loss() - clean) < CLOSE * clean
+
+
+@pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty:UserWarning")
+def test_a_state_that_cannot_be_written_to_disk_is_kept_in_memory(tmp_path, clean_loss):
+    """A real failure to write: `rank0.pt` is a folder. `torch.save` raised `RuntimeError` there, and the run died."""
+    path = tmp_path / "csv" / "version_0" / "recovery" / "rank0.pt"
+    path.mkdir(parents=True)
+    monitor = recovering(recovery_storage="disk")
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer, model, _ = fit(tmp_path, monitor)
+    (message,) = _our_warnings(warned)
+    assert message.startswith(f"TrainingMonitor could not write its recovery state to {str(path)!r} (")
+    assert message.endswith("): kept in memory.")
+    _recovers_as_in_memory(trainer, model, monitor, clean_loss)
+    assert path.is_dir() and [p.name for p in path.parent.iterdir()] == ["rank0.pt"]  # no temporary file left
+
+
+def test_a_full_disk_while_writing_a_state_keeps_it_in_memory(tmp_path, clean_loss, monkeypatch):
+    """`torch.save` on a full disk raises `RuntimeError` (not `OSError`): the message it gives there."""
+    full = (
+        "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0: file write failed"
+    )
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(full)
+
+    monkeypatch.setattr(torch, "save", save)
+    monitor = recovering(recovery_storage="disk")
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer, model, _ = fit(tmp_path, monitor)
+    (message,) = _our_warnings(warned)
+    path = tmp_path / "csv" / "version_0" / "recovery" / "rank0.pt"
+    assert message == (
+        f"TrainingMonitor could not write its recovery state to {str(path)!r} (RuntimeError: {full}): kept in memory."
+    )
+    _recovers_as_in_memory(trainer, model, monitor, clean_loss)
+    assert list(path.parent.iterdir()) == []
+
+
+def test_a_state_too_big_for_host_memory_is_kept_on_disk(tmp_path, clean_loss, monkeypatch):
+    """The host seems to have 1,000 bytes free: the state (the weights and Adam's two moments) goes to disk."""
+    monkeypatch.setattr(recovery_module, "available_host_bytes", lambda: 1000)
+    monitor = recovering()  # recovery_storage="memory"
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer, model, _ = fit(tmp_path, monitor)
+    params = sum(p.numel() for p in model.parameters())  # float32: 4 bytes each, three times (weights, 2 moments)
+    folder = tmp_path / "csv" / "version_0" / "recovery"
+    (message,) = _our_warnings(warned)
+    assert message.startswith(
+        f"TrainingMonitor's recovery: a kept state takes {12 * params / 1024:.1f} KiB of host memory on rank 0, more"
+        f" than 80% of the 1000 bytes available: it keeps its states on disk in {str(folder)!r} instead ("
+    )
+    _recovers_as_in_memory(trainer, model, monitor, clean_loss)
+    assert (folder / "rank0.pt").is_file()
+
+
+def test_a_state_that_fits_nowhere_turns_recovery_off_with_one_warning(tmp_path, monkeypatch):
+    """No memory and no disk to keep a state: one warning, and the run goes on as without recovery (it halts)."""
+    monkeypatch.setattr(recovery_module, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(recovery_module, "available_disk_bytes", lambda folder: 0)
+    monitor = recovering()
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer, _, _ = fit(tmp_path, monitor)
+    (message,) = _our_warnings(warned)
+    assert message.startswith("TrainingMonitor's recovery: a kept state takes ")
+    assert message.endswith(
+        ", with 0 bytes free on disk: recovery is off for this run, and alerts of the `recover_on` kinds act as they"
+        " would without it."
+    )
+    # As the default monitor: halted on the poisoned gradients, with no recovery and no state kept anywhere.
+    assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD and trainer.global_step < STEPS
+    assert not [a for a in monitor.alerts if a.kind is AlertKind.RECOVERED]
+    assert not (tmp_path / "csv" / "version_0" / "recovery").exists()
 
 
 def _equal(a: Any, b: Any) -> bool:
