@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from lightning_monitor._compat import rank_zero_warn
 from lightning_monitor._lightning import is_tensorboard_logger
@@ -123,6 +124,9 @@ class LoggerSink:
 class JsonlSink:
     """Append each alert as one JSON object per line, flushed to disk at once.
 
+    The folder is made and the file opened at the first write, and the file is kept open, so a further alert costs
+    one write: no folder made, no file opened. :meth:`close` (or :meth:`set_aside`, or the sink going away) closes it.
+
     If the file cannot be written, one ``RuntimeWarning`` says so and the sink stops trying; training and the other
     sinks carry on.
 
@@ -141,6 +145,8 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.broken = False
+        self._file: BinaryIO | None = None  # opened at the first write and kept: an alert costs one write, no open
+        self._closer: weakref.finalize | None = None  # closes it when the sink goes, if `close` was not called
 
     def set_aside(self) -> Path | None:
         """Move the file of an earlier run out of the way, to the first free ``<name>.<n>``; return where, if moved.
@@ -149,6 +155,7 @@ class JsonlSink:
         ``version``), as Lightning's CSV logger starts its ``metrics.csv`` afresh: the report of the new run must
         not show the earlier run's alerts.
         """
+        self.close()
         if self.broken or not self.path.is_file():
             return None
         n = 1
@@ -165,16 +172,7 @@ class JsonlSink:
         if self.broken:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a+b") as f:
-                # A run killed mid-write leaves a line without its newline: end it, or this record would join it.
-                # (In append mode every write goes to the end, wherever the read position is.)
-                if f.tell() > 0:
-                    f.seek(-1, os.SEEK_END)
-                    if f.read(1) != b"\n":
-                        f.write(b"\n")
-                f.write(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
-                f.flush()
+            self.append(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
         except OSError as err:
             self.broken = True
             rank_zero_warn(
@@ -182,6 +180,36 @@ class JsonlSink:
                 "and the loggers. Pass `alerts_file=None` to silence this.",
                 category=RuntimeWarning,
             )
+
+    def append(self, data: bytes) -> None:
+        """Append ``data`` (whole lines) and flush it; the first call makes the folder and opens the file, once.
+
+        Raises:
+            OSError: When the folder cannot be made or the file cannot be opened or written.
+        """
+        f = self._file
+        if f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = self.path.open("a+b")
+            try:
+                # A run killed mid-write leaves a line without its newline: end it, or the next record would join
+                # it. (In append mode every write goes to the end, wherever the read position is.)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+            except OSError:
+                f.close()
+                raise
+            self._file, self._closer = f, weakref.finalize(self, f.close)
+        f.write(data)
+        f.flush()
+
+    def close(self) -> None:
+        """Close the file (the next write opens it again)."""
+        if self._closer is not None:
+            self._closer()
+        self._file = self._closer = None
 
 
 def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
