@@ -13,6 +13,9 @@ the machine's other jobs disturbed least.
 - ``monitor, halt_on=[]``: ``TrainingMonitor(halt_on=[])`` with its other defaults;
 - ``monitor``: ``TrainingMonitor()`` with its defaults.
 
+Beside the wall time in the hooks, the thread's CPU time in them (``time.thread_time``) is given too: on a machine
+whose cores other jobs share, the wall time also counts the waits for a core, which the CPU time leaves out.
+
 Two models: Lightning's ``BoringModel`` (one ``Linear(32, 2)``; SGD at lr 0.001, so that no alert fires; no
 scheduler) and the ``1M`` GPT of ``benchmarks/overhead.py`` (its model builder, AdamW). CPU, one thread
 (``torch.set_num_threads(1)``), a TensorBoard logger at Lightning's default ``log_every_n_steps=50``, no
@@ -109,19 +112,20 @@ class HookClock:
     """Wraps each hook method of a callback instance with a ``perf_counter`` accumulator (and, if asked, a profiler)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # the thread's CPU time: no wait for a busy core
     profiler: cProfile.Profile | None = None
     profiling: bool = False  # whether the profiler runs inside the hooks now
 
     def wrap(self, callback: Callback) -> None:
         for name in hook_names(callback):
-            self.seconds[name] = 0.0
+            self.seconds[name] = self.cpu_seconds[name] = 0.0
             setattr(callback, name, self._timed(getattr(callback, name), name))
 
     def _timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             profiler = self.profiler if self.profiling else None
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             if profiler is not None:
                 profiler.enable()
             try:
@@ -130,6 +134,7 @@ class HookClock:
                 if profiler is not None:
                     profiler.disable()
                 self.seconds[name] += time.perf_counter() - start
+                self.cpu_seconds[name] += time.thread_time() - cpu
 
         return timed
 
@@ -155,10 +160,11 @@ class Span(Callback):
 
 @dataclass(frozen=True)
 class Fit:
-    """One fit's figures: seconds in the callback's hooks (all, and the batch's five), the span, the steps."""
+    """One fit's figures: seconds in the callback's hooks (all, the batch's five, CPU time), the span, the steps."""
 
     hooks: float
     step_hooks: float
+    cpu: float
     span: float
     steps: int
 
@@ -200,7 +206,7 @@ def run_fit(
         warnings.warn(f"{config} on {model}: {len(callback.alerts)} alerts; the run is not calm", stacklevel=1)
     total = sum(clock.seconds.values())
     in_steps = sum(seconds for name, seconds in clock.seconds.items() if name in STEP_HOOKS)
-    return Fit(total, in_steps, span.end - span.start, trainer.global_step)
+    return Fit(total, in_steps, sum(clock.cpu_seconds.values()), span.end - span.start, trainer.global_step)
 
 
 @contextmanager
@@ -236,19 +242,28 @@ def table(model: str, results: dict[str, list[Fit]]) -> None:
     floor = least("hooks", "floor")
     bare = least("span", "bare")
     print(f"\n### {model}: {steps} steps, least of {len(results['floor'])} fits, ms per step\n")
+    cpu_floor = least("cpu", "floor")
     print(
-        "| configuration | in its hooks | x floor | of which in a batch's five hooks | whole fit | whole fit - bare |"
+        "| configuration | in its hooks | x floor | in a batch's five hooks | CPU time in its hooks | x floor |"
+        " whole fit | whole fit - bare |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for config in CONFIGS:
-        hooks, span = least("hooks", config), least("span", config)
-        ratio = "" if config == "bare" else f"{hooks / floor:.2f}x"
-        in_hooks = "" if config == "bare" else f"{hooks:.3f}"
-        step_hooks = "" if config == "bare" else f"{least('step_hooks', config):.3f}"
-        print(f"| {config} | {in_hooks} | {ratio} | {step_hooks} | {span:.3f} | {span - bare:+.3f} |")
+        hooks, span, cpu = least("hooks", config), least("span", config), least("cpu", config)
+        if config == "bare":
+            print(f"| {config} | | | | | | {span:.3f} | {span - bare:+.3f} |")
+            continue
+        print(
+            f"| {config} | {hooks:.3f} | {hooks / floor:.2f}x | {least('step_hooks', config):.3f} | {cpu:.3f} |"
+            f" {cpu / cpu_floor:.2f}x | {span:.3f} | {span - bare:+.3f} |"
+        )
     worst = max(least("hooks", c) for c in CONFIGS[2:]) / floor
-    verdict = "met" if worst <= TARGET else "NOT met"
-    print(f"\nTarget at most {TARGET}x the floor (aim {AIM}x): {verdict} (worst monitor configuration {worst:.2f}x).")
+    worst_cpu = max(least("cpu", c) for c in CONFIGS[2:]) / cpu_floor
+    verdict = "met" if max(worst, worst_cpu) <= TARGET else "NOT met"
+    print(
+        f"\nTarget at most {TARGET}x the floor (aim {AIM}x): {verdict} (worst monitor configuration {worst:.2f}x in"
+        f" wall time, {worst_cpu:.2f}x in CPU time)."
+    )
 
 
 def profile(model: str, steps: int, skip: int, log_every: int, top: int) -> None:
