@@ -26,8 +26,8 @@ holds what the hooks cost outside themselves (Lightning writing what they logged
 millisecond from run to run.
 
 ``--profile`` runs the monitor alone on the chosen model instead and prints where its in-hook Python time goes:
-``cProfile`` enabled only inside its hooks, over the steps after the first ``--skip`` (the first check, the
-threshold warm-up), ranked by own time, as microseconds per step.
+``cProfile`` (timing the thread's CPU time) enabled only inside its hooks, over the steps after the first ``--skip``
+(the first check, the threshold warm-up), ranked by own time, as microseconds per step.
 
 Run: ``python benchmarks/hook_time.py`` (a few minutes on two CPU cores), ``--models boring`` for the ``BoringModel``
 only, ``--steps 1000 --steps-1m 300 --fits 3`` to choose, ``--profile --models boring`` for the profile.
@@ -268,7 +268,7 @@ def table(model: str, results: dict[str, list[Fit]]) -> None:
 
 def profile(model: str, steps: int, skip: int, log_every: int, top: int) -> None:
     """cProfile inside the monitor's hooks over steps ``skip`` to ``steps``, ranked by own time, µs per step."""
-    clock = HookClock(profiler=cProfile.Profile())
+    clock = HookClock(profiler=cProfile.Profile(time.thread_time))  # CPU time: no wait for a busy core counted
     with tempfile.TemporaryDirectory() as root:
         run_fit(model, "monitor", 50, root, log_every)  # warm-up
         fit = run_fit(model, "monitor", steps, root, log_every, clock, skip)
@@ -281,7 +281,7 @@ def profile(model: str, steps: int, skip: int, log_every: int, top: int) -> None
         rows.append((own, cumulative, calls, name, path, line))
     rows.sort(reverse=True)
     print(f"\n### Profile of TrainingMonitor() on {model}: steps {skip} to {fit.steps}, own time per step\n")
-    print(f"Profiled time in the hooks: {total / profiled * 1e6:.1f} us per step (cProfile inflates it).\n")
+    print(f"Profiled CPU time in the hooks: {total / profiled * 1e6:.1f} us per step (cProfile inflates it).\n")
     print("| own us/step | cumulative us/step | calls/step | function | where |")
     print("| --- | --- | --- | --- | --- |")
     for own, cumulative, calls, name, path, line in rows[:top]:
