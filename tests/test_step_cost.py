@@ -45,8 +45,8 @@ PINNED = {"steady": 55, "marks": 57, "logs": 74, "after_log": 63, "cycle": 579}
 MARGIN = 1.2  # a count may exceed its pin by 20%
 RATCHET = 0.8  # a count below 80% of its pin asks for a re-pin: the guard follows the improvements
 LOG_EVERY = 10
-STEPS = 60
-COUNTED_FROM = 20  # after the first check, the detectors' first figures and the first logging steps
+STEPS = 130
+COUNTED_FROM = 110  # after the detectors' warm-ups: 64 steps for the spike rules, 100 for the early-step rules
 #: Frames not counted: Python 3.12 inlines comprehensions (PEP 709), and a generator expression's frame is entered
 #: once per item.
 UNCOUNTED = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
