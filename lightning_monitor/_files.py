@@ -15,9 +15,9 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
-__all__ = ["SymlinkError", "append_bytes", "write_atomic"]
+__all__ = ["SymlinkError", "append_bytes", "open_for_append", "write_atomic"]
 
 #: ``O_NOFOLLOW`` where the system has it (not on Windows, where links need privileges to make).
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -89,6 +89,20 @@ def append_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         >>> path.read_bytes()
         b'{"a": 1\n{"a": 2}\n'
     """
+    with open_for_append(path) as f:
+        f.write(data)
+        f.flush()
+
+
+def open_for_append(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open ``path`` to append whole lines (created if missing), never through a symbolic link.
+
+    A last line a killed run left without its newline is ended first. The caller closes the file.
+
+    Raises:
+        SymlinkError: If ``path`` is a symbolic link (nothing is opened).
+        OSError: If the file cannot be opened.
+    """
     path = Path(path)
     link = f"{str(path)!r} is a symbolic link, which TrainingMonitor does not write through"
     if path.is_symlink():  # also where O_NOFOLLOW is missing
@@ -99,11 +113,14 @@ def append_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         if path.is_symlink():  # made between the check and the open
             raise SymlinkError(link) from err
         raise
-    with os.fdopen(fd, "a+b") as f:
+    f = os.fdopen(fd, "a+b")
+    try:
         # In append mode every write goes to the end, wherever the read position is.
         if f.seek(0, os.SEEK_END) > 0:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
-        f.write(data)
-        f.flush()
+    except OSError:
+        f.close()
+        raise
+    return f

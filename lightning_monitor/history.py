@@ -24,7 +24,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_monitor._compat import FITTING, rank_zero_warn
-from lightning_monitor._files import append_bytes
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step
 from lightning_monitor.alerts import json_float
@@ -69,14 +68,24 @@ class RunHistory:
         self._last: int | None = None  # the step of the last training record
         self._seen: dict[str, object] = {}  # the host value last taken per logged key (a stale one is not re-taken)
         self._broken = False
+        self._file: JsonlSink | None = None  # the file, opened once at the first write: no open per flush
 
     def begin(self, path: Path | None) -> None:
         """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero)."""
+        if self._file is not None:
+            self._file.close()
         self.path, self._records, self._open, self._last, self._seen, self._broken = path, {}, None, None, {}, False
+        self._file = None if path is None else JsonlSink(path)
+
+    def close(self) -> None:
+        """Write the records kept so far and close the file (a later write opens it again)."""
+        self.flush()
+        if self._file is not None:
+            self._file.close()
 
     def set_aside(self) -> Path | None:
         """For a run that starts afresh: move the file an earlier run left out of the way (as its alerts file)."""
-        return None if self.path is None else JsonlSink(self.path).set_aside()
+        return None if self._file is None else self._file.set_aside()
 
     def add(self, step: int, epoch: int, figures: Mapping[str, float | Tensor]) -> None:
         """Merge ``figures`` into the record of ``step``, without the per-layer gradient norms."""
@@ -142,7 +151,7 @@ class RunHistory:
 
     def flush(self) -> None:
         """Append the records kept so far; the tensor learning rates among them are read in one host read."""
-        if self.path is None or not self._records:
+        if self._file is None or not self._records:
             return
         records, self._records = list(self._records.values()), {}
         if self._broken:
@@ -150,7 +159,7 @@ class RunHistory:
         _read_tensors(records)
         text = "".join(json.dumps({k: _json(v) for k, v in r.items()}) + "\n" for r in records)
         try:
-            _append(self.path, text)
+            self._file.append(text.encode("utf-8"))
         except OSError as err:
             self._broken = True
             rank_zero_warn(
@@ -204,9 +213,3 @@ def _read_tensors(records: list[dict[str, Any]]) -> None:
         values = torch.stack([t.reshape(-1)[0].to(host_dtype(device)) for _, _, t in found]).tolist()
         for (record, key, _), value in zip(found, values, strict=True):
             record[key] = value
-
-
-def _append(path: Path, text: str) -> None:
-    """Append ``text`` to ``path``, never through a symbolic link (:func:`~lightning_monitor._files.append_bytes`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    append_bytes(path, text.encode("utf-8"))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from lightning_monitor._compat import rank_zero_warn
-from lightning_monitor._files import append_bytes, write_atomic
+from lightning_monitor._files import open_for_append, write_atomic
 from lightning_monitor._lightning import is_tensorboard_logger
 from lightning_monitor.alerts import Alert
 from lightning_monitor.keys import ALERTS_PREFIX
@@ -124,6 +125,9 @@ class LoggerSink:
 class JsonlSink:
     """Append each alert as one JSON object per line, flushed to disk at once.
 
+    The folder is made and the file opened at the first write, and the file is kept open, so a further alert costs
+    one write: no folder made, no file opened. :meth:`close` (or :meth:`set_aside`, or the sink going away) closes it.
+
     If the file cannot be written, or is a symbolic link (which is never written through), one ``RuntimeWarning``
     says so and the sink stops trying; training and the other sinks carry on.
 
@@ -142,6 +146,8 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.broken = False
+        self._file: BinaryIO | None = None  # opened at the first write and kept: an alert costs one write, no open
+        self._closer: weakref.finalize | None = None  # closes it when the sink goes, if `close` was not called
 
     def set_aside(self) -> Path | None:
         """Move the file of an earlier run out of the way, to the first free ``<name>.<n>``; return where, if moved.
@@ -150,6 +156,7 @@ class JsonlSink:
         ``version``), as Lightning's CSV logger starts its ``metrics.csv`` afresh: the report of the new run must
         not show the earlier run's alerts. A symbolic link stays where it is (the first write then warns).
         """
+        self.close()
         if self.broken or self.path.is_symlink() or not self.path.is_file():
             return None
         n = 1
@@ -166,8 +173,7 @@ class JsonlSink:
         if self.broken:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            append_bytes(self.path, json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
+            self.append(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
         except OSError as err:
             self._stop(err)
 
@@ -193,6 +199,7 @@ class JsonlSink:
         """
         if self.broken or self.path.is_symlink() or not self.path.is_file():
             return False
+        self.close()  # the file is replaced: a later line goes to the new one
         wanted = [json.dumps(a.to_dict()).encode("utf-8") + b"\n" for a in alerts]
         try:
             if self.path.read_bytes() == b"".join(wanted):
@@ -211,6 +218,26 @@ class JsonlSink:
             "and the loggers. Pass `alerts_file=None` to silence this.",
             category=RuntimeWarning,
         )
+
+    def append(self, data: bytes) -> None:
+        """Append ``data`` (whole lines) and flush it; the first call makes the folder and opens the file, once.
+
+        Raises:
+            OSError: When the folder cannot be made or the file cannot be opened (a symbolic link is not) or written.
+        """
+        f = self._file
+        if f is None:  # a run killed mid-write left a line without its newline: it is ended first
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open_for_append(self.path)  # never through a symbolic link
+            self._file, self._closer = f, weakref.finalize(self, f.close)
+        f.write(data)
+        f.flush()
+
+    def close(self) -> None:
+        """Close the file (the next write opens it again)."""
+        if self._closer is not None:
+            self._closer()
+        self._file = self._closer = None
 
 
 def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:

@@ -172,5 +172,7 @@ class RunWriter:
         rank_zero_info(f"lightning-monitor summary of {self.log_dir}\n{summary}")
 
     def close(self) -> None:
-        """At the end of training, or on an exception: write what the history holds."""
-        self.history.flush()
+        """At the end of training, or on an exception: write what the history holds, and close the files."""
+        self.history.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
