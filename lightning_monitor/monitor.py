@@ -36,7 +36,7 @@ from lightning_monitor.checks import OptimizerChecks, StepFigures, TrainingLoss
 from lightning_monitor.deferred import DeferredReads, PendingCheck
 from lightning_monitor.recovery import CheckStatistics, Recovery
 from lightning_monitor.responder import Kept, Responder, StepContext
-from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
+from lightning_monitor.settings import DEFAULT_HALT_ON, AlertKindName, MonitorSettings, StepKindName
 from lightning_monitor.token_tracker import TokenAccuracyTracker
 from lightning_monitor.validation import ValidationCheck
 
@@ -206,18 +206,18 @@ class TrainingMonitor(Callback):
         exploding_grad_threshold: float | Literal["auto"] | None = "auto",
         vanishing_grad_threshold: float | Literal["auto"] | None = "auto",
         vanishing_grad_patience: int = 50,
-        val_loss_key: str | None = "val_loss",
+        val_loss_key: str | None = "auto",
         divergence_patience: int = 4,
         divergence_min_delta: float = 0.0,
-        halt_on: Sequence[str] = DEFAULT_HALT_ON,
+        halt_on: Sequence[AlertKindName] = DEFAULT_HALT_ON,
         halt_mode: Literal["stop", "raise"] = "stop",
         loss_spike_threshold: float | None = 6.0,
         grad_spike_threshold: float | None = 6.0,
         spike_window: int = 128,
         spike_warmup: int = 64,
         spike_patience: int = 1,
-        skip_on: Sequence[str] = (),
-        recover_on: Sequence[str] = (),
+        skip_on: Sequence[StepKindName] = (),
+        recover_on: Sequence[StepKindName] = (),
         recovery_every_n_steps: int = 100,
         recovery_skip_limit: int = 500,
         max_recoveries: int = 5,

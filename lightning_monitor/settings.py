@@ -21,7 +21,9 @@ from lightning_monitor.alerts import AlertKind
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
 __all__ = [
+    "AlertKindName",
     "DEFAULT_HALT_ON",
+    "StepKindName",
     "STEP_KINDS",
     "MonitorSettings",
     "RecoverySettings",
@@ -32,8 +34,30 @@ __all__ = [
     "ValidationSettings",
 ]
 
+#: The names of the alert kinds that can halt (``halt_on``), spelt out so that ``LightningCLI`` lists them (a test
+#: holds them to :class:`~lightning_monitor.AlertKind`).
+AlertKindName = Literal[
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "exploding_grad",
+    "vanishing_grad",
+    "diverging_val_loss",
+    "loss_spike",
+    "grad_spike",
+    "token_acc_stall",
+]
+#: The names of the alert kinds raised at an optimizer step (``skip_on``, ``recover_on``).
+StepKindName = Literal[
+    "nonfinite_loss", "nonfinite_grad", "exploding_grad", "vanishing_grad", "loss_spike", "grad_spike"
+]
+
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
-DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
+DEFAULT_HALT_ON: tuple[AlertKindName, ...] = (
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "exploding_grad",
+    "diverging_val_loss",
+)
 #: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``) or recovered from (``recover_on``).
 STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL, AlertKind.RECOVERED}
 
