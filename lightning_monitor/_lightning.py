@@ -29,6 +29,7 @@ __all__ = [
     "STEP_HOOKS",
     "grad_scaler",
     "gradient_sharding",
+    "gradients_unreadable",
     "has_run_log_dir",
     "host_logged_values",
     "is_logging_step",
@@ -100,6 +101,41 @@ def gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
     if "HYBRID" in mode:  # sharded within a node, replicated across nodes
         return True, num_nodes
     return True, 1
+
+
+def gradients_unreadable(trainer: pl.Trainer) -> str | None:
+    """Why the gradients the optimizer steps with cannot be read from ``p.grad`` in this run, or ``None``.
+
+    Under ``DeepSpeedStrategy`` (of either Lightning package) DeepSpeed's engine runs the backward pass and the step:
+    ZeRO 1 to 3 move the gradients into partitioned buffers of their own, fp16 keeps them loss-scaled, and
+    Lightning calls the engine's ``step`` rather than the optimizer's. A norm read from ``p.grad`` would not be the
+    optimizer's, and a step cannot be skipped from outside. The message says so, and what is still checked. The
+    strategy is recognised by its class's name and module, so that neither ``deepspeed`` nor the other Lightning
+    package is imported.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> gradients_unreadable(pl.Trainer(logger=False, enable_progress_bar=False)) is None
+        True
+    """
+    strategy = getattr(trainer, "strategy", None)
+    deepspeed = any(
+        cls.__name__ == "DeepSpeedStrategy" and cls.__module__.endswith(".strategies.deepspeed")
+        for cls in type(strategy).__mro__
+    )
+    if not deepspeed:
+        return None
+    config = getattr(strategy, "config", None)
+    zero = config.get("zero_optimization", {}) if isinstance(config, Mapping) else {}
+    stage = zero.get("stage") if isinstance(zero, Mapping) else None
+    where = f"ZeRO stage {stage}" if stage is not None else "DeepSpeed"
+    return (
+        f"TrainingMonitor runs under DeepSpeedStrategy ({where}): DeepSpeed's engine keeps the gradients in buffers"
+        " of its own (partitioned, loss-scaled under fp16), not in `p.grad`, and takes the optimizer step itself."
+        " So the monitor logs no gradient norm and raises no gradient alert (`nonfinite_grad`, `exploding_grad`,"
+        " `vanishing_grad`, `grad_spike`), and cannot skip a step (DeepSpeed skips fp16 overflows itself). It still"
+        " checks the loss (`nonfinite_loss`, `loss_spike`, halting as set), validation and token accuracy."
+    )
 
 
 def state_under_another_key(

@@ -34,6 +34,7 @@ from lightning_monitor._compat import FITTING, Callback, rank_zero_info
 from lightning_monitor._host import world_size
 from lightning_monitor._lightning import (
     grad_scaler,
+    gradients_unreadable,
     is_logging_step,
     log_every,
     logging_step,
@@ -51,7 +52,7 @@ from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
 from lightning_monitor.run_state import RunState
-from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
+from lightning_monitor.settings import DEFAULT_HALT_ON, AlertKindName, MonitorSettings, StepKindName
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
 from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
@@ -130,7 +131,9 @@ class TrainingMonitor(Callback):
             (:class:`~lightning_monitor.detectors.CollapseDetector`). ``None`` turns the check off.
         vanishing_grad_patience: Consecutive optimizer steps below ``vanishing_grad_threshold`` that make an alert
             (with ``"auto"``, the last steps whose median is judged).
-        val_loss_key: The logged validation metric to watch for divergence. ``None`` turns the check off.
+        val_loss_key: The logged validation metric to watch for divergence. ``"auto"``: ``val_loss``, else the one
+            logged metric named like a validation loss (said once; several candidates get one warning, and none is
+            watched). ``None`` turns the check off.
         divergence_patience: Consecutive rises of ``val_loss_key`` that make ``diverging_val_loss`` (4: five values).
         divergence_min_delta: A validation value counts as a rise only when it exceeds the previous one by more.
         divergence_margin: ``diverging_val_loss`` also fires when the validation loss stays more than this fraction
@@ -235,12 +238,12 @@ class TrainingMonitor(Callback):
         exploding_grad_threshold: float | Literal["auto"] | None = "auto",
         vanishing_grad_threshold: float | Literal["auto"] | None = "auto",
         vanishing_grad_patience: int = 50,
-        val_loss_key: str | None = "val_loss",
+        val_loss_key: str | None = "auto",
         divergence_patience: int = 4,
         divergence_min_delta: float = 0.0,
         divergence_margin: float | None = 0.1,
         loss_divergence_factor: float | None = 4.0,
-        halt_on: Sequence[str] = DEFAULT_HALT_ON,
+        halt_on: Sequence[AlertKindName] = DEFAULT_HALT_ON,
         halt_after: int = 3,
         halt_mode: Literal["stop", "raise"] = "stop",
         loss_spike_threshold: float | None = 6.0,
@@ -248,8 +251,8 @@ class TrainingMonitor(Callback):
         spike_window: int = 128,
         spike_warmup: int = 64,
         spike_patience: int = 1,
-        skip_on: Sequence[str] = (),
-        recover_on: Sequence[str] = (),
+        skip_on: Sequence[StepKindName] = (),
+        recover_on: Sequence[StepKindName] = (),
         recovery_every_n_steps: int = 100,
         recovery_skip_limit: int = 500,
         max_recoveries: int = 5,
@@ -291,6 +294,7 @@ class TrainingMonitor(Callback):
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
         self._reads: StepReads | DeferredReads = StepReads()
+        self._guarded = True  # the step guard can keep a step from the weights (not under DeepSpeed)
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -371,7 +375,12 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
-        self._guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
+        unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
+        self._guarded = unreadable is None
+        if unreadable is not None:
+            self._warn("gradients_unreadable", unreadable)
+        else:
+            self._guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
             self._writer.set_earlier_alerts_aside(trainer)
@@ -469,7 +478,9 @@ class TrainingMonitor(Callback):
         if self._checks.order is not None:
             self._checks.order.close()
         if pending.counted_at is not None:
-            self._accuracy(trainer, "train_token_acc", figures.extras["train_token_counts"], pending.counted_at)
+            counts = figures.extras["train_token_counts"]
+            self._accuracy(trainer, self._tokens.key("train"), counts, pending.counted_at)
+            self._tokens.warn_counts("train", counts)
         logged = check.figures(figures, self.config.step.layer_norms)
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
 
@@ -491,9 +502,11 @@ class TrainingMonitor(Callback):
         self._state.ladder = verdict.ladder
 
         # Act on the step first (the guard), then word the alerts with what was done, write, and act on the run.
-        exact = keep_from_weights(self._guard, pending.optimizer) if verdict.skip else True
+        # Under DeepSpeed no step can be kept from the weights from outside its engine: no alert may say one was.
+        skip = verdict.skip and self._guarded
+        exact = keep_from_weights(self._guard, pending.optimizer) if skip else True
         overflowed = figures.amp and figures.grad_norm is not None and not math.isfinite(figures.grad_norm)
-        kept_out = verdict.skip or pending.on_device in (OnDevice.FUSED, OnDevice.SKIPPED)
+        kept_out = skip or pending.on_device in (OnDevice.FUSED, OnDevice.SKIPPED)
         self._state.skipped_steps += int(kept_out and not overflowed) + figures.overflow_steps  # overflows: the scaler
         if self._state.skipped_steps:  # absent means none: no constant zero written at every logging step
             latest["skipped_steps"] = logged["skipped_steps"] = float(self._state.skipped_steps)
@@ -506,7 +519,7 @@ class TrainingMonitor(Callback):
                 at=pending.at,
                 epoch=pending.epoch,
                 optimizer_index=check.index if check.suffix else None,
-                skipped=verdict.skip and not verdict.restore,  # a restore changes the weights: never "unchanged"
+                skipped=skip and not verdict.restore,  # a restore changes the weights: never "unchanged"
                 exact=exact,
                 covered=figures.checked_steps,
                 every=self._every_n,
@@ -530,7 +543,7 @@ class TrainingMonitor(Callback):
         self._writer.step(trainer, pending.at, pending.epoch, logged, kept, logs=pending.logs or bool(halting),
                           alerts=alerts, run_alerts=self._state.alerts)  # fmt: skip
         if bundle is not None:
-            skipped = "deferred" if pending.on_device is not None else verdict.skip
+            skipped = "deferred" if pending.on_device is not None else skip
             step = {
                 "batches": pending.batches,
                 "halted": bool(halting),
@@ -581,10 +594,10 @@ class TrainingMonitor(Callback):
             return
         # Read: the epoch's token counts and any step figure still waiting, in one read; then write.
         step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
-        self._accuracy(trainer, "train_token_acc", step, counted_at)
+        key = self._tokens.key("train")  # train_token_acc, or a classifier's train_acc
+        self._accuracy(trainer, key, step, counted_at)
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
-            self._accuracy(trainer, "train_token_acc_epoch", epoch, logging_step(trainer) - 1)
-        self._tokens.warn_invalid("train", [r[2] for r in epoch])
+            self._accuracy(trainer, f"{key}_epoch", epoch, logging_step(trainer) - 1)
 
     def _accuracy(
         self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
@@ -628,9 +641,9 @@ class TrainingMonitor(Callback):
         device = pl_module.device
         counts = self._tokens.epoch_counts("val", device) if watch_acc else None
         found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
-        val_acc = self._accuracy(trainer, "val_token_acc", found.token_counts, logging_step(trainer))
-        self._tokens.warn_invalid("val", [r[2] for r in found.token_counts])
-        self._writer.history.end_validation(trainer, key, found.val_loss)  # and write the history
+        val_acc = self._accuracy(trainer, self._tokens.key("val"), found.token_counts, logging_step(trainer))
+        self._tokens.warn_counts("val", found.token_counts)
+        self._writer.history.end_validation(trainer, found.key, found.val_loss)  # and write the history
 
         # Judge, decide, then act, word and write.
         verdict = decide_validation(self._validation.detect(found.val_loss, val_acc), self._policy)

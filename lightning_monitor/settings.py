@@ -23,8 +23,10 @@ from lightning_monitor.detectors import DIVERGENCE_MARGIN, LOSS_DIVERGENCE_FACTO
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
 __all__ = [
+    "AlertKindName",
     "DEFAULT_HALT_ON",
     "HALT_WINDOW",
+    "StepKindName",
     "STEP_KINDS",
     "MonitorSettings",
     "RecoverySettings",
@@ -35,8 +37,31 @@ __all__ = [
     "ValidationSettings",
 ]
 
+#: The names of the alert kinds that can halt (``halt_on``), spelt out so that ``LightningCLI`` lists them (a test
+#: holds them to :class:`~lightning_monitor.AlertKind`).
+AlertKindName = Literal[
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "exploding_grad",
+    "vanishing_grad",
+    "diverging_val_loss",
+    "diverging_loss",
+    "loss_spike",
+    "grad_spike",
+    "token_acc_stall",
+]
+#: The names of the alert kinds raised at an optimizer step (``skip_on``, ``recover_on``).
+StepKindName = Literal[
+    "nonfinite_loss", "nonfinite_grad", "exploding_grad", "vanishing_grad", "diverging_loss", "loss_spike", "grad_spike"
+]
+
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
-DEFAULT_HALT_ON: tuple[str, ...] = ("nonfinite_loss", "nonfinite_grad", "exploding_grad", "diverging_val_loss")
+DEFAULT_HALT_ON: tuple[AlertKindName, ...] = (
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "exploding_grad",
+    "diverging_val_loss",
+)
 #: The checks of one optimizer over which a step-level problem's recurrences count towards a halt (``halt_after``).
 HALT_WINDOW = 16
 #: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``) or recovered from (``recover_on``).

@@ -34,7 +34,7 @@ TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
     "lightning-monitor": {
         # The user's own loss keys, but not the loss scale nor the alert counters (`alerts/nonfinite_loss`).
         "loss (train and val)": ["Multiline", [r"^(?!alerts/)(?!.*scale).*loss.*$"]],
-        "token accuracy (train and val)": ["Multiline", [r"^(train|val)_token_acc$"]],
+        "token accuracy (train and val)": ["Multiline", [r"^(train|val)_(token_)?acc$"]],
         "gradient norm": ["Multiline", [r"^grad_norm(_opt\d+)?$"]],
         "gradient norm per layer": ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]],
         "alerts": ["Multiline", [r"^alerts/.*$"]],

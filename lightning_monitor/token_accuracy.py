@@ -36,8 +36,10 @@ def token_accuracy_counts(
     A position is counted when its label is not ``ignore_index``. It is **correct** when fewer than ``top_k`` logits
     of its row are strictly greater than the label's logit, i.e. when the label's logit is at least the ``top_k``-th
     largest value. For ``top_k=1`` this means the label's logit equals the row maximum: **ties count as correct**
-    (``argmax`` would pick the lowest tied index, an arbitrary choice). A row holding a NaN logit is incorrect. For
-    integer predictions a position is correct when the prediction equals the label.
+    (``argmax`` would pick the lowest tied index, an arbitrary choice). A row holding a NaN logit has no prediction
+    to score (an overflow to NaN, say): it is left out of ``total``, as out-of-range labels are
+    (:class:`TokenAccuracy` counts both and warns). For integer predictions a position is correct when the
+    prediction equals the label.
 
     With ``shift=True`` (causal LMs whose labels are the input ids, not yet shifted) the logits at sequence position
     ``t`` are scored against the label at ``t + 1``: ``preds[..., :-1, :]`` against ``target[..., 1:]``
@@ -71,22 +73,26 @@ def token_accuracy_counts(
         >>> # shift: the logits at positions 0 and 1 are scored against the labels at positions 1 and 2
         >>> token_accuracy_counts(logits, torch.tensor([[-100, 0, 0]]), shift=True)
         (tensor(1), tensor(2))
+        >>> logits[0, 0, 1] = float("nan")  # position 0 has no prediction: left out
+        >>> token_accuracy_counts(logits, torch.tensor([[0, 2, -100]]))
+        (tensor(1), tensor(1))
     """
     _check_args(ignore_index=ignore_index, top_k=top_k, shift=shift, validate_args=validate_args)
-    correct, total, _ = _update(preds, target, ignore_index, top_k, shift, validate_args)
+    correct, total, _, _ = _update(preds, target, ignore_index, top_k, shift, validate_args)
     return correct, total
 
 
 class TokenAccuracy(Metric):
     r"""Fraction of non-ignored token positions whose label gets the highest logit (or one of the ``top_k`` highest).
 
-    The states are the summed int64 counts ``correct``, ``total`` and ``invalid``, so the value is exact over an
-    epoch (not a mean of batch means) and is synced across DDP ranks by summing (not a mean of rank means); a
+    The states are the summed int64 counts ``correct``, ``total``, ``invalid`` and ``nan``, so the value is exact over
+    an epoch (not a mean of batch means) and is synced across DDP ranks by summing (not a mean of rank means); a
     constant ``settings`` state (``[top_k, shift, ignore_index]``) keeps a ``MetricCollection`` from merging two
     metrics of different settings into one compute group. Each
     update reads the logits once (see :func:`token_accuracy_counts` for the exact definition: ties count as correct,
-    rows holding a NaN as incorrect). With ``validate_args=False`` neither ``update`` nor ``forward`` synchronises
-    with the host; ``compute`` reads ``invalid`` once (one sync) until it has warned.
+    rows holding a NaN are left out of ``total`` and counted in ``nan``). Neither
+    ``update`` nor ``forward`` synchronises with the host (with ``validate_args=False``); ``compute`` reads
+    ``invalid`` and ``nan`` once (one sync) until it has warned.
 
     As input to ``forward`` and ``update`` the metric accepts the following input:
 
@@ -147,6 +153,7 @@ class TokenAccuracy(Metric):
     correct: Tensor
     total: Tensor
     invalid: Tensor
+    nan: Tensor
 
     def __init__(
         self,
@@ -169,8 +176,10 @@ class TokenAccuracy(Metric):
         self.add_state("correct", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("total", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("invalid", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("nan", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self._in_forward = False
         self._warned_invalid = False
+        self._warned_nan = False
 
     @override
     def update(self, preds: Tensor, target: Tensor) -> None:
@@ -191,25 +200,26 @@ class TokenAccuracy(Metric):
     def _add_hits(self, held: list[Hits]) -> None:
         """Add the counts of the masks of one or more batches to the states, in one pass over them all."""
         if len(held) == 1:
-            hit, in_range, counted = held[0]
+            hit, in_range, counted, finite = held[0]
         else:
             # A batch's three masks share one shape. Batches whose shapes agree past the first dimension are joined
             # as they are; otherwise each mask is flattened first.
             first = held[0][0]
             ndim, tail = first.ndim, first.shape[1:]
-            flat = not ndim or any(h.ndim != ndim or h.shape[1:] != tail for h, _, _ in held)
-            hit, in_range, counted = (
+            flat = not ndim or any(h.ndim != ndim or h.shape[1:] != tail for h, *_ in held)
+            hit, in_range, counted, finite = (
                 torch.cat([mask.reshape(-1) for mask in masks] if flat else masks) for masks in zip(*held, strict=True)
             )
-        correct, total, invalid = _count(hit, in_range, counted, ignore_index=self.ignore_index)
+        correct, total, invalid, nan = _count(hit, in_range, counted, finite, ignore_index=self.ignore_index)
         # In place: `+=` would also assign the attribute, and a module's `__setattr__` is slow at every step.
         self.correct.add_(correct)
         self.total.add_(total)
         self.invalid.add_(invalid)
+        self.nan.add_(nan)
 
     @override
     def compute(self) -> Tensor:
-        """Return ``correct / total`` (``tensor(0.)`` when ``total == 0``), warning once about invalid labels."""
+        """Return ``correct / total`` (``tensor(0.)`` when ``total == 0``), warning once about positions left out."""
         # The check reads `invalid` on the host: one sync, paid only in compute() proper (not in forward(), whose
         # batch value would pay it every step) and only until the warning has fired. With validate_args=True an
         # update raises instead of counting, so there is nothing to check.
@@ -220,6 +230,14 @@ class TokenAccuracy(Metric):
                 f" (V = the last dimension of the logits) nor equal to ignore_index={self.ignore_index}. Check that"
                 " the labels come from the model's vocabulary, or set validate_args=True to raise at the first bad"
                 " batch.",
+                category=RuntimeWarning,
+            )
+        if not (self._in_forward or self._warned_nan) and bool(self.nan > 0):
+            self._warned_nan = True
+            rank_zero_warn(
+                f"TokenAccuracy left {int(self.nan)} position(s) out of `total` because their logits held a"
+                " NaN: the accuracy is over the other positions. Check the"
+                " model for overflow (fp16) or NaN.",
                 category=RuntimeWarning,
             )
         return _safe_divide(self.correct, self.total)
@@ -283,17 +301,17 @@ def _check_inputs(preds: Tensor, target: Tensor, top_k: int, shift: bool) -> Non
 
 def _update(
     preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: bool, validate_args: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Return ``(correct, total, invalid)`` for one batch; ``invalid`` counts labels out of ``[0, V)``."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(correct, total, invalid, nan)`` of one batch (labels out of ``[0, V)``; rows holding a NaN)."""
     return _count(*_hits(preds, target, ignore_index, top_k, shift, validate_args), ignore_index=ignore_index)
 
 
-#: One batch's boolean masks ``(hit, in_range, counted)``, which :func:`_count` sums.
-Hits = tuple[Tensor, Tensor, Tensor]
+#: One batch's boolean masks ``(hit, in_range, counted, finite)``, which :func:`_count` sums.
+Hits = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def _hits(preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: bool, validate_args: bool) -> Hits:
-    """Read one batch's logits into masks of its positions: ``hit``, label ``in_range`` of ``[0, V)``, ``counted``.
+    """Read one batch's logits into masks: ``hit``, label ``in_range`` of ``[0, V)``, ``counted``, ``finite`` row.
 
     Everything that needs the logits happens here; what is left, :func:`_count`, needs only the three masks, so it
     can sum the masks of several batches at once.
@@ -306,7 +324,7 @@ def _hits(preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: b
         preds, target = preds[..., :-1, :] if logits else preds[..., :-1], target[..., 1:]
     if not logits:
         counted = target != ignore_index
-        return preds == target, counted, counted  # no V: every counted label is in range
+        return preds == target, counted, counted, counted  # no V: every counted label is in range; no NaN
 
     vocab = preds.shape[-1]
     # Every label op runs on `[..., 1]`, the shape of the gathered logit, so nothing is reshaped in between.
@@ -321,22 +339,27 @@ def _hits(preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: b
         _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
     label_logit = preds.gather(-1, index if index.dtype == torch.long else index.long())
     if top_k == 1:
-        # amax propagates NaN, and nothing is >= NaN: a row holding a NaN is incorrect.
-        hit = label_logit >= preds.amax(dim=-1, keepdim=True)
+        # amax propagates NaN: a row holding a NaN has a NaN maximum (and nothing is >= NaN).
+        largest = preds.amax(dim=-1, keepdim=True)
+        hit = label_logit >= largest
     else:
-        # topk orders NaN above every number, so a row holding a NaN has one among its top values.
+        # topk orders NaN above every number, so a row holding a NaN has one first among its top values.
         top = preds.topk(top_k, dim=-1, sorted=True).values
-        hit = (label_logit >= top[..., -1:]) & ~top.isnan().any(dim=-1, keepdim=True)
-    return hit, in_range, counted
+        largest = top[..., :1]
+        hit = label_logit >= top[..., -1:]
+    return hit, in_range, counted, ~largest.isnan()  # ±Inf is a value: an Inf tied for the maximum is a hit
 
 
-def _count(hit: Tensor, in_range: Tensor, counted: Tensor, *, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(correct, total, invalid)`` of the masks from :func:`_hits` (of one batch, or of several concatenated)."""
+def _count(
+    hit: Tensor, in_range: Tensor, counted: Tensor, finite: Tensor, *, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(correct, total, invalid, nan)`` of the masks from :func:`_hits` (one batch, or several joined)."""
     # A negative ignore_index, such as -100, is never in range, so the in-range labels are the counted ones.
-    valid = in_range & counted if ignore_index >= 0 else in_range
+    scored = in_range & counted if ignore_index >= 0 else in_range
+    valid = scored & finite
     # Few distinct kernels (compare, and, sum), which is what a step pays for on the host, more than the op count.
-    total = valid.sum()
-    return (hit & valid).sum(), total, counted.sum() - total
+    total, in_scope = valid.sum(), scored.sum()
+    return (hit & valid).sum(), total, counted.sum() - in_scope, in_scope - total
 
 
 def _raise_if_out_of_range(target: Tensor, bad: Tensor, ignore_index: int, vocab: int) -> None:

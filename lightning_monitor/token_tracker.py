@@ -3,11 +3,26 @@
 :class:`TokenAccuracyTracker` is what :class:`~lightning_monitor.TrainingMonitor` uses for ``train_token_acc`` and
 ``val_token_acc``. It finds logits and labels in what ``training_step``/``validation_step`` returned (or in the batch)
 and feeds them to one :class:`~lightning_monitor.TokenAccuracy` per stage. Each batch's logits are read at once, into
-three boolean masks of its positions; the counts of the masks are summed for many batches at once (a few device ops in
+four boolean masks of its positions; the counts of the masks are summed for many batches at once (a few device ops in
 all rather than eight a batch), before any figure is read and at the latest every :data:`HOLD_AT_MOST` batches. When
 asked, it marks the counts at the start of an optimizer step so the monitor can log that step's own figure. A batch it
 cannot count is skipped, with one warning per stage and cause; the next batch is counted again. Nothing here reads a
 value on the host: the monitor gathers the counts with its other figures in its one read per check.
+
+What the figures are called follows what is counted (:meth:`TokenAccuracyTracker.key`):
+
+==========================  ==============================================================================
+Key                         When
+==========================  ==============================================================================
+``train_token_acc``         per-token logits ``[..., T, V]`` against labels ``[..., T]`` (language models)
+``val_token_acc``           the same, for each validation run
+``train_acc``, ``val_acc``  one prediction per example: logits ``[B, C]`` against labels ``[B]`` (an image or
+                            sequence classifier); nothing is shifted
+==========================  ==============================================================================
+
+Counts travel as rows ``[correct, total, invalid, nan]``: ``invalid`` labels are neither in ``[0, V)`` nor
+``ignore_index``; ``nan`` positions have logits holding a NaN. Both are left out of
+``total``, and each is warned about once per stage, so a run whose logits are all NaN logs no figure rather than 0.
 """
 
 from __future__ import annotations
@@ -24,41 +39,76 @@ from lightning_monitor.packing import PACK_DTYPE, Layout
 from lightning_monitor.settings import TokenSettings
 from lightning_monitor.token_accuracy import Hits, TokenAccuracy
 
-__all__ = ["LogitsAndLabels", "TokenAccuracyTracker", "find_logits_and_labels", "holds_causal_lm", "token_accuracy"]
+__all__ = [
+    "LogitsAndLabels",
+    "TokenAccuracyTracker",
+    "find_logits_and_labels",
+    "holds_causal_lm",
+    "token_accuracy",
+    "virtual_tokens",
+]
 
 #: A user function ``(outputs, batch) -> (logits, labels)``, or ``None`` to skip the batch (without a warning).
 LogitsAndLabels = Callable[[Any, Any], "tuple[Tensor, Tensor] | None"]
 Stage = Literal["train", "val"]
 
-#: Batches whose masks are held before their counts are added, at most. A held batch keeps three boolean masks of
-#: its positions (3 bytes a token); summing many batches' masks at once costs a few device ops in all rather than
+#: Batches whose masks are held before their counts are added, at most. A held batch keeps four boolean masks of
+#: its positions (4 bytes a token); summing many batches' masks at once costs a few device ops in all rather than
 #: several a batch (docs/benchmarks.md).
 HOLD_AT_MOST = 64
 #: What the end of a training epoch gathers: the last logged step's token counts and the epoch's.
-_EPOCH_END = Layout([("step_token_counts", 2), ("epoch_token_counts", 3)])
+_EPOCH_END = Layout([("step_token_counts", 4), ("epoch_token_counts", 4)])
+#: How many counts a row holds: ``[correct, total, invalid, nan]``.
+COUNTS = 4
 
 
 def find_logits_and_labels(outputs: Any, batch: Any, logits_key: str, labels_key: str) -> tuple[Tensor, Tensor] | None:
     """Look for logits and labels the way most Lightning and Hugging Face code returns them.
 
-    Logits: ``outputs[logits_key]`` (a dict, or a Hugging Face ``ModelOutput``) or ``outputs.<logits_key>``.
-    Labels: the same in ``outputs``, else in ``batch`` (``batch["labels"]``).
+    Logits: ``outputs[logits_key]`` (a dict, or a Hugging Face ``ModelOutput``) or ``outputs.<logits_key>`` (an
+    object, a dataclass, a namedtuple). Labels: the same in ``outputs``, else in ``batch`` (``batch["labels"]``).
 
     Example:
+        >>> from collections import namedtuple
         >>> logits, labels = torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
         >>> found = find_logits_and_labels({"loss": 1.0, "logits": logits}, {"labels": labels}, "logits", "labels")
         >>> found[0] is logits and found[1] is labels
         True
+        >>> Batch = namedtuple("Batch", ["input_ids", "labels"])
+        >>> find_logits_and_labels({"logits": logits}, Batch(None, labels), "logits", "labels")[1] is labels
+        True
         >>> find_logits_and_labels(torch.tensor(1.0), None, "logits", "labels") is None
         True
     """
+    logits, labels = _look_up_both(outputs, batch, logits_key, labels_key)
+    return None if logits is None or labels is None else (logits, labels)
+
+
+def _look_up_both(outputs: Any, batch: Any, logits_key: str, labels_key: str) -> tuple[Tensor | None, Tensor | None]:
+    """The logits and the labels :func:`find_logits_and_labels` looks for, each ``None`` where not found."""
     logits = _lookup(outputs, logits_key)
     labels = _lookup(outputs, labels_key)
     if not isinstance(labels, Tensor):
         labels = _lookup(batch, labels_key)
-    if isinstance(logits, Tensor) and isinstance(labels, Tensor):
-        return logits, labels
-    return None
+    return (logits if isinstance(logits, Tensor) else None), (labels if isinstance(labels, Tensor) else None)
+
+
+def virtual_tokens(module: Any) -> int:
+    """The virtual tokens a PEFT prompt-learning model prepends to its logits (prompt tuning, P-tuning), else 0.
+
+    Such a model puts ``num_virtual_tokens`` learnt embeddings before the inputs, so its logits are longer than the
+    labels by that many positions, on the sequence dimension. Prefix tuning puts them in the attention's keys and
+    values instead, and its logits are as long as the labels: a shape test tells the two apart.
+
+    Example:
+        >>> virtual_tokens(torch.nn.Linear(2, 2))
+        0
+    """
+    for m in module.modules():
+        config = getattr(m, "active_peft_config", None)
+        if config is not None and getattr(config, "is_prompt_learning", False):
+            return int(getattr(config, "num_virtual_tokens", 0) or 0)
+    return 0
 
 
 def holds_causal_lm(module: Any) -> bool:
@@ -75,6 +125,8 @@ def holds_causal_lm(module: Any) -> bool:
 def token_accuracy(per_rank: Sequence[Sequence[float]]) -> float | None:
     """``correct / total`` of gathered ``[correct, total, ...]`` rows, summed over ranks; ``None`` without a token.
 
+    A run whose every position was left out (its logits all NaN, say) has no figure: ``None``, never ``0.0``.
+
     Example:
         >>> token_accuracy([[3.0, 4.0], [1.0, 4.0]]), token_accuracy([[0.0, 0.0]])
         (0.5, None)
@@ -86,6 +138,8 @@ def token_accuracy(per_rank: Sequence[Sequence[float]]) -> float | None:
 def _lookup(container: Any, key: str) -> Any:
     if type(container) is dict or isinstance(container, Mapping):  # a plain dict, the common case, skips the ABC
         return container.get(key)
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple: its fields by name
+        return getattr(container, key, None) if key in container._fields else None
     return getattr(container, key, None) if not isinstance(container, (Tensor, list, tuple)) else None
 
 
@@ -111,10 +165,12 @@ class TokenAccuracyTracker:
         >>> logits = torch.tensor([[[0.1, 0.9], [0.8, 0.2]]])
         >>> tracker.update("train", {"logits": logits, "labels": torch.tensor([[1, 1]])}, None)
         >>> tracker.update("train", {}, None)  # a batch that `training_step` skipped: nothing to count
-        >>> tracker.counts_since_mark(tag=7).tolist()
-        [1, 2]
+        >>> tracker.counts_since_mark(tag=7).tolist()  # [correct, total, invalid, nan]
+        [1, 2, 0, 0]
         >>> tracker.epoch_counts("train", torch.device("cpu")).tolist()
-        [1.0, 2.0, 0.0]
+        [1.0, 2.0, 0.0, 0.0]
+        >>> tracker.key("train")  # per-token logits [B, T, V]; [B, C] against labels [B] would be "train_acc"
+        'train_token_acc'
     """
 
     def __init__(
@@ -131,6 +187,8 @@ class TokenAccuracyTracker:
         self.find = find
         self.shift = shift
         self.causal_lm = False  # the module holds a Hugging Face causal LM (set at the start of training)
+        self.virtual_tokens = 0  # a PEFT prompt-learning model's virtual tokens, before the logits of the inputs
+        self._per_example: bool | None = None  # one prediction per example ([B, C] logits): None until a batch says
         self._told_shift = False
         self.metrics: dict[Stage, TokenAccuracy] = {
             stage: TokenAccuracy(ignore_index=ignore_index, top_k=top_k, shift=shift is True, validate_args=False)
@@ -149,7 +207,15 @@ class TokenAccuracyTracker:
         self.logged_at: int | None = None
         self._every_batch = False
         self._pending: tuple[Tensor, int] | None = None  # a step's counts, waiting to be shipped with the next check
-        self._no_counts: tuple[Tensor, Tensor] | None = None  # cached zeros standing for "no counts waiting"
+        self._no_counts: tuple[Tensor, ...] | None = None  # cached zeros standing for "no counts waiting"
+
+    def key(self, stage: Stage) -> str:
+        """The name of ``stage``'s figure: ``<stage>_acc`` for one prediction per example, else ``<stage>_token_acc``.
+
+        A classifier's logits ``[B, C]`` against labels ``[B]`` give the accuracy of its predictions, not of tokens;
+        what the first counted batch holds decides, for the run (every rank counts batches of the same shapes).
+        """
+        return f"{stage}_acc" if self._per_example else f"{stage}_token_acc"
 
     @classmethod
     def from_settings(cls, settings: TokenSettings) -> TokenAccuracyTracker:
@@ -173,6 +239,7 @@ class TokenAccuracyTracker:
         self._warned.clear()
         self._window, self.logged_at, self._pending = 0, None, None
         self._told_shift = False
+        self._per_example = None
 
     # ------------------------------------------------------------------------------------- the step's window
 
@@ -200,40 +267,44 @@ class TokenAccuracyTracker:
         if next_may_log and "train" not in self.disabled:
             self.mark(self._window)
 
-    def take_step_counts(self, device: torch.device) -> tuple[tuple[Tensor, Tensor], int | None]:
-        """The ``(correct, total)`` of the last logged step (0-d, on ``device``) and its step; forget them.
+    def take_step_counts(self, device: torch.device) -> tuple[tuple[Tensor, ...], int | None]:
+        """The ``(correct, total, invalid, nan)`` of the last logged step (0-d, on ``device``) and its step.
 
-        Zeros and ``None`` when none wait. The counts travel in the check's ``PACK_DTYPE`` (float32): exact up to
-        2**24 tokens per rank in one logging step, and beyond that rounded at the precision loggers store the
-        figure in.
+        Zeros and ``None`` when none wait; the counts are forgotten once taken. They travel in the check's
+        ``PACK_DTYPE`` (float32): exact up to 2**24 tokens per rank in one logging step, and beyond that rounded at
+        the precision loggers store the figure in.
         """
         if self._pending is None:
             if self._no_counts is None or self._no_counts[0].device != device:
-                zeros = torch.zeros(2, dtype=PACK_DTYPE, device=device).unbind()
-                self._no_counts = (zeros[0], zeros[1])
+                self._no_counts = torch.zeros(COUNTS, dtype=PACK_DTYPE, device=device).unbind()
             return self._no_counts, None
         (counts, step), self._pending = self._pending, None
-        correct, total = counts.to(device, PACK_DTYPE).unbind()
-        return (correct, total), step
+        return counts.to(device, PACK_DTYPE).unbind(), step
 
     def gather_epoch(self, device: torch.device) -> tuple[list[list[float]], list[list[float]], int | None]:
         """At the end of a training epoch, gather the counts of every rank in one collective and one host read.
 
-        Returns every rank's ``[correct, total]`` of the last logged step still waiting, every rank's
-        ``[correct, total, invalid]`` of the epoch, and the step the waiting counts belong to (``None``: none wait).
-        Every rank must call it.
+        Returns every rank's ``[correct, total, invalid, nan]`` of the last logged step still waiting and of
+        the epoch, and the step the waiting counts belong to (``None``: none wait). Warns once about positions left
+        out (:meth:`warn_counts`). Every rank must call it.
         """
-        (correct, total), step = self.take_step_counts(device)
-        waiting = torch.stack([correct, total]).to(host_dtype(device))
+        counts, step = self.take_step_counts(device)
+        waiting = torch.stack(counts).to(host_dtype(device))
         rows = _EPOCH_END.read(gather_ranks(_EPOCH_END.pack([waiting, self.epoch_counts("train", device)])))
+        self.warn_counts("train", rows["epoch_token_counts"])
         return rows["step_token_counts"], rows["epoch_token_counts"], step
 
     # ------------------------------------------------------------------------------------- counting
 
     def attach(self, module: torch.nn.Module, device: torch.device) -> None:
-        """At the start of training: the counts on ``device``; whether ``module`` holds a causal LM (for ``auto``)."""
+        """At the start of training: the counts on ``device``, and what ``module`` is.
+
+        Whether it holds a causal LM (for ``shift_labels="auto"``), and how many virtual tokens a PEFT
+        prompt-learning model prepends to its logits (:func:`virtual_tokens`).
+        """
         self.to(device)
         self.causal_lm = holds_causal_lm(module)
+        self.virtual_tokens = virtual_tokens(module)
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
@@ -274,25 +345,24 @@ class TokenAccuracyTracker:
                 )
             return
         else:
-            found = self._find(outputs, batch)
-            if found is None:
-                self._skip(
-                    stage,
-                    "missing",
-                    f"it found no logits and labels in what `{where}` returned (looked for"
-                    f" `outputs[{self.logits_key!r}]` or `outputs.{self.logits_key}`, and"
-                    f" `outputs[{self.labels_key!r}]` or `batch[{self.labels_key!r}]`). Return them, e.g."
-                    f" `return {{'loss': loss, {self.logits_key!r}: logits.detach(), {self.labels_key!r}: labels}}`,"
-                    " or set `logits_key`/`labels_key`, or pass"
-                    " `token_accuracy_fn=lambda outputs, batch: (logits, labels)`.",
-                )
+            logits, labels = _look_up_both(outputs, batch, self.logits_key, self.labels_key)
+            if logits is None or labels is None:
+                self._skip(stage, "missing", *self._missing(where, logits is None, labels is None))
                 return
+            found = logits, labels
         logits, labels = found
+        # PEFT prompt tuning: the logits of the virtual tokens come first; those of the inputs follow, aligned.
+        k = self.virtual_tokens
+        if k and logits.ndim == labels.ndim + 1 >= 3 and logits.shape[-2] - labels.shape[-1] == k:
+            logits = logits[..., k:, :]
+        if self._per_example is None:
+            self._per_example = logits.ndim == 2 and labels.ndim == 1 and logits.dtype.is_floating_point
         metric = self.metrics[stage]
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
             self._add_held(stage)  # (none are held then; a later move counts those held first, where they are)
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
-        shift = self._auto_shift(outputs, batch) if self.shift == "auto" and self.find is None else None
+        auto = self.shift == "auto" and self.find is None and not self._per_example  # a class label: nothing to shift
+        shift = self._auto_shift(outputs, batch) if auto else (False if self._per_example else None)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric._hits(logits, labels, shift)
         except ValueError as err:
@@ -305,32 +375,44 @@ class TokenAccuracyTracker:
             self._add_held(stage)
 
     def mark(self, tag: int) -> None:
-        """Remember the training counts now, under ``tag`` (one copy of two numbers, on the metric's device)."""
-        metric = self._add_held("train")
-        self._mark = (tag, torch.stack([metric.correct, metric.total]))
+        """Remember the training counts now, under ``tag`` (one copy of four numbers, on the metric's device)."""
+        self._mark = (tag, _states(self._add_held("train")))
 
     def marked(self, tag: int) -> bool:
         """Whether the last :meth:`mark` was tagged ``tag``."""
         return self._mark is not None and self._mark[0] == tag
 
     def counts_since_mark(self, tag: int) -> Tensor | None:
-        """``[correct, total]`` counted since :meth:`mark` was called with ``tag`` (int64, on the device), else None."""
+        """The counts since :meth:`mark` was called with ``tag``, else None.
+
+        ``[correct, total, invalid, nan]``, int64, on the metric's device.
+        """
         if self._mark is None or self._mark[0] != tag:
             return None
-        metric = self._add_held("train")
-        now = torch.stack([metric.correct, metric.total])
+        now = _states(self._add_held("train"))
         # The mark may predate the metric's move to the logits' device (a mark before the first batch).
         return now - self._mark[1].to(now.device)
 
     def epoch_counts(self, stage: Stage, device: torch.device) -> Tensor:
-        """``[correct, total, invalid]`` counted on this rank since the last reset of ``stage``, on ``device``.
+        """``[correct, total, invalid, nan]`` counted on this rank since the last reset of ``stage``, on ``device``.
 
-        ``invalid`` counts labels neither in ``[0, V)`` nor equal to ``ignore_index``, which are left out of ``total``.
-        The counts travel in :func:`~lightning_monitor._host.host_dtype`; a stage that counted nothing yet may
-        still be on another device.
+        ``invalid`` counts labels neither in ``[0, V)`` nor equal to ``ignore_index``, ``nan`` positions whose
+        logits hold a NaN; both are left out of ``total``. The counts travel in
+        :func:`~lightning_monitor._host.host_dtype`; a stage that counted nothing yet may still be on another device.
         """
-        metric = self._add_held(stage)
-        return torch.stack([metric.correct, metric.total, metric.invalid]).to(device, host_dtype(device))
+        return _states(self._add_held(stage)).to(device, host_dtype(device))
+
+    def warn_counts(self, stage: Stage, rows: Sequence[Sequence[float]]) -> None:
+        """Warn once per stage and cause about positions left out, from every rank's gathered counts rows.
+
+        ``rows`` are ``[correct, total, invalid, nan]`` (host values, after the read that brought them).
+        """
+        self.warn_invalid(stage, [r[2] for r in rows])
+        nan = int(fsum(r[3] for r in rows if len(r) > 3))
+        if not nan or (stage, "nan") in self._warned:
+            return
+        self._warned.add((stage, "nan"))
+        rank_zero_warn(nan_message(self.key(stage), nan, int(fsum(r[1] for r in rows))), category=RuntimeWarning)
 
     def warn_invalid(self, stage: Stage, per_rank: Sequence[float]) -> None:
         """Warn once per stage when labels were left out as neither in range nor ``ignore_index`` (every rank's)."""
@@ -339,7 +421,7 @@ class TokenAccuracyTracker:
             return
         self._warned.add((stage, "invalid"))
         rank_zero_warn(
-            f"TrainingMonitor left {invalid} label(s) out of {stage}_token_acc: they are neither in [0, V) (V is the"
+            f"TrainingMonitor left {invalid} label(s) out of {self.key(stage)}: they are neither in [0, V) (V is the"
             f" last dimension of the logits) nor equal to ignore_index={self.metrics[stage].ignore_index}. Check that"
             " the labels come from the model's vocabulary, or set `ignore_index` to your padding id.",
             category=RuntimeWarning,
@@ -372,28 +454,61 @@ class TokenAccuracyTracker:
             held.clear()
         return metric
 
-    def _find(self, outputs: Any, batch: Any) -> tuple[Tensor, Tensor] | None:
-        return find_logits_and_labels(outputs, batch, self.logits_key, self.labels_key)
+    def _missing(self, where: str, no_logits: bool, no_labels: bool) -> tuple[str, str]:
+        """What ``where`` returned without logits or labels, in full and short.
 
-    def _skip(self, stage: Stage, cause: str, why: str) -> None:
+        The warning says where each was looked for and the fix; the short form goes in ``"auto"``'s line of info.
+        """
+        logits = f"`outputs[{self.logits_key!r}]` or `outputs.{self.logits_key}`"
+        labels = f"`outputs[{self.labels_key!r}]`, `batch[{self.labels_key!r}]` or `batch.{self.labels_key}`"
+        if no_logits and no_labels:
+            what, looked = "no logits and no labels", f"looked for {logits}, and {labels}"
+        elif no_logits:
+            what, looked = "no logits", f"looked for {logits}; the labels were found"
+        else:
+            what, looked = "logits but no labels", f"looked for {labels}; a plain tensor or list batch has no names"
+        warning = (
+            f"`{where}` returned {what} ({looked}). Return both, e.g. `return {{'loss': loss, {self.logits_key!r}:"
+            f" logits.detach(), {self.labels_key!r}: labels}}`, or set `logits_key`/`labels_key`, or pass"
+            " `token_accuracy_fn=lambda outputs, batch: (logits, labels)`."
+        )
+        return warning, f"`{where}` returned {what}"
+
+    def _skip(self, stage: Stage, cause: str, why: str, short: str = "") -> None:
         """Warn, once per stage and cause, that a batch was left out; the next batch is counted again.
 
         Under ``"auto"``, before any training batch was counted, a batch with nothing to find is not worth a warning:
-        a first training batch turns the training stage off with one line of info, a validation batch is left out.
+        a first training batch turns the training stage off with one line of info (``short`` says what it lacked), a
+        validation batch is left out.
         """
         if self._auto and not self._counted_train and cause in ("missing", "nothing"):
             if stage == "train":
                 self.disabled.add("train")
                 rank_zero_info(
-                    "TrainingMonitor: `training_step` returns no logits and labels, so there is no train_token_acc"
-                    " (return them to have it; `token_accuracy=False` turns token accuracy off)."
+                    f"TrainingMonitor: {short or why}, so there is no {self.key(stage)} (return both to have it;"
+                    " `token_accuracy=False` turns token accuracy off)."
                 )
             return
         if (stage, cause) in self._warned:
             return
         self._warned.add((stage, cause))
         rank_zero_warn(
-            f"TrainingMonitor left a batch out of {stage}_token_acc: {why} Batches like it are left out too, without"
+            f"TrainingMonitor left a batch out of {self.key(stage)}: {why} Batches like it are left out too, without"
             " another warning (pass `token_accuracy=False` to turn token accuracy off).",
             category=RuntimeWarning,
         )
+
+
+def nan_message(key: str, nan: int, total: int) -> str:
+    """The warning about ``nan`` positions left out of figure ``key`` (``total`` others were scored)."""
+    scored = f"it is over the other {total}" if total else "no figure is logged while there is none other"
+    return (
+        f"TrainingMonitor left {nan} position(s) out of {key}: their logits hold a NaN, so they have no prediction"
+        f" to score; {scored}. Look for the cause in the loss and gradient alerts (`watch_activations=True` names"
+        " the first module whose output is not finite)."
+    )
+
+
+def _states(metric: TokenAccuracy) -> Tensor:
+    """The metric's counts ``[correct, total, invalid, nan]``, stacked (one copy, on its device)."""
+    return torch.stack([metric.correct, metric.total, metric.invalid, metric.nan])

@@ -187,8 +187,8 @@ def test_ddp_norm_equals_single_process_norm_on_the_global_batch(tmp_path, accum
         assert s1 == s2
         assert close(v1, v2, rel=1e-5)
     # Token accuracy of each step is the exact global figure: correct and total summed over ranks.
-    expected_acc = csv_column(single / "csv" / "version_0" / "metrics.csv", "train_token_acc")
-    got_acc = csv_column(ddp / "csv" / "version_0" / "metrics.csv", "train_token_acc")
+    expected_acc = csv_column(single / "csv" / "version_0" / "metrics.csv", "train_acc")  # a classifier's accuracy
+    got_acc = csv_column(ddp / "csv" / "version_0" / "metrics.csv", "train_acc")
     assert got_acc == expected_acc and len(got_acc) == 8
     rank0, rank1 = reports(ddp)
     assert rank0["latest"] == rank1["latest"]  # every rank holds the same figures

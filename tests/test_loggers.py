@@ -378,3 +378,28 @@ def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- loggers the README names as not run (issue 34, 11)
+
+
+def test_neptune_is_refused_by_lightning_itself():
+    # What the README says of Neptune: Lightning 2.6 refuses its logger, so there is nothing to run.
+    from lightning.pytorch.loggers.neptune import NeptuneLogger
+
+    with pytest.raises(RuntimeError, match="Neptune has been sunset"):
+        NeptuneLogger()
+
+
+def test_comet_offline_runs_to_the_end_with_the_monitor(tmp_path):
+    # Not in the test extra (comet_ml tries its telemetry server even offline); run where comet_ml is installed.
+    pytest.importorskip("comet_ml")
+    from lightning.pytorch.loggers import CometLogger
+
+    monitor = TrainingMonitor(val_loss_key=None)
+    logger = CometLogger(online=False, project="lm", offline_directory=str(tmp_path / "comet"))
+    trainer = make_trainer(tmp_path, [monitor], logger=logger, max_steps=12, log_every_n_steps=2)
+    trainer.fit(ScriptedModel(loss_factor={8: float("nan")}), loader(64))
+    assert [a.kind.value for a in monitor.alerts] == ["nonfinite_loss"]
+    assert monitor.alerts[0].step == 8 and trainer.should_stop and (monitor.log_dir / "alerts.jsonl").is_file()
+    assert monitor.log_dir.is_relative_to(tmp_path)

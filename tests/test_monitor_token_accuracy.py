@@ -119,7 +119,10 @@ def test_missing_logits_warn_at_the_first_step_without_waiting_for_a_logging_ste
             trainer.should_stop = True
 
     csv = CSVLogger(tmp_path, name="csv")
-    with pytest.warns(RuntimeWarning, match="left a batch out of train_token_acc: it found no logits"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"left a batch out of train_token_acc: `training_step` returned no logits \(looked for",
+    ):
         fit(
             tmp_path,
             LossOnly(),
@@ -216,7 +219,7 @@ def check_train_figures(model, csv, epoch_steps):
     [
         ("skip", None, None),  # Lightning's skip: silent
         ("flag", skip_flagged, None),  # the function's skip: silent
-        ("missing", None, "it found no logits"),
+        ("missing", None, r"`training_step` returned no logits \(looked for"),
         ("mismatch", None, "do not fit"),
         ("flag", raise_on_flagged, "`token_accuracy_fn` raised KeyError"),
     ],
@@ -249,9 +252,9 @@ def test_one_warning_per_stage_and_cause(tmp_path):
     assert value == pytest.approx(reference(val_pairs), abs=1e-12)
     heads = sorted(" ".join(str(w.message).split()[6:10]) for w in record if "token_acc" in str(w.message))
     assert heads == [  # "TrainingMonitor left a batch out of <stage>_token_acc: <cause>"
-        "train_token_acc: it found no",
+        "train_token_acc: `training_step` returned no",
         "train_token_acc: the logits and",
-        "val_token_acc: it found no",
+        "val_token_acc: `validation_step` returned no",
     ]
 
 
@@ -382,7 +385,10 @@ def test_missing_logits_warn_once_and_training_goes_on(tmp_path):
             return self.step(batch, "train")["loss"]
 
     monitor = TrainingMonitor(val_loss_key=None, token_accuracy=True)
-    with pytest.warns(RuntimeWarning, match="left a batch out of train_token_acc: it found no logits") as record:
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"left a batch out of train_token_acc: `training_step` returned no logits \(looked for",
+    ) as record:
         trainer = fit(tmp_path, LossOnly(), monitor, max_steps=8, limit_val_batches=0)
     assert len([w for w in record if "token_acc" in str(w.message)]) == 1
     assert trainer.global_step == 8
@@ -422,8 +428,8 @@ def test_a_model_that_is_not_a_language_model_gets_one_line_of_info_by_default(t
     assert trainer.global_step == 16
     info = [r.getMessage() for r in caplog.records if "token_acc" in r.getMessage()]
     assert info == [
-        "TrainingMonitor: `training_step` returns no logits and labels, so there is no train_token_acc (return them"
-        " to have it; `token_accuracy=False` turns token accuracy off)."
+        "TrainingMonitor: `training_step` returned no logits and no labels, so there is no train_token_acc (return"
+        " both to have it; `token_accuracy=False` turns token accuracy off)."
     ]
     assert not any(key.endswith("token_acc") for key in trainer.callback_metrics)
 
@@ -603,3 +609,256 @@ def test_a_hugging_face_causal_lm_gets_next_token_accuracy_without_configuration
     assert [s for s, _ in logged] == list(range(6))
     for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
         assert got == pytest.approx(correct / total, abs=1e-6)  # scored against the next token, as HF's loss is
+
+
+# ------------------------------------------------------- namedtuple batches, what is missing, NaN logits (issue 32)
+
+
+class Pair(typing.NamedTuple):
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+class NamedTupleBatches(TinyLM):
+    """The batch is a namedtuple, as a collate function may build it; the labels stay in it."""
+
+    def training_step(self, batch, batch_idx):
+        return self.step({"input_ids": batch.input_ids, "labels": batch.labels}, "train")
+
+
+def _as_pairs(items):
+    return Pair(torch.stack([i["input_ids"] for i in items]), torch.stack([i["labels"] for i in items]))
+
+
+def test_labels_of_a_namedtuple_batch_are_found(tmp_path):
+    model = NamedTupleBatches()
+    csv = CSVLogger(tmp_path, name="csv")
+    train = DataLoader(TokenData(24), batch_size=4, collate_fn=_as_pairs)
+    fit(tmp_path, model, TrainingMonitor(val_loss_key=None), train=train, logger=csv, max_steps=6, limit_val_batches=0)
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == list(range(6))
+    for step, value in logged:
+        assert value == pytest.approx(reference([model.seen["train"][step]]), abs=1e-12)
+
+
+def _tiny_gpt2(vocab: int = 97):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class HFOnTensors(pl.LightningModule):
+    """A Hugging Face causal LM fed a plain tensor of ids: its output holds logits, and nothing holds labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _tiny_gpt2()
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_hugging_face_model_on_a_tensor_batch_is_told_the_labels_are_missing_not_the_logits(tmp_path, caplog):
+    ids = DataLoader(torch.randint(0, 97, (16, 12)), batch_size=4)
+    monitor = TrainingMonitor(val_loss_key=None)
+    with caplog.at_level(logging.INFO):
+        trainer = make_trainer(tmp_path, [monitor], max_steps=3)
+        trainer.fit(HFOnTensors(), train_dataloaders=ids)
+    info = [r.getMessage() for r in caplog.records if "token_acc" in r.getMessage()]
+    assert info == [
+        "TrainingMonitor: `training_step` returned logits but no labels, so there is no train_token_acc (return"
+        " both to have it; `token_accuracy=False` turns token accuracy off)."
+    ]
+    # Asked for explicitly, the warning says where the labels were looked for.
+    with pytest.warns(
+        RuntimeWarning, match=r"returned logits but no labels \(looked for `outputs\['labels'\]`, `batch"
+    ):
+        make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None, token_accuracy=True)], max_steps=2).fit(
+            HFOnTensors(), train_dataloaders=ids
+        )
+
+
+class NaNLogits(TinyLM):
+    """A finite loss, but the logits it returns are all NaN (as from an fp16 overflow in the head)."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.step(batch, "train")
+        return {**out, "logits": torch.full_like(out["logits"], float("nan"))}
+
+
+def test_all_nan_logits_log_no_figure_and_warn_once(tmp_path):
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, epoch_token_accuracy=True)
+    with pytest.warns(RuntimeWarning, match="token_acc") as record:  # 48 samples, batches of 4: one epoch of 12
+        trainer = fit(tmp_path, NaNLogits(), monitor, logger=csv, max_steps=12, limit_val_batches=0)
+    messages = [str(w.message) for w in record if "token_acc" in str(w.message)]
+    # Once: at the first step read (the positions of that step), or at the epoch's end (the epoch's).
+    steps = {int((labels != -100).sum()) for _, labels in trainer.lightning_module.seen["train"][:1]}
+    epoch = sum(int((labels != -100).sum()) for _, labels in trainer.lightning_module.seen["train"])
+    (message,) = messages
+    n = int(re.match(r"TrainingMonitor left (\d+) position", message).group(1))
+    assert n in steps | {epoch}
+    assert message == (
+        f"TrainingMonitor left {n} position(s) out of train_token_acc: their logits hold a NaN, so they have no"
+        " prediction to score; no figure is logged while there is none other. Look for the cause in the loss and"
+        " gradient alerts (`watch_activations=True` names the first module whose output is not finite)."
+    )
+    assert csv_column(csv.log_dir + "/metrics.csv", "train_token_acc") == []  # never 0.0
+    assert csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch") == []
+    assert trainer.global_step == 12
+
+
+def test_some_nan_rows_are_left_out_of_the_figure(tmp_path):
+    class SomeNaN(TinyLM):
+        def training_step(self, batch, batch_idx):
+            out = self.step(batch, "train")
+            logits = out["logits"].clone()
+            logits[0, 1, 2] = float("nan")  # one position of each batch has no prediction
+            return {**out, "logits": logits}
+
+    model, csv = SomeNaN(), CSVLogger(tmp_path, name="csv")
+    with pytest.warns(RuntimeWarning, match="their logits hold a NaN"):
+        fit(tmp_path, model, TrainingMonitor(val_loss_key=None), logger=csv, max_steps=12, limit_val_batches=0)
+    for step, value in csv_column(csv.log_dir + "/metrics.csv", "train_token_acc"):
+        preds, labels = model.seen["train"][step]
+        labels = labels.clone()
+        labels[0, 1] = -100  # the position with the NaN, left out
+        assert value == pytest.approx(reference([(preds, labels)]), abs=1e-12)
+
+
+# -------------------------------------------------- a classifier's accuracy, PEFT prompt tuning (issue 34, 9 and 10)
+
+
+def _tiny_vit(classes: int = 5):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=classes,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(config)
+
+
+class Images(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.pixels, self.labels = torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"pixel_values": self.pixels[i], "labels": self.labels[i]}
+
+
+class ViTClassifier(pl.LightningModule):
+    """`ViTForImageClassification` as users write it: the model's output returned, the labels left in the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _tiny_vit()
+        self.seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"train": [], "val": []}
+
+    def _step(self, batch, stage):
+        out = self.model(**batch)
+        if not self.trainer.sanity_checking:
+            self.seen[stage].append((out.logits.detach().argmax(-1), batch["labels"]))
+        return out
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        out = self._step(batch, "val")
+        self.log("val_loss", out.loss)
+        return out
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_vit(tmp_path, caplog):
+    model, csv = ViTClassifier(), CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(epoch_token_accuracy=True)
+    with caplog.at_level(logging.INFO):
+        trainer = make_trainer(tmp_path, [monitor], logger=csv, max_steps=6, val_check_interval=3)
+        trainer.fit(model, DataLoader(Images(24), batch_size=4), DataLoader(Images(8, seed=1), batch_size=4))
+    return model, csv, monitor, [r.getMessage() for r in caplog.records]
+
+
+def test_a_classifier_is_not_told_about_shifting_and_its_accuracy_is_exact(tmp_path, caplog):
+    model, csv, monitor, messages = _fit_vit(tmp_path, caplog)
+    assert not [m for m in messages if "shift" in m]  # nothing about causal-LM labels for a classifier
+    assert (monitor._tokens.key("train"), monitor._tokens.key("val")) == ("train_acc", "val_acc")
+    # The figure is the classification accuracy of each step (under the key the monitor logs it with).
+    path = csv.log_dir + "/metrics.csv"
+    logged = csv_column(path, "train_acc") or csv_column(path, "train_token_acc")
+    assert [s for s, _ in logged] == list(range(6))
+    for step, value in logged:
+        assert value == pytest.approx(reference([model.seen["train"][step]]), abs=1e-12)
+
+
+def test_a_classifier_logs_train_acc_and_val_acc(tmp_path, caplog):
+    model, csv, _, _ = _fit_vit(tmp_path, caplog)
+    path = csv.log_dir + "/metrics.csv"
+    assert csv_column(path, "train_token_acc") == csv_column(path, "val_token_acc") == []
+    assert [s for s, _ in csv_column(path, "train_acc")] == list(range(6))
+    (_, first), (_, second) = csv_column(path, "val_acc")
+    assert first == pytest.approx(reference(model.seen["val"][:2]), abs=1e-12)
+    assert second == pytest.approx(reference(model.seen["val"][2:]), abs=1e-12)
+    assert [s for s, _ in csv_column(path, "train_acc_epoch")] == [5]
+
+
+class PromptTuned(pl.LightningModule):
+    """A GPT-2 under PEFT prompt tuning: its logits start with the virtual tokens', `(4, 5 + 12, V)`."""
+
+    def __init__(self, virtual: int):
+        super().__init__()
+        peft = pytest.importorskip("peft")
+        config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=virtual)
+        self.model = peft.get_peft_model(_tiny_gpt2(), config)
+        self.virtual = virtual
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        assert out.logits.shape[1] == self.virtual + batch["labels"].shape[1]
+        # By hand: the inputs' logits come after the virtual tokens'; the logits at t predict the label at t + 1.
+        inputs = out.logits.detach()[:, self.virtual :]
+        self.seen.append((inputs[:, :-1].argmax(-1), batch["labels"][:, 1:]))
+        return out
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Ids(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 97, (n, 12), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[:2] = -100  # a prompt left out of the loss
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+@pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)  # peft 0.21 on transformers 5
+def test_peft_prompt_tuning_logits_are_aligned_with_the_labels(tmp_path):
+    model, csv = PromptTuned(virtual=5), CSVLogger(tmp_path, name="csv")
+    make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], logger=csv, max_steps=4).fit(
+        model, DataLoader(Ids(16), batch_size=4)
+    )  # a shape warning would fail the test (warnings are errors)
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == [0, 1, 2, 3]
+    for step, value in logged:
+        assert value == pytest.approx(reference([model.seen[step]]), abs=1e-12)

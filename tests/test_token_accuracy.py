@@ -20,8 +20,8 @@ from helpers import free_port
 from sync_count import HostSyncCounter
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_monitor.token_accuracy import TokenAccuracy, token_accuracy_counts
-from lightning_monitor.token_tracker import HOLD_AT_MOST, TokenAccuracyTracker
+from lightning_monitor.token_accuracy import TokenAccuracy, _update, token_accuracy_counts
+from lightning_monitor.token_tracker import HOLD_AT_MOST, TokenAccuracyTracker, token_accuracy
 
 V = 37
 
@@ -186,12 +186,25 @@ def test_ties_count_as_correct(row, label, k, correct):
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("nan_at", [0, 2])
-def test_rows_with_nan_are_incorrect(k, nan_at):
-    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 3.0], [0.0, 1.0, 9.0, 2.0, 3.0]])
+def test_rows_with_nan_are_left_out_and_counted_apart(k, nan_at):
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 3.0], [0.0, 1.0, 9.0, 2.0, 3.0], [0.0, 1.0, 9.0, 2.0, 3.0]])
     logits[0, nan_at] = float("nan")
-    labels = torch.tensor([2, 2])  # row 0: the label holds the NaN, or another logit does
+    labels = torch.tensor([2, 2, 0])  # row 0: the label holds the NaN, or another logit does; row 2 is wrong
     assert _counts(logits, labels, top_k=k) == (1, 2)
     assert _counts(logits.bfloat16(), labels, top_k=k) == (1, 2)
+    metric = TokenAccuracy(top_k=k)
+    metric.update(logits, labels)
+    assert (int(metric.correct), int(metric.total), int(metric.invalid), int(metric.nan)) == (1, 2, 0, 1)
+    with pytest.warns(RuntimeWarning, match=r"left 1 position\(s\) out of `total` because their logits held a NaN"):
+        assert metric.compute() == 0.5
+
+
+def test_all_nan_logits_give_no_accuracy_but_a_count():
+    logits = torch.full((2, 4, V), float("nan"))
+    labels = torch.randint(0, V, (2, 4))
+    correct, total, invalid, nan = _update(logits, labels, -100, 1, False, False)
+    assert (int(correct), int(total), int(invalid), int(nan)) == (0, 0, 0, 8)
+    assert token_accuracy([[0.0, 0.0, 0.0, 8.0]]) is None  # the tracker's figure: none, not 0.0
 
 
 def test_all_ignored_batch_contributes_nothing():
@@ -235,8 +248,8 @@ def test_metric_attributes_and_state_dtypes():
     assert metric.higher_is_better is True
     assert metric.full_state_update is False
     assert metric.is_differentiable is False
-    assert metric._reductions.keys() == {"settings", "correct", "total", "invalid"}
-    assert all(getattr(metric, s).dtype == torch.long for s in ("settings", "correct", "total", "invalid"))
+    assert metric._reductions.keys() == {"settings", "correct", "total", "invalid", "nan"}
+    assert all(getattr(metric, s).dtype == torch.long for s in ("settings", "correct", "total", "invalid", "nan"))
 
 
 # --------------------------------------------------------------------------------------------------- validation
@@ -362,29 +375,35 @@ def test_sync_counter_can_fail():
 
 
 def _tracker_batches(ignore_index: int, shift: bool, int_preds: bool, vary: bool):
-    """More batches than the tracker holds at once, with labels out of range in some; of changing shapes if ``vary``."""
+    """More batches than the tracker holds at once, with labels out of range in some and NaN logits in others; of
+    changing shapes if ``vary``."""
     for i in range(HOLD_AT_MOST + 9):
         shape = (1 + i % 3, 5 + i % 4) if vary else (2, 6)
         logits, labels = _data(shape, ignore_index=ignore_index, seed=i, shift=shift)
         if i % 5 == 0:
             labels[0, -1] = V + i  # out of range: left out of `total`, counted in `invalid`
+        if i % 7 == 3 and not int_preds:
+            logits[0, :2, i % V] = float("nan")  # no prediction: left out of `total`, counted in `nan`
         yield {"logits": logits.argmax(-1) if int_preds else logits, "labels": labels}
 
 
 def _plain_counts(batches: list[dict[str, torch.Tensor]], ignore_index: int, shift: bool) -> list[int]:
-    """``[correct, total, invalid]`` by the plain definition: argmax, masks, one batch at a time."""
-    counts = [0, 0, 0]
+    """``[correct, total, invalid, nan]`` by the plain definition: argmax, masks, one batch at a time."""
+    counts = [0, 0, 0, 0]
     for batch in batches:
         logits, labels = batch["logits"], batch["labels"]
         preds = logits.argmax(-1) if logits.is_floating_point() else logits
+        nan = logits.isnan().any(-1) if logits.is_floating_point() else torch.zeros_like(labels, dtype=bool)
         if shift:
-            preds, labels = preds[..., :-1], labels[..., 1:]
+            preds, nan, labels = preds[..., :-1], nan[..., :-1], labels[..., 1:]
         # Integer predictions carry no V: every label that is not ignored is counted.
         in_range = (labels >= 0) & (labels < V) if logits.is_floating_point() else torch.ones_like(labels, dtype=bool)
-        counted = in_range & (labels != ignore_index)
+        scored = in_range & (labels != ignore_index)
+        counted = scored & ~nan
         counts[0] += int(((preds == labels) & counted).sum())
         counts[1] += int(counted.sum())
         counts[2] += int((~in_range & (labels != ignore_index)).sum())
+        counts[3] += int((scored & nan).sum())
     return counts
 
 
@@ -400,11 +419,11 @@ def test_tracker_counts_of_held_batches_equal_the_plain_counts(ignore_index, shi
     for i, batch in enumerate(batches):
         tracker.update("train", batch, None)
         if i == 20:  # the counts since a mark include the batches still held
-            assert tracker.counts_since_mark(tag=1).tolist() == _plain_counts(batches[:21], ignore_index, shift)[:2]
+            assert tracker.counts_since_mark(tag=1).tolist() == _plain_counts(batches[:21], ignore_index, shift)
     expected = _plain_counts(batches, ignore_index, shift)
-    assert expected[2] > 0 if not int_preds else expected[2] == 0
+    assert expected[2] > 0 and expected[3] > 0 if not int_preds else expected[2] == expected[3] == 0
     assert tracker.epoch_counts("train", torch.device("cpu")).tolist() == expected
-    assert tracker.counts_since_mark(tag=1).tolist() == expected[:2]
+    assert tracker.counts_since_mark(tag=1).tolist() == expected
 
 
 def test_tracker_forgets_held_batches_at_a_reset_and_keeps_no_inputs_alive():
@@ -412,7 +431,7 @@ def test_tracker_forgets_held_batches_at_a_reset_and_keeps_no_inputs_alive():
     logits, labels = _data((2, 8), seed=1)
     tracker.update("val", {"logits": logits, "labels": labels}, None)
     tracker.reset("val")
-    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [0.0, 0.0, 0.0]
+    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [0.0, 0.0, 0.0, 0.0]
 
     # Held batches keep masks of their own, not the inputs: labels changed or freed after the step change nothing.
     expected = _argmax_reference(logits, labels)[:2]
@@ -422,7 +441,7 @@ def test_tracker_forgets_held_batches_at_a_reset_and_keeps_no_inputs_alive():
     del logits, labels
     gc.collect()
     assert [r() for r in refs] == [None, None]
-    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [*expected, 0]
+    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [*expected, 0, 0]
 
 
 # ------------------------------------------------------------------------------------------------------ devices
@@ -444,7 +463,7 @@ def test_tracker_counts_since_a_mark_taken_before_the_metric_moved():
     tracker.update("train", _meta_batch(1), None)
     assert tracker.metrics["train"].device == META  # the first batch moved it
     counts = tracker.counts_since_mark(tag=0)
-    assert (counts.device, counts.dtype, counts.shape) == (META, torch.long, (2,))
+    assert (counts.device, counts.dtype, counts.shape) == (META, torch.long, (4,))
 
 
 def test_tracker_counts_held_batches_before_the_metric_moves_to_another_device():
@@ -455,7 +474,7 @@ def test_tracker_counts_held_batches_before_the_metric_moves_to_another_device()
     tracker.update("train", {"logits": logits, "labels": labels}, None)
     tracker.update("train", _meta_batch(2), None)
     counts = tracker.epoch_counts("train", META)
-    assert (counts.device, counts.shape) == (META, (3,))
+    assert (counts.device, counts.shape) == (META, (4,))
 
 
 def test_tracker_epoch_counts_come_on_the_device_asked_for():
@@ -464,11 +483,11 @@ def test_tracker_epoch_counts_come_on_the_device_asked_for():
     assert tracker.metrics["val"].device == torch.device("cpu")  # validation never counted: still on the CPU
     for stage in ("train", "val"):
         counts = tracker.epoch_counts(stage, META)
-        assert (counts.device, counts.dtype, counts.shape) == (META, torch.float64, (3,))
+        assert (counts.device, counts.dtype, counts.shape) == (META, torch.float64, (4,))
     # What the monitor does at the epoch's end: one tensor with the step counts waiting, on the module's device.
-    pending = torch.zeros(2, dtype=torch.float64, device=META)
-    assert torch.cat([pending, tracker.epoch_counts("val", META)]).shape == (5,)
-    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [0.0, 0.0, 0.0]
+    pending = torch.zeros(4, dtype=torch.float64, device=META)
+    assert torch.cat([pending, tracker.epoch_counts("val", META)]).shape == (8,)
+    assert tracker.epoch_counts("val", torch.device("cpu")).tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------------- DDP

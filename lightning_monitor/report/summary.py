@@ -58,9 +58,10 @@ TRAIN_ACC_KEYS: tuple[str, ...] = (
     "train_token_acc_step",
     "train/token_acc",
     "train_token_acc_epoch",
+    "train_acc",
 )
 #: Names tried, in order, for the validation token accuracy.
-VAL_ACC_KEYS: tuple[str, ...] = ("val_token_acc", "val/token_acc", "val_token_acc_epoch")
+VAL_ACC_KEYS: tuple[str, ...] = ("val_token_acc", "val/token_acc", "val_token_acc_epoch", "val_acc")
 
 _GRAD_NORM_KEY = re.compile(r"grad_norm(_opt\d+)?")
 #: ``LearningRateMonitor``'s learning-rate keys (``lr-Adam``, ``lr-Adam/pg2``, ``lr-Adam-1``), not its momentum
