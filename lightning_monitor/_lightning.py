@@ -11,13 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
-from lightning_monitor._compat import (
-    CSV_LOGGERS,
-    FSDP_STRATEGIES,
-    MLFLOW_LOGGERS,
-    TENSORBOARD_LOGGERS,
-    WANDB_LOGGERS,
-)
+from lightning_monitor._compat import classes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -93,7 +87,7 @@ def gradient_sharding(strategy: Strategy, num_nodes: int) -> tuple[bool, int]:
 
     ``DTensor`` gradients (FSDP2, tensor parallelism) describe their own layout and need nothing from here.
     """
-    if not isinstance(strategy, FSDP_STRATEGIES):  # `lightning.pytorch`'s or `pytorch_lightning`'s
+    if not isinstance(strategy, classes("strategies", "FSDPStrategy")):  # of each package in use
         return False, 1
     mode = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
     if mode == "NO_SHARD":  # every rank holds the whole gradient, like DDP
@@ -181,7 +175,7 @@ def host_logged_values(trainer: pl.Trainer) -> dict[str, float]:
 
 def is_tensorboard_logger(logger: Logger) -> TypeGuard[TensorBoardLogger]:
     """Whether ``logger`` is Lightning's ``TensorBoardLogger`` (it takes text and a custom-scalars layout)."""
-    return isinstance(logger, TENSORBOARD_LOGGERS)
+    return isinstance(logger, classes("loggers", "TensorBoardLogger"))
 
 
 def has_run_log_dir(logger: Logger) -> TypeGuard[TensorBoardLogger | CSVLogger]:
@@ -189,14 +183,14 @@ def has_run_log_dir(logger: Logger) -> TypeGuard[TensorBoardLogger | CSVLogger]:
 
     Lightning's ``TensorBoardLogger`` and ``CSVLogger``: the two whose ``log_dir`` ``trainer.log_dir`` returns.
     """
-    return isinstance(logger, TENSORBOARD_LOGGERS + CSV_LOGGERS)
+    return isinstance(logger, classes("loggers", "TensorBoardLogger") + classes("loggers", "CSVLogger"))
 
 
 def is_wandb_logger(logger: Logger) -> TypeGuard[WandbLogger]:
     """Whether ``logger`` is Lightning's ``WandbLogger``."""
-    return isinstance(logger, WANDB_LOGGERS)
+    return isinstance(logger, classes("loggers", "WandbLogger"))
 
 
 def is_mlflow_logger(logger: Logger) -> TypeGuard[MLFlowLogger]:
     """Whether ``logger`` is Lightning's ``MLFlowLogger``."""
-    return isinstance(logger, MLFLOW_LOGGERS)
+    return isinstance(logger, classes("loggers", "MLFlowLogger"))

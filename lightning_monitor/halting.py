@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import types
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -12,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor.alerts import Alert
 
-__all__ = ["StepGuard", "TrainingHalted", "keep_from_weights"]
+__all__ = ["SkipKind", "StepGuard", "TrainingHalted", "keep_from_weights"]
 
 
 class TrainingHalted(RuntimeError):
@@ -37,16 +41,76 @@ class TrainingHalted(RuntimeError):
         self.alert = alert
 
 
+class SkipKind(str, Enum):
+    """What :meth:`StepGuard.skip` does, or would do, to an optimizer's coming ``step()``.
+
+    A member is truthy unless it is :attr:`NOT_WRAPPED`, so ``if not guard.skip(optimizer)`` finds the optimizers
+    the guard cannot act on.
+
+    Example:
+        >>> SkipKind.EXACT.value, bool(SkipKind.ZEROED), bool(SkipKind.NOT_WRAPPED)
+        ('exact', True, False)
+    """
+
+    #: The step is skipped: no weight, optimizer state or step count changes, and the gradients stay in place.
+    EXACT = "exact"
+    #: The optimizer moved the weights before it evaluated its closure (a perturb-then-evaluate optimizer such as
+    #: SAM), so its step cannot be unwound: the step runs with every gradient replaced by zeros once the closure
+    #: returns (clipping and the hooks inside the closure saw them as they were). The weights stay finite, but the
+    #: optimizer's momentum, weight decay and anything it does without gradients still apply.
+    ZEROED = "zeroed"
+    #: The optimizer is not wrapped (replaced after the guard was installed): nothing is skipped.
+    NOT_WRAPPED = "not_wrapped"
+
+    def __bool__(self) -> bool:
+        return self is not SkipKind.NOT_WRAPPED
+
+
+class _SkipStep(BaseException):
+    """Raised by the guard's closure out of an optimizer's ``step`` to skip it; caught by the guard's ``step``.
+
+    A ``BaseException``, so that an optimizer catching ``Exception`` around its closure does not swallow it.
+    """
+
+    def __init__(self, run: _StepRun, loss: Any) -> None:
+        super().__init__("the optimizer step is skipped")
+        self.run, self.loss = run, loss
+
+
+@dataclass
+class _StepRun:
+    """One call of a wrapped optimizer's ``step`` with a closure, while it runs."""
+
+    #: Every parameter's ``_version`` at ``step`` entry (an optimizer outside ``torch.optim``'s own classes only).
+    versions: list[int] | None
+    #: ``LBFGS``: its parameters and state at ``step`` entry, restored when a later closure evaluation skips.
+    saved: tuple[list[Tensor], dict[str, Any] | None] | None
+    #: Whether the weights had changed since ``step`` entry when the closure evaluation under way began.
+    moved: bool = False
+    #: ``found_inf`` as the optimizer had it before the guard set its device flag, and whether the guard set one.
+    had_found_inf: Any = None
+    flagged: bool = False
+
+
 class StepGuard:
     """Skip an optimizer's coming ``step()`` exactly, with its gradients left in place.
 
-    :meth:`install` wraps an optimizer's ``step`` once (on the instance). The monitor decides inside the closure
-    that Lightning hands to ``step`` (``on_before_optimizer_step`` runs there), so the wrapper evaluates the closure
-    first, then calls the optimizer's own ``step`` only if the step was not :meth:`skip`-ped. A skipped step changes
-    no weight, no optimizer state and no step count, and every gradient stays a tensor for what runs after the
-    monitor (gradient clipping by value or norm, the module's own hooks, other callbacks). Under fp16 AMP Lightning
-    evaluates the closure itself and calls ``step()`` without one, through the GradScaler; the wrapper then skips the
-    call. A closure evaluated more than once (``LBFGS``) is evaluated again from its second call on.
+    :meth:`install` wraps an optimizer's ``step`` once (a bound method on the instance, which an LR scheduler created
+    later can wrap in turn). The wrapper calls the optimizer's own ``step`` with the closure it was given, wrapped:
+    the optimizer evaluates it when and as it would without the guard. The monitor decides inside the closure (Lightning
+    calls ``on_before_optimizer_step`` there); when it :meth:`skip`-s the step, the wrapped closure raises a private
+    exception once the closure returns, which unwinds the optimizer's ``step`` before it changed anything (torch's
+    optimizers evaluate their closure first), and the wrapper returns the loss. A skipped step changes no weight, no
+    optimizer state and no step count, and every gradient stays a tensor for what runs after the monitor (gradient
+    clipping by value or norm, the module's own hooks, other callbacks).
+
+    Two kinds of optimizer change something before their closure's last evaluation; :meth:`skip` says what it does
+    there (:class:`SkipKind`). ``LBFGS`` evaluates its closure many times in one ``step``; its parameters and state are
+    saved at ``step`` entry and restored when a later evaluation skips, so the skip is exact. An optimizer outside
+    ``torch.optim``'s own classes that moved the weights before evaluating its closure (SAM-style perturb-then-evaluate;
+    found from the parameters' version counters) cannot be unwound: its step runs with zero gradients instead
+    (:attr:`SkipKind.ZEROED`). Under fp16 AMP Lightning evaluates the closure itself and calls ``step()`` without
+    one, through the GradScaler; the wrapper then skips the call.
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -58,19 +122,21 @@ class StepGuard:
         ...     opt.zero_grad()
         ...     loss = model(torch.ones(1, 2)).sum()
         ...     loss.backward()
-        ...     guard.skip(opt)  # what the monitor does when the step must not reach the weights
+        ...     print(guard.skip(opt).value)  # what the monitor does when the step must not reach the weights
         ...     return loss
-        >>> _ = opt.step(closure)
+        >>> _ = opt.step(closure=closure)
+        exact
         >>> torch.equal(model.weight, before), model.weight.grad is not None, opt.state[model.weight]
         (True, True, {})
         >>> guard.remove()
     """
 
     def __init__(self) -> None:
-        # id -> (optimizer, the instance's own `step` it had, or None, and the wrapper)
-        self._installed: dict[int, tuple[Optimizer, Callable[..., Any] | None, Callable[..., Any]]] = {}
+        # id -> (optimizer, the instance's own `step` it had, or None, the bound wrapper, and whether it still acts)
+        self._installed: dict[int, tuple[Optimizer, Callable[..., Any] | None, Any, list[bool]]] = {}
         self._armed: set[int] = set()
         self._on_device: dict[int, Tensor] = {}  # id -> the `found_inf` flag of a fused optimizer's coming step
+        self._runs: dict[int, _StepRun] = {}  # id -> the `step` call under way
 
     @property
     def armed(self) -> bool:
@@ -83,31 +149,19 @@ class StepGuard:
             return
         original = optimizer.step
         own = "step" in optimizer.__dict__  # already wrapped on the instance (by an LR scheduler, say)
+        active = [True]  # cleared by `remove`: a wrapper an LR scheduler wrapped in turn stays, and only passes on
         guard = self
 
         @functools.wraps(original)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if "closure" in kwargs:
-                closure = kwargs.pop("closure")
-            elif args:
-                closure, args = args[0], args[1:]
-            else:
-                closure = None
-            if closure is None:
-                return None if guard._take(optimizer) else guard._step(optimizer, original, *args, **kwargs)
-            with torch.enable_grad():
-                loss = closure()
-            if guard._take(optimizer):
-                return loss
-            evaluated = [loss]
+        def step(opt: Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if not active[0]:
+                return original(*args, **kwargs)
+            return guard._guarded_step(opt, original, args, kwargs)
 
-            def again() -> Any:  # the loss just computed, then (LBFGS) the closure itself
-                return evaluated.pop() if evaluated else closure()
-
-            return guard._step(optimizer, original, again, *args, **kwargs)
-
-        optimizer.step = step  # type: ignore[method-assign]
-        self._installed[id(optimizer)] = (optimizer, original if own else None, step)
+        # A bound method, as torch's LR schedulers need (they wrap `optimizer.step.__func__`).
+        bound = types.MethodType(step, optimizer)
+        optimizer.step = bound  # type: ignore[method-assign]
+        self._installed[id(optimizer)] = (optimizer, original if own else None, bound, active)
 
     def install_all(self, optimizers: Iterable[Optimizer]) -> None:
         """:meth:`install` every optimizer not yet wrapped (cheap when all are)."""
@@ -115,14 +169,25 @@ class StepGuard:
             if id(optimizer) not in self._installed:
                 self.install(optimizer)
 
-    def skip(self, optimizer: Optimizer) -> bool:
-        """Skip the coming ``step()`` of ``optimizer``; ``False`` if it is not wrapped (nothing is skipped then)."""
+    def skip_kind(self, optimizer: Optimizer) -> SkipKind:
+        """What :meth:`skip` would do to the coming ``step()`` of ``optimizer`` if called now (nothing is armed).
+
+        Called inside the optimizer's closure, it knows whether the optimizer moved the weights before evaluating it.
+        """
         if id(optimizer) not in self._installed:
-            return False
+            return SkipKind.NOT_WRAPPED
+        run = self._runs.get(id(optimizer))
+        return SkipKind.ZEROED if run is not None and run.saved is None and run.moved else SkipKind.EXACT
+
+    def skip(self, optimizer: Optimizer) -> SkipKind:
+        """Skip the coming ``step()`` of ``optimizer``, and say how (:class:`SkipKind`; falsy if it is not wrapped)."""
+        kind = self.skip_kind(optimizer)
+        if not kind:
+            return kind
         self._armed.add(id(optimizer))
         # An LR scheduler warns when it steps before its optimizer ever did: the skipped step counts as taken.
         optimizer._opt_called = True  # type: ignore[attr-defined]
-        return True
+        return kind
 
     def disarm(self) -> None:
         """Forget every skip not taken (a GradScaler that found an overflow never calls ``step()``)."""
@@ -147,9 +212,14 @@ class StepGuard:
         return "zeroed"
 
     def remove(self) -> None:
-        """Give every optimizer its own ``step`` back (one whose ``step`` was wrapped again since is left as it is)."""
-        for optimizer, original, step in self._installed.values():
-            if optimizer.__dict__.get("step") is not step:
+        """Give every optimizer its own ``step`` back.
+
+        One whose ``step`` was wrapped again since (an LR scheduler made during the run) keeps that wrapper, and
+        the guard's part in it only passes the call on.
+        """
+        for optimizer, original, bound, active in self._installed.values():
+            active[0] = False
+            if optimizer.__dict__.get("step") is not bound:
                 continue
             if original is None:
                 del optimizer.step
@@ -158,21 +228,98 @@ class StepGuard:
         self._installed.clear()
         self._armed.clear()
         self._on_device.clear()
+        self._runs.clear()
 
-    def _step(self, optimizer: Optimizer, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _guarded_step(
+        self, optimizer: Optimizer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The wrapped ``step``: the optimizer's own, with the closure wrapped so that a skip unwinds it."""
+        keyword = "closure" in kwargs
+        closure = kwargs["closure"] if keyword else (args[0] if args else None)
+        if not callable(closure):  # fp16 AMP: Lightning evaluated the closure, the GradScaler calls `step()` alone
+            if self._take(optimizer):
+                return None
+            return self._call(optimizer, original, args, kwargs, None)
+        if self._take(optimizer):  # skipped before the step began (not from its closure): the closure alone runs
+            with torch.enable_grad():
+                return closure()
+        run = _StepRun(versions=_versions(optimizer), saved=_save_lbfgs(optimizer))
+        guard = self
+
+        def guarded_closure(*c_args: Any, **c_kwargs: Any) -> Any:
+            return guard._evaluate(optimizer, run, closure, c_args, c_kwargs)
+
+        if keyword:  # exactly the way the closure came: some optimizers take it as keyword only
+            kwargs = {**kwargs, "closure": guarded_closure}
+        else:
+            args = (guarded_closure, *args[1:])
+        outer = self._runs.get(id(optimizer))
+        self._runs[id(optimizer)] = run
+        try:
+            return self._call(optimizer, original, args, kwargs, run)
+        except _SkipStep as skipped:
+            if skipped.run is not run:
+                raise
+            if run.saved is not None:
+                _restore_lbfgs(optimizer, run.saved)
+            return skipped.loss
+        finally:
+            if outer is None:
+                self._runs.pop(id(optimizer), None)
+            else:
+                self._runs[id(optimizer)] = outer
+
+    def _evaluate(
+        self,
+        optimizer: Optimizer,
+        run: _StepRun,
+        closure: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """One evaluation of the closure, from inside the optimizer's ``step``; raises :class:`_SkipStep` to skip."""
+        run.moved = run.versions is not None and run.versions != _versions(optimizer)
+        loss = closure(*args, **kwargs)
+        self._set_found_inf(optimizer, run)  # a device flag set inside the closure (deferred checks)
+        if self._runs.get(id(optimizer)) is not run or not self._take(optimizer):
+            return loss
+        if run.saved is not None or not run.moved:
+            raise _SkipStep(run, loss)
+        for group in optimizer.param_groups:  # the weights moved before this evaluation: it cannot be unwound
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.zero_()
+        return loss
+
+    def _call(
+        self,
+        optimizer: Optimizer,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: _StepRun | None,
+    ) -> Any:
         """Call the optimizer's own ``step()``, with the device flag of :meth:`skip_on_device` as its ``found_inf``."""
-        bad = self._on_device.pop(id(optimizer), None)
-        if bad is None:
-            return original(*args, **kwargs)
-        had = getattr(optimizer, "found_inf", None)  # a GradScaler's, set for this very call
-        optimizer.found_inf = bad if had is None else had + bad.to(had.device)  # type: ignore[attr-defined]
+        run = run if run is not None else _StepRun(versions=None, saved=None)
+        self._set_found_inf(optimizer, run)  # a flag set before `step()` (fp16 AMP: the closure ran before it)
         try:
             return original(*args, **kwargs)
         finally:
-            if had is None:
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            else:
-                optimizer.found_inf = had  # type: ignore[attr-defined]
+            if run.flagged:
+                if run.had_found_inf is None:
+                    del optimizer.found_inf  # type: ignore[attr-defined]
+                else:
+                    optimizer.found_inf = run.had_found_inf  # type: ignore[attr-defined]
+
+    def _set_found_inf(self, optimizer: Optimizer, run: _StepRun) -> None:
+        """Hand the device flag of :meth:`skip_on_device`, if one waits, to the optimizer as its ``found_inf``."""
+        bad = self._on_device.pop(id(optimizer), None)
+        if bad is None:
+            return
+        if not run.flagged:  # a GradScaler's, set for this very call
+            run.had_found_inf, run.flagged = getattr(optimizer, "found_inf", None), True
+        had = run.had_found_inf
+        optimizer.found_inf = bad if had is None else had + bad.to(had.device)  # type: ignore[attr-defined]
 
     def _take(self, optimizer: Optimizer) -> bool:
         if id(optimizer) in self._armed:
@@ -181,22 +328,59 @@ class StepGuard:
         return False
 
 
+def _versions(optimizer: Optimizer) -> list[int] | None:
+    """Every parameter's version counter, for an optimizer outside ``torch.optim``'s own classes; else ``None``.
+
+    torch's own optimizers evaluate their closure before they change anything (``LBFGS`` is saved apart), so the
+    common case reads nothing.
+    """
+    if type(optimizer).__module__.startswith("torch.optim."):
+        return None
+    return [p._version for group in optimizer.param_groups for p in group["params"]]
+
+
+def _save_lbfgs(optimizer: Optimizer) -> tuple[list[Tensor], dict[str, Any] | None] | None:
+    """``LBFGS``'s parameters and state at ``step`` entry (it updates both between closure evaluations); else ``None``.
+
+    A copy per step, paid only by ``LBFGS``, whose own step evaluates its closure and walks its history many times.
+    """
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = optimizer.state.get(params[0]) if params else None
+    return [p.detach().clone() for p in params], None if state is None else copy.deepcopy(state)
+
+
+def _restore_lbfgs(optimizer: Optimizer, saved: tuple[list[Tensor], dict[str, Any] | None]) -> None:
+    """Put back what :func:`_save_lbfgs` saved: the step never happened."""
+    values, state = saved
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    with torch.no_grad():
+        for param, value in zip(params, values, strict=True):
+            param.copy_(value)
+    if params and state is None:
+        optimizer.state.pop(params[0], None)
+    elif params:
+        optimizer.state[params[0]] = state
+
+
 def _reads_found_inf(optimizer: Optimizer) -> bool:
     """Whether ``optimizer.step()`` skips its update on the device when ``found_inf`` is set: torch's fused ones."""
     fused_kinds = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
     return isinstance(optimizer, fused_kinds) and bool(optimizer.defaults.get("fused"))
 
 
-def keep_from_weights(guard: StepGuard, optimizer: Optimizer) -> bool:
-    """Keep ``optimizer``'s coming update from the weights: skip its ``step()`` exactly where the guard wrapped it.
+def keep_from_weights(guard: StepGuard, optimizer: Optimizer) -> SkipKind:
+    """Keep ``optimizer``'s coming update from the weights, and say how (:class:`SkipKind`).
 
-    An optimizer that is not wrapped (replaced mid-step) gets its gradients dropped instead: every parameter without
-    a gradient is left alone by ``step()``. Returns whether nothing at all will change (weights, optimizer state and
-    step counts).
+    Where the guard wrapped the optimizer its ``step()`` is skipped (exactly, or with zeroed gradients for an optimizer
+    that moves the weights before its closure). An optimizer that is not wrapped (replaced mid-step) gets its
+    gradients dropped instead: ``step()`` leaves every parameter without a gradient alone, so nothing changes.
     """
-    if guard.skip(optimizer):
-        return True
+    kind = guard.skip(optimizer)
+    if kind:
+        return kind
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
-    return True
+    return SkipKind.EXACT

@@ -47,7 +47,7 @@ from lightning_monitor.alerts import Alert, AlertKind, Judgement
 from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
 from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
-from lightning_monitor.halting import StepGuard, keep_from_weights
+from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
 from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
@@ -504,7 +504,7 @@ class TrainingMonitor(Callback):
         # Act on the step first (the guard), then word the alerts with what was done, write, and act on the run.
         # Under DeepSpeed no step can be kept from the weights from outside its engine: no alert may say one was.
         skip = verdict.skip and self._guarded
-        exact = keep_from_weights(self._guard, pending.optimizer) if skip else True
+        exact = keep_from_weights(self._guard, pending.optimizer) is SkipKind.EXACT if skip else True
         overflowed = figures.amp and figures.grad_norm is not None and not math.isfinite(figures.grad_norm)
         kept_out = skip or pending.on_device in (OnDevice.FUSED, OnDevice.SKIPPED)
         self._state.skipped_steps += int(kept_out and not overflowed) + figures.overflow_steps  # overflows: the scaler

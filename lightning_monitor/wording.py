@@ -233,8 +233,9 @@ def _what_was_done(context: AlertContext) -> str:
         done = what_was_done(context.on_device, covered, every)
     elif context.skipped and not context.exact:
         done = (
-            "The optimizer changed the weights before it evaluated its closure, so the step could not be skipped"
-            " exactly: it ran with zeroed gradients (momentum and weight decay, if any, still applied)."
+            "Its gradients were replaced by zeros before the optimizer's update (the optimizer moved the weights"
+            " before it evaluated its closure, so the step could not be skipped exactly): the weights stay finite, but"
+            " its momentum and weight decay, if it has them, still applied."
         )
     elif context.skipped and covered > 1:
         done = (

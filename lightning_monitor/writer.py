@@ -118,6 +118,8 @@ class RunWriter:
         self.alerts(trainer, alerts, run_alerts)
         if logs:
             self.figures(trainer, logged, at)
+        elif not trainer.loggers:  # no logging step without a logger: callback_metrics still get every check's
+            mirror_callback_metrics(trainer, logged)
         self.recent.append((at, epoch, latest))
         self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))
 
