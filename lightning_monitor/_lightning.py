@@ -38,6 +38,7 @@ __all__ = [
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
+    "show_on_progress_bar",
     "state_under_another_key",
 ]
 
@@ -127,6 +128,17 @@ def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -
     values = dict(zip(figures, torch.tensor(list(figures.values())).unbind(), strict=True))
     target = getattr(trainer._logger_connector, "_callback_metrics", None)
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
+
+
+def show_on_progress_bar(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:
+    """Show host figures on Lightning's progress bar, as ``self.log(..., prog_bar=True)`` values are shown.
+
+    The bar reads ``trainer.progress_bar_metrics``, whose public property updates the dict behind it from the logged
+    results and returns it: figures put in that dict stay there until replaced, like Lightning's own.
+    """
+    values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
+    if isinstance(values, dict):
+        values.update(figures)
 
 
 def host_logged_values(trainer: pl.Trainer) -> dict[str, float]:

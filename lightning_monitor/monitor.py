@@ -38,6 +38,7 @@ from lightning_monitor._lightning import (
     log_every,
     logging_step,
     may_be_last_step,
+    show_on_progress_bar,
     state_under_another_key,
 )
 from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, weights_finite
@@ -48,11 +49,13 @@ from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict,
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import StepGuard, keep_from_weights
 from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
+from lightning_monitor.keys import total_key
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, MonitorSettings
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
+from lightning_monitor.weights import WeightWatch
 from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
 from lightning_monitor.writer import RunWriter
 
@@ -107,6 +110,10 @@ class TrainingMonitor(Callback):
     ``grad_norm``                   total L2 norm of the gradients, before clipping
     ``grad_norm_layers/<layer>``    L2 norm per layer (a block of a ``ModuleList``, or a module), if
                                     ``layer_norms``; none for a frozen layer (no gradient, none required)
+    ``weight_norm``                 total L2 norm of the weights, if ``weight_norms`` (and per layer,
+                                    ``weight_norm_layers/<layer>``, with ``layer_norms``)
+    ``update_ratio``                ``||Δw|| / ||w||`` of the step before, if ``weight_norms`` (and per
+                                    layer, ``update_ratio_layers/<layer>``, with ``layer_norms``)
     ``loss_scale``                  the fp16 GradScaler's loss scale (fp16 AMP only)
     ``skipped_steps``               optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
     ``train_token_acc``             token accuracy of the optimizer step (on logging steps)
@@ -181,6 +188,13 @@ class TrainingMonitor(Callback):
             ``min_loss_scale``).
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
         layer_norms: Log ``grad_norm_layers/<layer>`` as well as the total.
+        weight_norms: On logging steps, also log ``weight_norm`` and ``update_ratio`` (``||Δw|| / ||w||``, the change
+            the previous optimizer step made to the weights over their norm), with ``layer_norms`` per layer too
+            (:mod:`~lightning_monitor.weights`). Read with the check; costs one device copy of the parameters on the
+            step before each logging step.
+        progress_bar: Show ``grad_norm`` on Lightning's progress bar, updated at every check (no extra read).
+        histogram_every_n_steps: Every this many steps (on logging steps), write each layer's gradient and weight
+            histograms to TensorBoard and W&B, with the count of non-finite values; ``None`` (default) turns them off.
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
             so a bad step is skipped before it reaches the weights. With a larger value the steps in between cost
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next
@@ -260,6 +274,9 @@ class TrainingMonitor(Callback):
         amp_overflow_patience: int = 16,
         min_loss_scale: float = 1.0,
         layer_norms: bool = True,
+        weight_norms: bool = False,
+        progress_bar: bool = False,
+        histogram_every_n_steps: int | None = None,
         check_every_n_steps: int = 1,
         host_sync: Literal["auto", "step", "deferred"] = "auto",
         alerts_file: str | None = "alerts.jsonl",
@@ -297,6 +314,7 @@ class TrainingMonitor(Callback):
         self._tokens = TokenAccuracyTracker.from_settings(config.tokens)
         self._validation = ValidationCheck(config.validation)
         self._loss = TrainingLoss()
+        self._weights: dict[int, WeightWatch] = {}  # by optimizer index, with `weight_norms`
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
@@ -428,13 +446,20 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
+        weight_parts: dict[str, Any] = {}
+        if self.config.figures.weight_norms:  # on logging steps only; the step before one keeps a copy of the weights
+            watch = self._weights.setdefault(check.index, WeightWatch())
+            if logs:
+                weight_parts = watch.measure(check.norms)
+            if is_logging_step(trainer, at + 1, self._every):
+                watch.snapshot(check.norms)
         if not (check.count_step(self._every_n) or logs or may_be_last_step(trainer)):
             check.hold(self._scaler)
             return
 
         # Measure, on the device.
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
-        extras: dict[str, Any] = {"train_token_counts": step_counts}
+        extras: dict[str, Any] = {"train_token_counts": step_counts, **weight_parts}
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
@@ -461,6 +486,12 @@ class TrainingMonitor(Callback):
         if pending.counted_at is not None:
             self._accuracy(trainer, "train_token_acc", figures.extras["train_token_counts"], pending.counted_at)
         logged = check.figures(figures, self.config.step.layer_norms)
+        watch = self._weights.get(check.index)
+        if watch is not None:
+            layers = self.config.step.layer_norms
+            logged.update(watch.figures(pending.packing.norms, figures.extras, check.suffix, layers))
+        if self.config.figures.progress_bar and figures.grad_norm is not None:  # on the host already: no read
+            show_on_progress_bar(trainer, {total_key(check.suffix): figures.grad_norm})
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
 
         # Judge, then decide.
@@ -704,6 +735,8 @@ class TrainingMonitor(Callback):
                 hooks.close()
         self._checks.order, self._activations, self._batches = None, None, []
         self._guard.remove()
+        for watch in self._weights.values():
+            watch.drop()
         self._writer.close()
 
 
