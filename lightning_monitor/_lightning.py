@@ -31,6 +31,7 @@ __all__ = [
     "gradient_sharding",
     "has_run_log_dir",
     "host_logged_values",
+    "is_csv_logger",
     "is_logging_step",
     "is_mlflow_logger",
     "is_tensorboard_logger",
@@ -166,6 +167,11 @@ def has_run_log_dir(logger: Logger) -> TypeGuard[TensorBoardLogger | CSVLogger]:
     Lightning's ``TensorBoardLogger`` and ``CSVLogger``: the two whose ``log_dir`` ``trainer.log_dir`` returns.
     """
     return isinstance(logger, TENSORBOARD_LOGGERS + CSV_LOGGERS)
+
+
+def is_csv_logger(logger: Logger) -> TypeGuard[CSVLogger]:
+    """Whether ``logger`` is Lightning's ``CSVLogger`` (one row per ``log_metrics`` call)."""
+    return isinstance(logger, CSV_LOGGERS)
 
 
 def is_wandb_logger(logger: Logger) -> TypeGuard[WandbLogger]:

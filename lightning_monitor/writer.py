@@ -168,3 +168,4 @@ class RunWriter:
     def close(self) -> None:
         """At the end of training, or on an exception: write what the history holds."""
         self.history.flush()
+        self._loggers.close()
