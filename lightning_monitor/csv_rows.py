@@ -28,7 +28,7 @@ __all__ = ["CsvRows"]
 _LOOK_BACK = 8
 
 
-class _MonitorRow(dict):  # type: ignore[type-arg]
+class _MonitorRow(dict[str, Any]):
     """A row the monitor began: the rows Lightning hands the logger for its step may join it."""
 
 
