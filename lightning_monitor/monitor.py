@@ -48,6 +48,7 @@ from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigure
 from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import StepGuard, keep_from_weights
+from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
 from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.keys import total_key
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
@@ -315,6 +316,7 @@ class TrainingMonitor(Callback):
         self._validation = ValidationCheck(config.validation)
         self._loss = TrainingLoss()
         self._weights: dict[int, WeightWatch] = {}  # by optimizer index, with `weight_norms`
+        self._histogram_at: dict[int, int] = {}  # the step of each optimizer's last histograms
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
@@ -460,6 +462,12 @@ class TrainingMonitor(Callback):
         # Measure, on the device.
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
         extras: dict[str, Any] = {"train_token_counts": step_counts, **weight_parts}
+        every_hist = self.config.figures.histogram_every_n_steps
+        if every_hist is not None and logs:  # on a logging step at least `every_hist` steps after the last ones
+            last = self._histogram_at.get(check.index)
+            if last is None or at - last >= every_hist:
+                self._histogram_at[check.index] = at
+                extras.update(histogram_parts(check.norms))
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
@@ -490,6 +498,16 @@ class TrainingMonitor(Callback):
         if watch is not None:
             layers = self.config.step.layer_norms
             logged.update(watch.figures(pending.packing.norms, figures.extras, check.suffix, layers))
+        if GRAD_HIST in figures.extras:  # histograms go to TensorBoard and W&B; their non-finite counts to every logger
+            norms, suffix = pending.packing.norms, check.suffix
+            found = [
+                read_histograms(norms, figures.extras[part], part, suffix)
+                for part in (GRAD_HIST, WEIGHT_HIST)
+                if part in figures.extras
+            ]
+            for part, histograms in zip(("grad", "weight"), found, strict=False):
+                logged[f"{part}_nonfinite_values{suffix}"] = float(sum(h.nonfinite for h in histograms))
+            self._writer.histograms(trainer, [h for histograms in found for h in histograms], pending.at)
         if self.config.figures.progress_bar and figures.grad_norm is not None:  # on the host already: no read
             show_on_progress_bar(trainer, {total_key(check.suffix): figures.grad_norm})
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}

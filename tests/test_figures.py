@@ -7,16 +7,21 @@ Each is checked on a real ``Trainer`` against an independent reference: the weig
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import ScriptedModel, close, csv_column, loader, make_trainer
+from helpers import ScriptedModel, close, csv_column, loader, make_trainer, tb_scalars
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from test_loggers import wandb_offline, wandb_records  # noqa: F401 (a fixture)
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor.histograms import BINS
 from lightning_monitor.keys import path_prefix_clashes
 
 LAYERS = {"layer.0": (0, 1), "layer.2": (2, 3)}  # ScriptedModel's parameters, by layer
@@ -115,3 +120,91 @@ def test_metrics_csv_has_one_row_per_logged_step(tmp_path, host_sync):
     assert set(per_step.values()) == {1}
     for row in rows:  # the user's metric, the monitor's norms and token accuracy side by side
         assert row["train_loss"] and row["grad_norm"] and row["train_token_acc"] and row["weight_norm"]
+
+
+# ------------------------------------------------------------------------------------------------ histograms
+
+
+class GradRecorder(ScriptedModel):
+    """Keeps a copy of every gradient the optimizer is about to apply (its hook runs right after the monitor's)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.grads: dict[int, list[torch.Tensor]] = {}
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.grads[self.global_step] = [p.grad.detach().clone() for p in self.parameters()]
+
+
+def _reference(tensors: list[torch.Tensor]) -> tuple[int, int, float, float, float, list[float]]:
+    """An independent histogram (numpy, float64) of the finite values: nonfinite, count, min, max, sum, counts."""
+    v = torch.cat([t.flatten() for t in tensors]).double().numpy()
+    finite = v[np.isfinite(v)]
+    counts, _ = np.histogram(finite, bins=BINS, range=(finite.min(), finite.max()))
+    return int((~np.isfinite(v)).sum()), finite.size, finite.min(), finite.max(), finite.sum(), counts.tolist()
+
+
+def _close_counts(got: list[float], want: list[float]) -> bool:
+    """The same counts, but for at most two values on a bin edge rounded the other way in float32."""
+    return sum(got) == sum(want) and sum(abs(a - b) for a, b in zip(got, want, strict=True)) <= 4
+
+
+def test_histograms_reach_tensorboard_with_the_nonfinite_values_counted(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
+
+    model = GradRecorder(grad_poison={5: 0})  # layer 0's weight gradient is NaN at step 5
+    monitor = TrainingMonitor(val_loss_key=None, halt_on=[], histogram_every_n_steps=4)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = make_trainer(tmp_path, [monitor], logger=logger, max_steps=10, log_every_n_steps=2)
+    trainer.fit(model, train_dataloaders=loader())
+    acc = EventAccumulator(logger.log_dir, size_guidance={HISTOGRAMS: 0})
+    acc.Reload()
+    tags = sorted(acc.Tags()["histograms"])
+    assert tags == sorted(f"{kind}_hist/{layer}" for kind in ("grad", "weight") for layer in LAYERS)
+    for kind, source in (("grad", model.grads), ("weight", model.weights_before)):
+        for layer, idx in LAYERS.items():
+            events = acc.Histograms(f"{kind}_hist/{layer}")
+            assert [e.step for e in events] == [1, 5, 9]  # logging steps, at least 4 steps apart
+            for e in events:
+                h = e.histogram_value
+                _, count, low, high, total, counts = _reference([source[e.step][i] for i in idx])
+                assert h.num == count and math.isclose(h.min, low, rel_tol=1e-6)
+                assert math.isclose(h.max, high, rel_tol=1e-6) and math.isclose(h.sum, total, rel_tol=1e-4)
+                assert _close_counts(list(h.bucket), counts)
+    assert acc.Histograms("grad_hist/layer.0")[1].histogram_value.num == 16  # the bias only: 512 NaN left out
+    scalars = tb_scalars(logger.log_dir)
+    assert scalars["grad_nonfinite_values"] == [(1, 0.0), (5, 512.0), (9, 0.0)]
+    assert scalars["weight_nonfinite_values"] == [(1, 0.0), (5, 0.0), (9, 0.0)]
+
+
+def test_histograms_reach_wandb_offline(tmp_path, wandb_offline):  # noqa: F811 (the fixture)
+    model = GradRecorder()
+    monitor = TrainingMonitor(val_loss_key=None, histogram_every_n_steps=3)
+    logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
+    trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, max_steps=6, log_every_n_steps=1)
+    trainer.fit(model, train_dataloaders=loader())
+    files = Path(logger.experiment.dir)
+    wandb_offline.finish()
+    wandb_offline.teardown()
+    found = {}
+    for record in wandb_records(files.parent):
+        if record.HasField("history"):
+            items: dict[str, dict] = {}  # a histogram's fields are items of their own: [key, field]
+            for i in record.history.item:
+                key = i.key or i.nested_key[0]
+                value = json.loads(i.value_json)
+                if len(i.nested_key) == 2:
+                    items.setdefault(key, {})[i.nested_key[1]] = value
+                else:
+                    items[key] = value
+            for key, value in items.items():
+                if key.endswith("_hist/layer.0"):
+                    found[(key, int(items["trainer/global_step"]))] = value
+    assert sorted(found) == [(f"{k}_hist/layer.0", s) for k in ("grad", "weight") for s in (0, 3)]
+    for (key, step), value in found.items():
+        source = model.grads if key.startswith("grad") else model.weights_before
+        _, _, low, high, _, counts = _reference(source[step][:2])
+        assert value["_type"] == "histogram" and len(value["bins"]) == BINS + 1
+        assert math.isclose(value["bins"][0], low, rel_tol=1e-6) and math.isclose(value["bins"][-1], high, rel_tol=1e-6)
+        assert _close_counts(value["values"], counts)
