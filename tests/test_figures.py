@@ -208,3 +208,12 @@ def test_histograms_reach_wandb_offline(tmp_path, wandb_offline):  # noqa: F811 
         assert value["_type"] == "histogram" and len(value["bins"]) == BINS + 1
         assert math.isclose(value["bins"][0], low, rel_tol=1e-6) and math.isclose(value["bins"][-1], high, rel_tol=1e-6)
         assert _close_counts(value["values"], counts)
+
+
+def test_every_opt_in_figure_rides_in_the_checks_one_read(tmp_path):
+    from test_syncs import run
+
+    monitor = TrainingMonitor(weight_norms=True, progress_bar=True, histogram_every_n_steps=2)
+    per_step = run(tmp_path, monitor, max_steps=12, log_every_n_steps=2, val_check_interval=6)
+    assert sorted(per_step) == list(range(12))
+    assert set(per_step.values()) == {1}  # weights, updates and histograms on logging steps included
