@@ -30,11 +30,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_monitor._compat import FITTING, Callback, rank_zero_info
+from lightning_monitor._compat import FITTING, Callback, rank_zero_info, rank_zero_warn
 from lightning_monitor._host import world_size
 from lightning_monitor._lightning import (
     grad_scaler,
     is_logging_step,
+    is_tensorboard_logger,
+    is_wandb_logger,
     log_every,
     logging_step,
     may_be_last_step,
@@ -195,7 +197,9 @@ class TrainingMonitor(Callback):
             step before each logging step.
         progress_bar: Show ``grad_norm`` on Lightning's progress bar, updated at every check (no extra read).
         histogram_every_n_steps: Every this many steps (on logging steps), write each layer's gradient and weight
-            histograms to TensorBoard and W&B, with the count of non-finite values; ``None`` (default) turns them off.
+            histograms to TensorBoard and W&B, with the count of non-finite values
+            (:mod:`~lightning_monitor.histograms`); without either logger, one warning and none are made. ``None``
+            (default) turns them off.
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
             so a bad step is skipped before it reaches the weights. With a larger value the steps in between cost
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next
@@ -300,6 +304,7 @@ class TrainingMonitor(Callback):
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
         self._reads: StepReads | DeferredReads = StepReads()
+        self._histograms = False  # histograms asked for, and a logger to take them (found at the run's start)
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -381,6 +386,7 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
+        self._histograms = self._histograms_go_somewhere(trainer)
         self._guard.install_all(trainer.optimizers)  # before any step: a skip is decided inside it
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
@@ -463,7 +469,7 @@ class TrainingMonitor(Callback):
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
         extras: dict[str, Any] = {"train_token_counts": step_counts, **weight_parts}
         every_hist = self.config.figures.histogram_every_n_steps
-        if every_hist is not None and logs:  # on a logging step at least `every_hist` steps after the last ones
+        if every_hist is not None and logs and self._histograms:  # a logging step `every_hist` steps after the last
             last = self._histogram_at.get(check.index)
             if last is None or at - last >= every_hist:
                 self._histogram_at[check.index] = at
@@ -475,6 +481,19 @@ class TrainingMonitor(Callback):
         # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
         for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
             self._step_check(trainer, pending, figures)
+
+    def _histograms_go_somewhere(self, trainer: pl.Trainer) -> bool:
+        """Whether histograms are asked for and a logger takes them; asked for without one: a warning, none made."""
+        if self.config.figures.histogram_every_n_steps is None:
+            return False
+        if any(is_tensorboard_logger(logger) or is_wandb_logger(logger) for logger in trainer.loggers):
+            return True
+        rank_zero_warn(
+            "TrainingMonitor writes histograms (`histogram_every_n_steps`) to TensorBoard and W&B loggers, and the"
+            " trainer has neither: none are made.",
+            category=UserWarning,
+        )
+        return False
 
     def _device_rule(self, check: OptimizerCheck) -> DeviceRule:
         """What a deferred check's device guard keeps from the weights (nothing to apply for a read before the step)."""

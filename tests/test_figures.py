@@ -18,6 +18,7 @@ import torch
 from helpers import ScriptedModel, close, csv_column, loader, make_trainer, tb_scalars
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 from test_loggers import wandb_offline, wandb_records  # noqa: F401 (a fixture)
 
 from lightning_monitor import TrainingMonitor
@@ -151,8 +152,6 @@ def _close_counts(got: list[float], want: list[float]) -> bool:
 
 
 def test_histograms_reach_tensorboard_with_the_nonfinite_values_counted(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
-
     model = GradRecorder(grad_poison={5: 0})  # layer 0's weight gradient is NaN at step 5
     monitor = TrainingMonitor(val_loss_key=None, halt_on=[], histogram_every_n_steps=4)
     logger = TensorBoardLogger(tmp_path, name="tb")
@@ -211,9 +210,24 @@ def test_histograms_reach_wandb_offline(tmp_path, wandb_offline):  # noqa: F811 
 
 
 def test_every_opt_in_figure_rides_in_the_checks_one_read(tmp_path):
-    from test_syncs import run
+    from sync_count import HostSyncCounter
+    from test_syncs import ProgressBarLoss, count_syncs
 
     monitor = TrainingMonitor(weight_norms=True, progress_bar=True, histogram_every_n_steps=2)
-    per_step = run(tmp_path, monitor, max_steps=12, log_every_n_steps=2, val_check_interval=6)
+    counter, per_step = HostSyncCounter(), Counter()
+    count_syncs(monitor, counter, per_step)
+    logger = TensorBoardLogger(tmp_path, name="tb")  # one that takes histograms
+    trainer = make_trainer(tmp_path, [monitor], logger=logger, max_steps=12, log_every_n_steps=2, val_check_interval=6)
+    trainer.fit(ProgressBarLoss(val_losses=[1.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
+    assert "grad_hist/layer.0" in EventAccumulator(logger.log_dir).Reload().Tags()["histograms"]
     assert sorted(per_step) == list(range(12))
     assert set(per_step.values()) == {1}  # weights, updates and histograms on logging steps included
+
+
+def test_histograms_without_a_logger_to_take_them_are_not_made(tmp_path):
+    monitor = TrainingMonitor(val_loss_key=None, histogram_every_n_steps=1)
+    with pytest.warns(UserWarning, match="has neither: none are made"):
+        _, path = _fit_csv(tmp_path, monitor, ScriptedModel(), max_steps=3)
+    with open(path, newline="") as f:
+        header = next(csv.reader(f))
+    assert "grad_nonfinite_values" not in header and "grad_norm" in header
