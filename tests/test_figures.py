@@ -231,3 +231,15 @@ def test_histograms_without_a_logger_to_take_them_are_not_made(tmp_path):
     with open(path, newline="") as f:
         header = next(csv.reader(f))
     assert "grad_nonfinite_values" not in header and "grad_norm" in header
+
+
+def test_the_report_draws_the_update_ratio_the_run_logged(tmp_path):
+    from lightning_monitor.report import load_run, plan_run
+
+    monitor = TrainingMonitor(val_loss_key=None, weight_norms=True)
+    _, path = _fit_csv(tmp_path, monitor, ScriptedModel(), max_steps=8, log_every_n_steps=2)
+    panel = plan_run(load_run(Path(path).parent)).panel("update_ratio")
+    (line,) = panel.lines
+    logged = csv_column(path, "update_ratio")
+    assert line.key == "update_ratio" and [(s, v) for s, v in zip(line.steps, line.values, strict=True)] == logged
+    assert len(logged) == 4 and panel.yscale == "log"
