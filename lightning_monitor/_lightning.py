@@ -26,6 +26,7 @@ __all__ = [
     "gradients_unreadable",
     "has_run_log_dir",
     "host_logged_values",
+    "is_csv_logger",
     "is_logging_step",
     "is_mlflow_logger",
     "is_tensorboard_logger",
@@ -33,6 +34,7 @@ __all__ = [
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
+    "show_on_progress_bar",
     "state_under_another_key",
 ]
 
@@ -159,6 +161,17 @@ def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
 
 
+def show_on_progress_bar(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:
+    """Show host figures on Lightning's progress bar, as ``self.log(..., prog_bar=True)`` values are shown.
+
+    The bar reads ``trainer.progress_bar_metrics``, whose public property updates the dict behind it from the logged
+    results and returns it: figures put in that dict stay there until replaced, like Lightning's own.
+    """
+    values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
+    if isinstance(values, dict):
+        values.update(figures)
+
+
 def host_logged_values(trainer: pl.Trainer) -> dict[str, float]:
     """The logged values Lightning already read on the host: the progress-bar ones, as plain numbers (no sync).
 
@@ -184,6 +197,11 @@ def has_run_log_dir(logger: Logger) -> TypeGuard[TensorBoardLogger | CSVLogger]:
     Lightning's ``TensorBoardLogger`` and ``CSVLogger``: the two whose ``log_dir`` ``trainer.log_dir`` returns.
     """
     return isinstance(logger, classes("loggers", "TensorBoardLogger") + classes("loggers", "CSVLogger"))
+
+
+def is_csv_logger(logger: Logger) -> TypeGuard[CSVLogger]:
+    """Whether ``logger`` is Lightning's ``CSVLogger`` (one row per ``log_metrics`` call)."""
+    return isinstance(logger, classes("loggers", "CSVLogger"))
 
 
 def is_wandb_logger(logger: Logger) -> TypeGuard[WandbLogger]:

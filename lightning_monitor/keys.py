@@ -21,6 +21,10 @@ __all__ = [
     "GRAD_NORM",
     "GRAD_NORM_LAYERS",
     "MAX_KEY_LENGTH",
+    "UPDATE_RATIO",
+    "UPDATE_RATIO_LAYERS",
+    "WEIGHT_NORM",
+    "WEIGHT_NORM_LAYERS",
     "is_layer_key",
     "layer_keys",
     "path_prefix_clashes",
@@ -31,6 +35,12 @@ __all__ = [
 GRAD_NORM = "grad_norm"
 #: The prefix of the per-layer gradient norms.
 GRAD_NORM_LAYERS = "grad_norm_layers"
+#: The total weight norm, and the prefix of the per-layer ones (``weight_norms=True``).
+WEIGHT_NORM = "weight_norm"
+WEIGHT_NORM_LAYERS = "weight_norm_layers"
+#: The update-to-weight ratio of the step before a logging step, in total and per layer (``weight_norms=True``).
+UPDATE_RATIO = "update_ratio"
+UPDATE_RATIO_LAYERS = "update_ratio_layers"
 #: The prefix of the alert counters, ``alerts/<kind>``.
 ALERTS_PREFIX = "alerts/"
 #: The longest key MLflow takes (``MAX_ENTITY_KEY_LENGTH``); a longer layer key is cut and given a hash.
@@ -41,24 +51,26 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 _LAYER_KEY = re.compile(r"grad_norm(_layers)?(_opt\d+)?/.+")
 
 
-def total_key(suffix: str = "") -> str:
-    """The key of an optimizer's total gradient norm; ``suffix`` is ``""`` or ``"_opt<i>"``.
+def total_key(suffix: str = "", name: str = GRAD_NORM) -> str:
+    """The key of an optimizer's total ``name`` (the gradient norm); ``suffix`` is ``""`` or ``"_opt<i>"``.
 
     Example:
-        >>> total_key(), total_key("_opt1")
-        ('grad_norm', 'grad_norm_opt1')
+        >>> total_key(), total_key("_opt1"), total_key("_opt1", WEIGHT_NORM)
+        ('grad_norm', 'grad_norm_opt1', 'weight_norm_opt1')
     """
-    return f"{GRAD_NORM}{suffix}"
+    return f"{name}{suffix}"
 
 
-def layer_keys(names: Iterable[str], suffix: str = "") -> list[str]:
-    """The keys of the per-layer norms of ``names``, in order, each distinct and safe for every logger.
+def layer_keys(names: Iterable[str], suffix: str = "", prefix: str = GRAD_NORM_LAYERS) -> list[str]:
+    """The keys of the per-layer figures of ``names`` under ``prefix``, in order, distinct and safe for every logger.
 
     Example:
         >>> layer_keys(["model.layers.0", "heads/a b", "heads_a_b"], "_opt1")
         ['grad_norm_layers_opt1/model.layers.0', 'grad_norm_layers_opt1/heads_a_b', 'grad_norm_layers_opt1/heads_a_b_2']
+        >>> layer_keys(["fc"], prefix=UPDATE_RATIO_LAYERS)
+        ['update_ratio_layers/fc']
     """
-    prefix = f"{GRAD_NORM_LAYERS}{suffix}/"
+    prefix = f"{prefix}{suffix}/"
     keys: list[str] = []
     taken: set[str] = set()
     for name in names:

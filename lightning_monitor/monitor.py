@@ -30,15 +30,18 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_monitor._compat import FITTING, Callback, rank_zero_info
+from lightning_monitor._compat import FITTING, Callback, rank_zero_info, rank_zero_warn
 from lightning_monitor._host import world_size
 from lightning_monitor._lightning import (
     grad_scaler,
     gradients_unreadable,
     is_logging_step,
+    is_tensorboard_logger,
+    is_wandb_logger,
     log_every,
     logging_step,
     may_be_last_step,
+    show_on_progress_bar,
     state_under_another_key,
 )
 from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, weights_finite
@@ -48,13 +51,16 @@ from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigure
 from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
+from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
 from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
+from lightning_monitor.keys import total_key
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, AlertKindName, MonitorSettings, StepKindName
 from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
+from lightning_monitor.weights import WeightWatch
 from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
 from lightning_monitor.writer import RunWriter
 
@@ -109,6 +115,10 @@ class TrainingMonitor(Callback):
     ``grad_norm``                   total L2 norm of the gradients, before clipping
     ``grad_norm_layers/<layer>``    L2 norm per layer (a block of a ``ModuleList``, or a module), if
                                     ``layer_norms``; none for a frozen layer (no gradient, none required)
+    ``weight_norm``                 total L2 norm of the weights, if ``weight_norms`` (and per layer,
+                                    ``weight_norm_layers/<layer>``, with ``layer_norms``)
+    ``update_ratio``                ``||Δw|| / ||w||`` of the step before, if ``weight_norms`` (and per
+                                    layer, ``update_ratio_layers/<layer>``, with ``layer_norms``)
     ``loss_scale``                  the fp16 GradScaler's loss scale (fp16 AMP only)
     ``skipped_steps``               optimizer steps skipped so far (non-finite gradients, halts, ``skip_on``)
     ``train_token_acc``             token accuracy of the optimizer step (on logging steps)
@@ -191,6 +201,15 @@ class TrainingMonitor(Callback):
             ``min_loss_scale``).
         min_loss_scale: Under fp16 AMP, a loss scale below this makes ``nonfinite_grad``.
         layer_norms: Log ``grad_norm_layers/<layer>`` as well as the total.
+        weight_norms: On logging steps, also log ``weight_norm`` and ``update_ratio`` (``||Δw|| / ||w||``, the change
+            the previous optimizer step made to the weights over their norm), with ``layer_norms`` per layer too
+            (:mod:`~lightning_monitor.weights`). Read with the check; costs one device copy of the parameters on the
+            step before each logging step.
+        progress_bar: Show ``grad_norm`` on Lightning's progress bar, updated at every check (no extra read).
+        histogram_every_n_steps: Every this many steps (on logging steps), write each layer's gradient and weight
+            histograms to TensorBoard and W&B, with the count of non-finite values
+            (:mod:`~lightning_monitor.histograms`); without either logger, one warning and none are made. ``None``
+            (default) turns them off.
         check_every_n_steps: How often, in optimizer steps, to read the figures and decide. ``1`` checks every step,
             so a bad step is skipped before it reaches the weights. With a larger value the steps in between cost
             no host synchronisation; a non-finite or exploding gradient in between is still caught at the next
@@ -272,6 +291,9 @@ class TrainingMonitor(Callback):
         amp_overflow_patience: int = 16,
         min_loss_scale: float = 1.0,
         layer_norms: bool = True,
+        weight_norms: bool = False,
+        progress_bar: bool = False,
+        histogram_every_n_steps: int | None = None,
         check_every_n_steps: int = 1,
         host_sync: Literal["auto", "step", "deferred"] = "auto",
         alerts_file: str | None = "alerts.jsonl",
@@ -295,6 +317,7 @@ class TrainingMonitor(Callback):
         self._activations: ActivationWatch | None = None
         self._reads: StepReads | DeferredReads = StepReads()
         self._guarded = True  # the step guard can keep a step from the weights (not under DeepSpeed)
+        self._histograms = False  # histograms asked for, and a logger to take them (found at the run's start)
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -310,6 +333,8 @@ class TrainingMonitor(Callback):
         self._tokens = TokenAccuracyTracker.from_settings(config.tokens)
         self._validation = ValidationCheck(config.validation)
         self._loss = TrainingLoss()
+        self._weights: dict[int, WeightWatch] = {}  # by optimizer index, with `weight_norms`
+        self._histogram_at: dict[int, int] = {}  # the step of each optimizer's last histograms
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
@@ -375,6 +400,7 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
+        self._histograms = self._histograms_go_somewhere(trainer)
         unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
         self._guarded = unreadable is None
         if unreadable is not None:
@@ -447,13 +473,26 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
+        weight_parts: dict[str, Any] = {}
+        if self.config.figures.weight_norms:  # on logging steps only; the step before one keeps a copy of the weights
+            watch = self._weights.setdefault(check.index, WeightWatch())
+            if logs:
+                weight_parts = watch.measure(check.norms)
+            if is_logging_step(trainer, at + 1, self._every):
+                watch.snapshot(check.norms)
         if not (check.count_step(self._every_n) or logs or may_be_last_step(trainer)):
             check.hold(self._scaler)
             return
 
         # Measure, on the device.
         step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
-        extras: dict[str, Any] = {"train_token_counts": step_counts}
+        extras: dict[str, Any] = {"train_token_counts": step_counts, **weight_parts}
+        every_hist = self.config.figures.histogram_every_n_steps
+        if every_hist is not None and logs and self._histograms:  # a logging step `every_hist` steps after the last
+            last = self._histogram_at.get(check.index)
+            if last is None or at - last >= every_hist:
+                self._histogram_at[check.index] = at
+                extras.update(histogram_parts(check.norms))
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
@@ -461,6 +500,19 @@ class TrainingMonitor(Callback):
         # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
         for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
             self._step_check(trainer, pending, figures)
+
+    def _histograms_go_somewhere(self, trainer: pl.Trainer) -> bool:
+        """Whether histograms are asked for and a logger takes them; asked for without one: a warning, none made."""
+        if self.config.figures.histogram_every_n_steps is None:
+            return False
+        if any(is_tensorboard_logger(logger) or is_wandb_logger(logger) for logger in trainer.loggers):
+            return True
+        rank_zero_warn(
+            "TrainingMonitor writes histograms (`histogram_every_n_steps`) to TensorBoard and W&B loggers, and the"
+            " trainer has neither: none are made.",
+            category=UserWarning,
+        )
+        return False
 
     def _device_rule(self, check: OptimizerCheck) -> DeviceRule:
         """What a deferred check's device guard keeps from the weights (nothing to apply for a read before the step)."""
@@ -482,6 +534,22 @@ class TrainingMonitor(Callback):
             self._accuracy(trainer, self._tokens.key("train"), counts, pending.counted_at)
             self._tokens.warn_counts("train", counts)
         logged = check.figures(figures, self.config.step.layer_norms)
+        watch = self._weights.get(check.index)
+        if watch is not None:
+            layers = self.config.step.layer_norms
+            logged.update(watch.figures(pending.packing.norms, figures.extras, check.suffix, layers))
+        if GRAD_HIST in figures.extras:  # histograms go to TensorBoard and W&B; their non-finite counts to every logger
+            norms, suffix = pending.packing.norms, check.suffix
+            found = [
+                read_histograms(norms, figures.extras[part], part, suffix)
+                for part in (GRAD_HIST, WEIGHT_HIST)
+                if part in figures.extras
+            ]
+            for part, histograms in zip(("grad", "weight"), found, strict=False):
+                logged[f"{part}_nonfinite_values{suffix}"] = float(sum(h.nonfinite for h in histograms))
+            self._writer.histograms(trainer, [h for histograms in found for h in histograms], pending.at)
+        if self.config.figures.progress_bar and figures.grad_norm is not None:  # on the host already: no read
+            show_on_progress_bar(trainer, {total_key(check.suffix): figures.grad_norm})
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
 
         # Judge, then decide.
@@ -729,6 +797,8 @@ class TrainingMonitor(Callback):
                 hooks.close()
         self._checks.order, self._activations, self._batches = None, None, []
         self._guard.remove()
+        for watch in self._weights.values():
+            watch.drop()
         self._writer.close()
 
 

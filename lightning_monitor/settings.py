@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_HALT_ON",
     "HALT_WINDOW",
     "StepKindName",
+    "FigureSettings",
     "STEP_KINDS",
     "MonitorSettings",
     "RecoverySettings",
@@ -240,7 +241,29 @@ class RecoverySettings:
             )
 
 
-_GROUPS = (StepSettings, SpikeSettings, ValidationSettings, TokenSettings, ResponseSettings, RecoverySettings)
+@dataclass(frozen=True)
+class FigureSettings:
+    """The opt-in figures beyond the gradient norms: weights and updates, the progress bar, histograms."""
+
+    weight_norms: bool
+    progress_bar: bool
+    histogram_every_n_steps: int | None
+
+    def __post_init__(self) -> None:
+        _flag(self, "weight_norms")
+        _flag(self, "progress_bar")
+        _count(self, "histogram_every_n_steps", 1, optional=True)
+
+
+_GROUPS = (
+    StepSettings,
+    SpikeSettings,
+    ValidationSettings,
+    TokenSettings,
+    ResponseSettings,
+    RecoverySettings,
+    FigureSettings,
+)
 
 
 @dataclass(frozen=True)
@@ -266,6 +289,7 @@ class MonitorSettings:
     tokens: TokenSettings
     response: ResponseSettings
     recovery: RecoverySettings
+    figures: FigureSettings
 
     def __post_init__(self) -> None:
         # An argument that another one makes do nothing: say so now, not with a figure or an alert that never comes.
@@ -309,7 +333,7 @@ class MonitorSettings:
     def as_dict(self) -> dict[str, Any]:
         """Every setting by its argument's name, as plain JSON values (alert kinds as sorted names)."""
         out: dict[str, Any] = {}
-        for group in (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery):
+        for group in self._groups():
             for f in fields(group):
                 value = getattr(group, f.name)
                 if isinstance(value, frozenset):
@@ -318,9 +342,12 @@ class MonitorSettings:
         out.pop("token_accuracy_fn")  # a function: not a plain value, and not needed to read a run back
         return out
 
+    def _groups(self) -> tuple[Any, ...]:
+        return (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery, self.figures)
+
     def items(self) -> Iterator[tuple[str, Any]]:
         """Every setting by its argument's name, as checked (alert kinds as :class:`~lightning_monitor.AlertKind`)."""
-        for group in (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery):
+        for group in self._groups():
             for f in fields(group):
                 yield f.name, getattr(group, f.name)
 
@@ -330,7 +357,7 @@ class MonitorSettings:
         Raises:
             AttributeError: If no argument has that name.
         """
-        for group in (self.step, self.spikes, self.validation, self.tokens, self.response, self.recovery):
+        for group in self._groups():
             if name in group.__dataclass_fields__:
                 return getattr(group, name)
         raise AttributeError(name)

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from lightning_monitor._compat import rank_zero_warn
 from lightning_monitor._files import open_for_append, write_atomic
-from lightning_monitor._lightning import is_tensorboard_logger
+from lightning_monitor._lightning import is_csv_logger, is_tensorboard_logger
 from lightning_monitor.alerts import Alert
+from lightning_monitor.csv_rows import CsvRows
 from lightning_monitor.keys import ALERTS_PREFIX
 from lightning_monitor.logger_sinks import TrackedRun, tracked_runs
 
@@ -79,13 +80,24 @@ class LoggerSink:
     def __init__(self, loggers: Sequence[Logger], folder: Path | None = None) -> None:
         self.loggers = list(loggers)
         self.runs: list[TrackedRun] = [] if folder is None else tracked_runs(self.loggers, folder)
+        self.csv_rows = CsvRows()  # a CSVLogger's rows: one per step
+        for logger in self.loggers if folder is not None else ():
+            if is_csv_logger(logger):
+                self.csv_rows.attach(logger)
+
+    def close(self) -> None:
+        """At the end of the run: leave every logger as it was."""
+        self.csv_rows.close()
 
     def log_figures(self, figures: Mapping[str, float], step: int) -> None:
         """Write ``figures`` to every logger at ``step``."""
         if not figures:
             return
         for logger in self.loggers:
-            logger.log_metrics(dict(figures), step=step)
+            if is_csv_logger(logger):
+                self.csv_rows.write(logger, figures, step)
+            else:
+                logger.log_metrics(dict(figures), step=step)
 
     def add_layout(self) -> None:
         """Give every TensorBoard logger a custom-scalars layout: loss, token accuracy and gradient norm together.

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_monitor._compat import rank_zero_info
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import Alert
+from lightning_monitor.histograms import Histogram, write_histograms
 from lightning_monitor.history import HISTORY_FILE, RunHistory
 from lightning_monitor.run_folder import run_folder, writes_files
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
@@ -90,6 +91,11 @@ class RunWriter:
         self.history.add(at, trainer.current_epoch, figures)
         if trainer.is_global_zero:
             self._loggers.log_figures(figures, at)
+
+    def histograms(self, trainer: pl.Trainer, histograms: Sequence[Histogram], step: int) -> None:
+        """Write layer histograms to every TensorBoard and W&B logger (rank zero)."""
+        if trainer.is_global_zero and histograms:
+            write_histograms(self._loggers.loggers, histograms, step)
 
     def step(
         self,
@@ -178,3 +184,4 @@ class RunWriter:
         self.history.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        self._loggers.close()

@@ -186,12 +186,13 @@ class RunPlot:
 
 
 #: The panel kinds, top to bottom.
-PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "layers", "lr", "loss_scale")
+PANEL_ORDER: tuple[str, ...] = ("loss", "token_acc", "grad_norm", "layers", "update_ratio", "lr", "loss_scale")
 _PANEL_LABELS = {
     "loss": "loss",
     "token_acc": "token accuracy",
     "grad_norm": "gradient norm",
     "layers": "layer gradient norm",
+    "update_ratio": "update / weight norm",
     "lr": "learning rate",
     "loss_scale": "fp16 loss scale",
 }
@@ -252,6 +253,11 @@ def plan_run(run: Run, keys: RunKeys | None = None, title: str | None = None) ->
     layers = _layer_panel(run)
     if layers is not None:
         panels.append(layers)
+    ratios = sorted(k for k in run.scalars if _UPDATE_RATIO.fullmatch(k))  # `weight_norms=True`: one per optimizer
+    if ratios:
+        shades = ("#444444", "#ff7f0e", "#9467bd")
+        lines = _lines(run, ((k, shades[i % len(shades)]) for i, k in enumerate(ratios)))
+        panels.append(Panel("update_ratio", _PANEL_LABELS["update_ratio"], lines, yscale=_log_if_positive(lines)))
     if keys.lr:
         palette = ("#444444", _TRAIN_COLOUR, _VAL_COLOUR, "#ff7f0e", "#9467bd")
         lines = _lines(run, ((k, palette[i % len(palette)]) for i, k in enumerate(keys.lr)))
@@ -419,6 +425,10 @@ def _lines(run: Run, wanted: Iterable[tuple[str | None, str]]) -> tuple[Line, ..
         )
         for series, colour in chosen
     )
+
+
+#: The total update-to-weight ratio of an optimizer (``weight_norms=True``).
+_UPDATE_RATIO = re.compile(r"update_ratio(_opt\d+)?")
 
 
 def _log_if_positive(lines: Sequence[Line]) -> Literal["linear", "log"]:
