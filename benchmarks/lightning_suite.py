@@ -1,0 +1,327 @@
+"""Lightning's own test suite with a ``TrainingMonitor`` added to every ``Trainer``: which tests fail only with it.
+
+Runs ``tests/tests_pytorch/<folder>`` of a Lightning checkout once without the monitor (mode ``off``) and once per
+monitor mode (``default``: ``TrainingMonitor()``, ``observe``: ``TrainingMonitor(halt_on=[])``), through the pytest
+plugin ``benchmarks/lightning_suite_plugin.py``, and lists every test that passes without the monitor but fails with
+it, with its error, the alerts the monitor raised there and, where known, its cause (``TRIAGE`` below). Too long for
+CI (hours on two cores); ``docs/lightning_suite.md`` says how to rerun it and holds the last table.
+
+The monitor under test is the one in ``--monitor`` (a checkout of this project, put first on ``PYTHONPATH``), so the
+same command checks any branch. One folder and mode at a time; a finished one (its JUnit XML exists) is not rerun
+unless ``--force``. Usage::
+
+    python benchmarks/lightning_suite.py run --monitor . --lightning-src /work/lightning-src \\
+        --python /work/venv-suite/bin/python --out /tmp/suite --modes off default --folders tuner core
+    python benchmarks/lightning_suite.py compare --out /tmp/suite --lightning-src /work/lightning-src
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FOLDERS = ("trainer", "loops", "callbacks", "checkpointing", "tuner", "core")
+MODES = ("off", "default", "observe")
+BASELINE = "off"
+
+#: The causes a failure that only happens with the monitor is put under (the columns of the table).
+CAUSES = {
+    "ours": "the monitor broke a run that works without it",
+    "halt": "a correct halt: the test makes its run fail on purpose and the monitor stops it as designed",
+    "counts": "the test counts callbacks, logged keys or files, and the monitor adds its own",
+    "flaky": "fails with and without the monitor from run to run (not the monitor's doing)",
+}
+
+#: Known failures: (pattern on the test id, as `fnmatch` reads it; cause; one line of diagnosis). The first pattern
+#: that matches a test gives its cause; a failure no pattern matches is listed as "untriaged".
+TRIAGE: list[tuple[str, str, str]] = []
+
+
+@dataclass
+class Result:
+    """One test's outcome in one run."""
+
+    outcome: str  # passed, failed, error, skipped
+    message: str = ""
+    text: str = ""
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+def _git_commit(path: Path) -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return f"{commit}+dirty" if dirty else commit
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs each folder in each mode (one pytest process at a time) and writes ``<out>/<mode>/<folder>.xml``."""
+    monitor = Path(args.monitor).resolve()
+    source = Path(args.lightning_src).resolve()
+    out = Path(args.out).resolve()
+    if not (monitor / "lightning_monitor" / "__init__.py").is_file():
+        raise SystemExit(f"--monitor {monitor} holds no lightning_monitor package")
+    if not (source / "tests" / "tests_pytorch").is_dir():
+        raise SystemExit(f"--lightning-src {source} holds no tests/tests_pytorch")
+    out.mkdir(parents=True, exist_ok=True)
+    versions = subprocess.run(
+        [args.python, "-c", "import lightning, torch; print(lightning.__version__, torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    meta_file = out / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta.update(monitor=str(monitor), monitor_commit=_git_commit(monitor), lightning=versions[0], torch=versions[1])
+    meta.setdefault("runs", {})
+    status = 0
+    for folder in args.folders:
+        for mode in args.modes:
+            xml = out / mode / f"{folder}.xml"
+            if xml.is_file() and not args.force:
+                print(f"{mode}/{folder}: done before ({xml}), skipped", flush=True)
+                continue
+            # A working directory of its own per run: what a run leaves there is kept for a look, and a folder it
+            # writes cannot shadow a package in the runs after it.
+            cwd = out / mode / f"{folder}.cwd"
+            cwd.mkdir(parents=True, exist_ok=True)
+            env = {
+                **os.environ,
+                "LIGHTNING_SUITE_MODE": mode,
+                "PYTHONPATH": os.pathsep.join([str(monitor), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(
+                    os.pathsep
+                ),
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "PYTHONDONTWRITEBYTECODE": "1",
+            }
+            for name in ("PL_RUN_STANDALONE_TESTS", "RUN_ONLY_CUDA_TESTS", "PL_RUN_TPU_TESTS"):
+                env.pop(name, None)  # Lightning's conftest then skips the tests marked for GPUs, TPUs, standalone
+            command = [
+                *(["nice", "-n", str(args.nice)] if args.nice else []),
+                args.python,
+                "-m",
+                "pytest",
+                str(source / "tests" / "tests_pytorch" / folder),
+                "-c",
+                str(source / "pyproject.toml"),
+                "--rootdir",
+                str(source),
+                "-p",
+                "lightning_suite_plugin",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:randomly",
+                "-q",
+                "--color=no",
+                "--timeout",
+                str(args.timeout),
+                f"--junitxml={xml}",
+                "-o",
+                "junit_family=xunit2",
+                *args.pytest_args,
+            ]
+            selected: list[str] = []
+            if mode == BASELINE and args.baseline_failures_only:
+                # Only the tests that failed with the monitor, in the monitor's runs of this folder so far
+                selected = sorted(
+                    {
+                        test
+                        for other in MODES
+                        if other != BASELINE and (out / other / f"{folder}.xml").is_file()
+                        for test, result in read_junit(out / other / f"{folder}.xml", source).items()
+                        if result.outcome in ("failed", "error")
+                    }
+                )
+                if not selected:
+                    xml.write_text('<?xml version="1.0" encoding="utf-8"?><testsuites />\n')
+                    print(f"{mode}/{folder}: no test failed with the monitor, nothing to run", flush=True)
+                    meta["runs"][f"{mode}/{folder}"] = {"selected": 0, "monitor_commit": meta["monitor_commit"]}
+                    meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+                    continue
+                command.remove(str(source / "tests" / "tests_pytorch" / folder))
+                command.extend(f"{source / 'tests'}/{test}" for test in selected)  # pytest's node ids
+            started = datetime.datetime.now(datetime.timezone.utc)
+            print(f"{mode}/{folder}: {' '.join(command)}", flush=True)
+            with open(out / mode / f"{folder}.log", "w") as log:
+                code = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            seconds = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+            print(f"{mode}/{folder}: exit {code} after {seconds:.0f} s", flush=True)
+            if code not in (0, 1):  # 1: some tests failed; anything else: pytest itself did not finish
+                status = 1
+            meta["runs"][f"{mode}/{folder}"] = {
+                "started": started.isoformat(timespec="seconds"),
+                "seconds": round(seconds),
+                "exit": code,
+                "monitor_commit": meta["monitor_commit"],
+                "pytest_args": args.pytest_args,
+                "selected": len(selected) if selected else "all",
+            }
+            meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+    return status
+
+
+def _test_id(classname: str, name: str, source: Path) -> str:
+    """``tests_pytorch/trainer/test_x.py::TestY::test_z[p]`` from JUnit's dotted class name and test name."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = Path(*parts[:cut]).with_suffix(".py")
+        if (source / path).is_file():
+            return "::".join([path.relative_to("tests").as_posix(), *parts[cut:], name])
+    return f"{classname}::{name}"
+
+
+def read_junit(xml: Path, source: Path) -> dict[str, Result]:
+    """Each test's outcome in one JUnit XML file, by test id."""
+    results: dict[str, Result] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        test = _test_id(case.get("classname", ""), case.get("name", ""), source)
+        properties = {p.get("name", ""): p.get("value", "") for p in case.iter("property")}
+        result = Result("passed", properties=properties)
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = element.get("message", "")
+                # a test that fails in its call and errors at teardown has two entries: keep the failure
+                if test in results and results[test].outcome in ("failed", "error") and outcome == "error":
+                    results[test].text += "\n" + (element.text or "")
+                    break
+                result = Result(outcome, message, element.text or "", properties)
+                break
+        else:
+            if test in results:  # a passing call followed by an error at teardown: the error stays
+                continue
+        results[test] = result
+    return results
+
+
+def triage(test: str) -> tuple[str, str]:
+    """The cause and diagnosis ``TRIAGE`` gives a test, or ``("untriaged", "")``."""
+    for pattern, cause, note in TRIAGE:
+        if fnmatch.fnmatchcase(test, pattern):
+            return cause, note
+    return "untriaged", ""
+
+
+def _first_line(result: Result) -> str:
+    """The error's own line: the last ``E   `` line of the traceback, else the message."""
+    lines = [line[1:].strip() for line in result.text.splitlines() if line.startswith("E ")]
+    errors = [line for line in lines if line and ("Error" in line or "Exception" in line or "assert" in line)]
+    line = (errors or lines or [result.message])[-1 if errors else 0]
+    return " ".join(line.split())[:220]
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Prints, as Markdown, the counts per folder and mode and every test that fails only with the monitor."""
+    out = Path(args.out).resolve()
+    source = Path(args.lightning_src).resolve()
+    meta_file = out / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    rows, failures = [], []
+    causes = [*CAUSES, "untriaged"]
+    for folder in args.folders:
+        base_xml = out / BASELINE / f"{folder}.xml"
+        if not base_xml.is_file():
+            continue
+        base = read_junit(base_xml, source)
+        for mode in [m for m in args.modes if m != BASELINE]:
+            xml = out / mode / f"{folder}.xml"
+            if not xml.is_file():
+                continue
+            results = read_junit(xml, source)
+            counts = dict.fromkeys(causes, 0)
+            for test, result in sorted(results.items()):
+                if result.outcome not in ("failed", "error"):
+                    continue
+                before = base.get(test)
+                if before is not None and before.outcome in ("failed", "error"):
+                    continue  # fails without the monitor too
+                cause, note = triage(test)
+                counts[cause] += 1
+                failures.append((folder, mode, test, result, before, cause, note))
+            ran = sum(r.outcome != "skipped" for r in results.values())
+            failed = sum(r.outcome in ("failed", "error") for r in results.values())
+            base_failed = sum(r.outcome in ("failed", "error") for r in base.values())
+            run_meta = meta.get("runs", {}).get(f"{mode}/{folder}", {})
+            rows.append(
+                (
+                    folder,
+                    mode,
+                    ran,
+                    base_failed,
+                    failed,
+                    counts,
+                    run_meta.get("monitor_commit", meta.get("monitor_commit", "?")),
+                )
+            )
+    print(f"Lightning {meta.get('lightning', '?')}, torch {meta.get('torch', '?')}, monitor {meta.get('monitor')}\n")
+    print("| folder | mode | tests run | fail without | fail with | " + " | ".join(causes) + " | monitor commit |")
+    print("|---|---|---:|---:|---:|" + "---:|" * len(causes) + "---|")
+    for folder, mode, ran, base_failed, failed, counts, commit in rows:
+        cells = " | ".join(str(counts[c]) for c in causes)
+        print(f"| {folder} | {mode} | {ran} | {base_failed} | {failed} | {cells} | {commit} |")
+    print("\n## Tests that fail only with the monitor\n")
+    for _folder, mode, test, result, before, cause, note in failures:
+        props = result.properties
+        was = before.outcome if before else "absent"
+        print(f"- **{cause}** `{test}` ({mode}; without the monitor: {was})")
+        print(f"  - error: `{_first_line(result)}`")
+        if props.get("alerts") or props.get("stopped"):
+            print(f"  - monitor: alerts [{props.get('alerts', '')}], stopped [{props.get('stopped', '')}]")
+        if note:
+            print(f"  - cause: {note}")
+    if args.details:
+        for _folder, mode, test, result, _, _, _ in failures:
+            print(f"\n### {mode} {test}\n\n```\n{result.text[-args.details :]}\n```")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "compare"):
+        sub = commands.add_parser(name)
+        sub.add_argument("--lightning-src", default="/work/lightning-src", help="a checkout holding tests/")
+        sub.add_argument("--out", default="lightning_suite_runs", help="where the runs' XML, logs and folders go")
+        sub.add_argument("--folders", nargs="+", default=list(FOLDERS), choices=FOLDERS)
+        sub.add_argument("--modes", nargs="+", default=[BASELINE, "default"], choices=MODES)
+        if name == "run":
+            sub.add_argument("--monitor", required=True, help="the checkout of lightning-monitor to test")
+            sub.add_argument("--python", default=sys.executable, help="the interpreter with Lightning's test deps")
+            sub.add_argument("--timeout", type=int, default=120, help="per test, in seconds")
+            sub.add_argument("--nice", type=int, default=10)
+            sub.add_argument("--force", action="store_true", help="rerun a folder and mode that has its XML")
+            sub.add_argument(
+                "--baseline-failures-only",
+                action="store_true",
+                help="run the baseline (off) only on the tests that failed in the monitor's runs already made",
+            )
+            sub.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
+        else:
+            sub.add_argument("--details", type=int, default=0, help="print this many characters of each traceback")
+    args = parser.parse_args(argv)
+    return run(args) if args.command == "run" else compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
