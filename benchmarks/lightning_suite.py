@@ -42,8 +42,39 @@ CAUSES = {
 }
 
 #: Known failures: (pattern on the test id, as `fnmatch` reads it; cause; one line of diagnosis). The first pattern
-#: that matches a test gives its cause; a failure no pattern matches is listed as "untriaged".
-TRIAGE: list[tuple[str, str, str]] = []
+#: that matches a test gives its cause; a failure no pattern matches is listed as "untriaged". Patterns name the
+#: mode where they apply with a ``<mode>:`` prefix (a halt is only a halt in ``default``).
+TRIAGE: list[tuple[str, str, str]] = [
+    (
+        "*:tests_pytorch/callbacks/test_stochastic_weight_avg.py::test_swa_multiple_lrs",
+        "ours",
+        "SWALR created in `on_train_epoch_start` after the step guard wrapped `optimizer.step`: torch's"
+        " `LRScheduler.__init__` (torch/optim/lr_scheduler.py:153-171) reads `opt.step.__func__` unless the step"
+        " has `_wrapped_by_lr_sched`; `StepGuard.install` (lightning_monitor/halting.py:96-119) puts a plain"
+        " function there. It only passes in the other SWA tests because BoringModel's own StepLR wrapped the step"
+        " first and `functools.wraps` copied torch's marker onto the guard's function (issue 32, case 1)",
+    ),
+    (
+        "*:tests_pytorch/callbacks/test_device_stats_monitor.py::test_device_stats_cpu*",
+        "counts",
+        "the test's logger asserts that every `log_metrics` call holds the CPU stats; the monitor's own figures"
+        " (`grad_norm`...) come in calls without them",
+    ),
+    (
+        "*:tests_pytorch/callbacks/test_throughput_monitor.py::*",
+        "counts",
+        "the test asserts the exact list of `log_metrics` calls (a mock logger); the monitor's `grad_norm`..."
+        " calls are added",
+    ),
+    (
+        "default:*",
+        "halt",
+        "`exploding_grad` halt: BoringModel (SGD lr=0.1 on MSE of 32 N(0,1) inputs, batch 1) really blows up in"
+        " its first epoch (loss 0.8 to about 5,000, gradient norm above 100 from step 38 on and in 129 of its first"
+        " 192 steps) before its StepLR cuts the rate; the test passes only because it checks no loss. Halted as"
+        " designed (recurring, not one isolated step), but the test did not make the blow-up on purpose",
+    ),
+]
 
 
 @dataclass
@@ -141,20 +172,20 @@ def run(args: argparse.Namespace) -> int:
                 *args.pytest_args,
             ]
             selected: list[str] = []
-            if mode == BASELINE and args.baseline_failures_only:
-                # Only the tests that failed with the monitor, in the monitor's runs of this folder so far
+            if args.failures_only:
+                # Only the tests that failed with the monitor in the monitor's other runs of this folder so far
                 selected = sorted(
                     {
                         test
                         for other in MODES
-                        if other != BASELINE and (out / other / f"{folder}.xml").is_file()
+                        if other not in (BASELINE, mode) and (out / other / f"{folder}.xml").is_file()
                         for test, result in read_junit(out / other / f"{folder}.xml", source).items()
                         if result.outcome in ("failed", "error")
                     }
                 )
                 if not selected:
                     xml.write_text('<?xml version="1.0" encoding="utf-8"?><testsuites />\n')
-                    print(f"{mode}/{folder}: no test failed with the monitor, nothing to run", flush=True)
+                    print(f"{mode}/{folder}: no test failed in the monitor's other runs, nothing to run", flush=True)
                     meta["runs"][f"{mode}/{folder}"] = {"selected": 0, "monitor_commit": meta["monitor_commit"]}
                     meta_file.write_text(json.dumps(meta, indent=2) + "\n")
                     continue
@@ -215,11 +246,17 @@ def read_junit(xml: Path, source: Path) -> dict[str, Result]:
     return results
 
 
-def triage(test: str) -> tuple[str, str]:
-    """The cause and diagnosis ``TRIAGE`` gives a test, or ``("untriaged", "")``."""
+def triage(mode: str, test: str, result: Result) -> tuple[str, str]:
+    """The cause and diagnosis ``TRIAGE`` gives a test in a mode, or ``("untriaged", "")``.
+
+    A ``halt`` pattern only applies where a monitor did stop the run (the test's ``stopped`` property).
+    """
     for pattern, cause, note in TRIAGE:
-        if fnmatch.fnmatchcase(test, pattern):
-            return cause, note
+        if not fnmatch.fnmatchcase(f"{mode}:{test}", pattern):
+            continue
+        if cause == "halt" and not result.properties.get("stopped"):
+            continue
+        return cause, note
     return "untriaged", ""
 
 
@@ -256,7 +293,7 @@ def compare(args: argparse.Namespace) -> int:
                 before = base.get(test)
                 if before is not None and before.outcome in ("failed", "error"):
                     continue  # fails without the monitor too
-                cause, note = triage(test)
+                cause, note = triage(mode, test, result)
                 counts[cause] += 1
                 failures.append((folder, mode, test, result, before, cause, note))
             ran = sum(r.outcome != "skipped" for r in results.values())
@@ -280,6 +317,14 @@ def compare(args: argparse.Namespace) -> int:
     for folder, mode, ran, base_failed, failed, counts, commit in rows:
         cells = " | ".join(str(counts[c]) for c in causes)
         print(f"| {folder} | {mode} | {ran} | {base_failed} | {failed} | {cells} | {commit} |")
+    print("\n## Left in the working directory (by the monitor's runs, not the baseline's)\n")
+    for folder in args.folders:
+        before = {p.name for p in (out / BASELINE / f"{folder}.cwd").glob("*")}
+        for mode in [m for m in args.modes if m != BASELINE]:
+            cwd = out / mode / f"{folder}.cwd"
+            for path in sorted(p for p in cwd.glob("*") if p.name not in before):
+                inside = sorted(q.name for q in path.iterdir()) if path.is_dir() else []
+                print(f"- {folder}, {mode}: `{path.name}/` ({len(inside)} entries: {', '.join(inside[:4])}...)")
     print("\n## Tests that fail only with the monitor\n")
     for _folder, mode, test, result, before, cause, note in failures:
         props = result.properties
@@ -312,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--nice", type=int, default=10)
             sub.add_argument("--force", action="store_true", help="rerun a folder and mode that has its XML")
             sub.add_argument(
-                "--baseline-failures-only",
+                "--failures-only",
                 action="store_true",
-                help="run the baseline (off) only on the tests that failed in the monitor's runs already made",
+                help="run only the tests that failed in the monitor's other runs of the folder (its XML files)",
             )
             sub.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
         else:
