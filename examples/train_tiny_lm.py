@@ -18,10 +18,9 @@ Provoke a pathology and watch the monitor catch it:
 ==================================================  ===============================================================
 Command                                             What the monitor does
 ==================================================  ===============================================================
-``--lr 50``                                         ``exploding_grad`` within a few steps (AdamW moves every
-                                                    weight by about the learning rate per step): the gradient
-                                                    norm jumps to ~1e6 at step 3, the step is skipped and
-                                                    training halts
+``--lr 50``                                         ``diverging_loss`` within a few steps (AdamW moves every
+                                                    weight by about the learning rate per step): the loss
+                                                    climbs far above its start and training halts
 ``--inject-nan-at 40``                              ``nonfinite_loss`` at step 40 (the loss is multiplied by NaN):
                                                     an isolated bad step, skipped, and training goes on
 ``--inject-nan-at 40 --nan-steps 5``                NaN from step 40 on: steps 40 and 41 are skipped, the third in
