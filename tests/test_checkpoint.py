@@ -14,7 +14,11 @@ VAL_LOSSES = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
 
 def make_monitor():
     return TrainingMonitor(
-        halt_after=1, halt_on=["diverging_val_loss"], divergence_patience=4, exploding_grad_threshold=100.0
+        halt_after=1,
+        loss_divergence_factor=None,
+        halt_on=["diverging_val_loss"],
+        divergence_patience=4,
+        exploding_grad_threshold=100.0,
     )
 
 
@@ -91,15 +95,19 @@ def test_state_dict_round_trip_without_trainer():
 
 def test_two_monitors_have_distinct_state_keys():
     assert (
-        TrainingMonitor(halt_after=1, val_loss_key="a").state_key
-        != TrainingMonitor(halt_after=1, val_loss_key="b").state_key
+        TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key="a").state_key
+        != TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key="b").state_key
     )
 
 
 def make_halting_monitor():
     """Halts on non-finite figures only; an exploding step is skipped and reported, and training goes on."""
     return TrainingMonitor(
-        halt_after=1, val_loss_key=None, halt_on=["nonfinite_loss", "nonfinite_grad"], skip_on=["exploding_grad"]
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        halt_on=["nonfinite_loss", "nonfinite_grad"],
+        skip_on=["exploding_grad"],
     )
 
 
@@ -145,7 +153,7 @@ def test_resumed_run_has_not_halted_and_counts_alerts_on(tmp_path):
 
 
 def test_a_monitor_fitted_again_starts_unhalted(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(ScriptedModel(loss_factor={2: float("nan")}), train_dataloaders=loader())
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 3

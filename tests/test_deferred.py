@@ -22,6 +22,9 @@ from test_syncs import ProgressBarLoss, count_syncs
 from lightning_monitor import TrainingMonitor
 from lightning_monitor.halting import StepGuard
 
+# Weights a test made non-finite validate to NaN logits: the one warning that says so is not these tests' subject.
+pytestmark = pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
+
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -62,7 +65,9 @@ class WithOptimizer(ScriptedModel):
 def run(
     tmp_path, host_sync: str, model: pl.LightningModule, log_every: int = 1, **monitor_args: Any
 ) -> tuple[TrainingMonitor, pl.Trainer]:
-    monitor = TrainingMonitor(halt_after=1, host_sync=host_sync, val_loss_key=None, **monitor_args)
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, host_sync=host_sync, val_loss_key=None, **monitor_args
+    )
     folder = tmp_path / host_sync
     trainer = make_trainer(folder, [monitor], max_steps=12, logger=CSVLogger(folder), log_every_n_steps=log_every)
     trainer.fit(model, train_dataloaders=loader())
@@ -150,7 +155,7 @@ def test_an_alert_that_neither_halts_nor_skips_says_its_step_was_applied(tmp_pat
 
 def test_no_host_read_in_the_hooks_of_a_steady_step(tmp_path):
     counter, per_step = HostSyncCounter(), Counter()
-    monitor = TrainingMonitor(halt_after=1, host_sync="deferred")
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, host_sync="deferred")
     count_syncs(monitor, counter, per_step)
     trainer = make_trainer(
         tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=12, log_every_n_steps=4, val_check_interval=6
@@ -186,7 +191,7 @@ def test_two_ranks_alert_at_the_step_once_and_halt_one_step_later(tmp_path, faul
         tmp_path,
         TensorBatchModel(**{fault: at}),
         devices=2,
-        monitor=TrainingMonitor(halt_after=1, val_loss_key=None, host_sync="deferred"),
+        monitor=TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, host_sync="deferred"),
     )
     rank0, rank1 = reports(tmp_path)
     for report in (rank0, rank1):
@@ -233,17 +238,19 @@ def test_the_device_guard_adds_to_a_grad_scalers_found_inf(flag):
 
 def test_host_sync_is_checked():
     with pytest.raises(ValueError, match=r"`host_sync` to be 'auto', 'step' or 'deferred', but got 'sometimes'"):
-        TrainingMonitor(halt_after=1, host_sync="sometimes")
+        TrainingMonitor(halt_after=1, loss_divergence_factor=None, host_sync="sometimes")
     with pytest.raises(ValueError, match=r"`host_sync` to be 'auto' or 'step' with `watch_activations=True`"):
-        TrainingMonitor(halt_after=1, host_sync="deferred", watch_activations=True)
-    assert TrainingMonitor(halt_after=1).host_sync == "auto"
+        TrainingMonitor(halt_after=1, loss_divergence_factor=None, host_sync="deferred", watch_activations=True)
+    assert TrainingMonitor(halt_after=1, loss_divergence_factor=None).host_sync == "auto"
 
 
 @pytest.mark.parametrize(("nan_at", "epoch"), [(3, 0), (7, 1)], ids=["epoch_end", "end_of_training"])
 def test_the_last_check_of_an_epoch_or_run_is_read_later_for_its_own_step(tmp_path, nan_at, epoch):
     """The last step of an epoch is read at the next epoch's first step; that of the run, at the end of training."""
     torch.manual_seed(0)
-    monitor = TrainingMonitor(halt_after=1, host_sync="deferred", val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, host_sync="deferred", val_loss_key=None, halt_on=[]
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=-1, max_epochs=2, limit_train_batches=4)
     trainer.fit(ScriptedModel(loss_factor={nan_at: math.nan}), train_dataloaders=loader())
     assert [(a.kind.value, a.step, a.epoch) for a in monitor.alerts] == [("nonfinite_loss", nan_at, epoch)]
@@ -270,7 +277,9 @@ def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
     from test_monitor_alerts import TwoOptimizers
 
     model = TwoOptimizers(nan_at_batch=3)
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False, host_sync="deferred")
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, token_accuracy=False, host_sync="deferred"
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, logger=CSVLogger(tmp_path))
     trainer.fit(model, train_dataloaders=loader())
     (alert,) = monitor.alerts

@@ -74,7 +74,9 @@ def test_bad_steps_further_apart_than_the_window_never_halt(tmp_path):
 
 def test_an_exploding_gradient_that_stays_up_halts_at_its_third_check(tmp_path):
     model = ScriptedModel(loss_factor=dict.fromkeys(range(5, 20), 1e4))
-    monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=50.0, loss_spike_threshold=None)
+    monitor = TrainingMonitor(
+        val_loss_key=None, exploding_grad_threshold=50.0, loss_spike_threshold=None, loss_divergence_factor=None
+    )
     fit(tmp_path, model, monitor)
 
     assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [

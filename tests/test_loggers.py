@@ -108,7 +108,9 @@ def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
     """The issue's crash: `grad_norm` and `grad_norm/<layer>` were a file and a folder of one name in the store."""
     mlruns = tmp_path / "mlruns"
     logger = MLFlowLogger(tracking_uri=f"file:{mlruns}")
-    monitor = TrainingMonitor(halt_after=1, halt_on=[], postmortem="alert", epoch_token_accuracy=True)
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, halt_on=[], postmortem="alert", epoch_token_accuracy=True
+    )
     trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, plugins=fp16(), max_steps=16)
     trainer.fit(EveryFeature(nan_at=(3,)), train_dataloaders=loader(n=16), val_dataloaders=loader(n=4))
     assert trainer.global_step == 16 and [a.kind.value for a in monitor.alerts] == ["nonfinite_loss"] * 2
@@ -122,9 +124,9 @@ def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
         "grad_norm_layers_opt0/encoder.mix_1_a",
         "grad_norm_layers_opt1/head",
         "loss_scale",
-        "train_token_acc",
-        "train_token_acc_epoch",
-        "val_token_acc",
+        "train_acc",
+        "train_acc_epoch",
+        "val_acc",
         "alerts/nonfinite_loss",
         "skipped_steps",
     } <= keys
@@ -167,7 +169,7 @@ def test_mlflow_sqlite_halt_keeps_its_files_in_the_runs_artifacts(tmp_path, monk
     """SQLite keeps artifacts in `./mlruns/<experiment>/<run>/artifacts`: the run's own, not the working directory."""
     monkeypatch.chdir(tmp_path)
     logger = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, max_steps=10)
     trainer.fit(ScriptedModel(loss_factor={4: float("nan")}), train_dataloaders=loader())
     (alert,) = monitor.alerts
@@ -190,7 +192,7 @@ def test_mlflow_beside_a_csv_logger_gets_the_files_uploaded(tmp_path):
     """The folder is the CSV logger's; MLflow gets copies at the bundle, the halt and the end of fit."""
     csv = CSVLogger(tmp_path, name="csv")
     mlflow = MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], logger=[csv, mlflow], max_steps=10)
     trainer.fit(ScriptedModel(loss_factor={4: float("nan")}), train_dataloaders=loader())
     assert monitor.log_dir == Path(csv.log_dir)
@@ -254,7 +256,9 @@ def wandb_records(run_dir: Path) -> list[Any]:
 
 def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offline):
     logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem="alert")
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[], postmortem="alert"
+    )
     trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, max_steps=10)
     trainer.fit(ScriptedModel(loss_factor={2: float("nan"), 5: float("nan")}), train_dataloaders=loader())
     wandb_offline.finish()
@@ -301,7 +305,7 @@ def test_two_runs_without_a_logger_in_one_folder_keep_both_bundles(tmp_path):
     """The issue's overwrite: the second run halting at the same step wrote over the first one's bundle."""
     folders = []
     for _ in range(2):
-        monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+        monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
         make_trainer(tmp_path, [monitor], max_steps=10).fit(
             ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
         )
@@ -322,7 +326,7 @@ def test_a_bundle_never_overwrites_an_earlier_one_in_a_shared_folder(tmp_path):
     """A logger with a fixed version shares its folder between runs: the second bundle gets a folder of its own."""
     messages = []
     for _ in range(2):
-        monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+        monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
         logger = TensorBoardLogger(tmp_path, name="tb", version="fixed")
         make_trainer(tmp_path, [monitor], logger=logger, max_steps=10).fit(
             ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
@@ -338,7 +342,7 @@ def test_a_bundle_never_overwrites_an_earlier_one_in_a_shared_folder(tmp_path):
 
 def test_tensorboard_run_is_unchanged(tmp_path):
     tb = TensorBoardLogger(tmp_path, name="tb")
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     make_trainer(tmp_path, [monitor], logger=tb, max_steps=10).fit(
         ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
     )
@@ -373,7 +377,7 @@ def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
         "import sys, lightning.pytorch as pl\n"
         "from lightning_monitor import TrainingMonitor\n"
         "import lightning_monitor.writer, lightning_monitor.run_folder, lightning_monitor.logger_sinks\n"
-        "trainer = pl.Trainer(logger=False, callbacks=[TrainingMonitor(halt_after=1)], enable_progress_bar=False)\n"
+        "trainer = pl.Trainer(logger=False, callbacks=[TrainingMonitor()], enable_progress_bar=False)\n"
         "print(sorted({'wandb', 'mlflow'} & set(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -45,7 +45,7 @@ def fit(tmp_path, model, monitor, **kwargs):
 
 def test_nonfinite_loss_skips_the_step_and_halts(tmp_path):
     model = ScriptedModel(loss_factor={4: float("nan")})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = fit(tmp_path, model, monitor, max_steps=20)
     (alert,) = monitor.alerts  # the NaN gradients it causes are not reported a second time
     assert alert.kind is AlertKind.NONFINITE_LOSS
@@ -64,7 +64,7 @@ def test_nonfinite_loss_skips_the_step_and_halts(tmp_path):
 
 def test_nonfinite_gradient_names_the_layer(tmp_path):
     model = ScriptedModel(grad_poison={3: 2})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     fit(tmp_path, model, monitor, max_steps=20)
     (alert,) = monitor.alerts
     assert alert.kind is AlertKind.NONFINITE_GRAD
@@ -76,7 +76,9 @@ def test_nonfinite_gradient_names_the_layer(tmp_path):
 
 def test_exploding_gradient_halts_before_the_update(tmp_path):
     model = ScriptedModel(loss_factor={6: 1e5})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, exploding_grad_threshold=100.0)
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, exploding_grad_threshold=100.0
+    )
     trainer = fit(tmp_path, model, monitor, max_steps=20)
     (alert,) = monitor.alerts
     assert alert.kind is AlertKind.EXPLODING_GRAD
@@ -93,7 +95,13 @@ def test_exploding_gradient_halts_before_the_update(tmp_path):
 
 def test_vanishing_gradient_needs_patience_and_does_not_halt_by_default(tmp_path):
     model = ScriptedModel(default_factor=1e-6)
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, vanishing_grad_threshold=0.1, vanishing_grad_patience=5)
+    monitor = TrainingMonitor(
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        vanishing_grad_threshold=0.1,
+        vanishing_grad_patience=5,
+    )
     trainer = fit(tmp_path, model, monitor, max_steps=12)
     (alert,) = monitor.alerts  # one alert for the whole episode
     assert alert.kind is AlertKind.VANISHING_GRAD
@@ -106,7 +114,13 @@ def test_vanishing_gradient_needs_patience_and_does_not_halt_by_default(tmp_path
 
 def test_a_single_small_step_is_not_vanishing(tmp_path):
     factors = {k: 1e-6 for k in range(0, 12) if k != 3}
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, vanishing_grad_threshold=0.1, vanishing_grad_patience=10)
+    monitor = TrainingMonitor(
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        vanishing_grad_threshold=0.1,
+        vanishing_grad_patience=10,
+    )
     fit(tmp_path, ScriptedModel(loss_factor=factors), monitor, max_steps=12)
     assert monitor.alerts == []
 
@@ -122,7 +136,7 @@ def test_a_single_small_step_is_not_vanishing(tmp_path):
 )
 def test_diverging_validation_loss(tmp_path, val_losses, patience, expected_run):
     model = ScriptedModel(val_losses=val_losses)
-    monitor = TrainingMonitor(halt_after=1, divergence_patience=patience)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=patience)
     trainer = fit(tmp_path, model, monitor, max_steps=4 * len(val_losses), val_check_interval=4, num_sanity_val_steps=2)
     alerts = [a for a in monitor.alerts if a.kind is AlertKind.DIVERGING_VAL_LOSS]
     if expected_run is None:
@@ -140,7 +154,7 @@ def test_diverging_validation_loss(tmp_path, val_losses, patience, expected_run)
 
 def test_observe_only_keeps_training_and_still_skips_bad_steps(tmp_path):
     model = ScriptedModel(loss_factor={2: float("nan"), 5: 1e5, 6: float("nan")})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])
     trainer = fit(tmp_path, model, monitor, max_steps=10)
     assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts] == [
         ("nonfinite_loss", 2, False),
@@ -154,7 +168,7 @@ def test_observe_only_keeps_training_and_still_skips_bad_steps(tmp_path):
 
 def test_raise_mode_raises_training_halted(tmp_path):
     model = ScriptedModel(loss_factor={3: float("inf")})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_mode="raise")
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_mode="raise")
     with pytest.raises(TrainingHalted, match="nonfinite_loss at step 3") as err:
         fit(tmp_path, model, monitor, max_steps=10)
     assert err.value.alert is monitor.alerts[0]
@@ -164,7 +178,7 @@ def test_raise_mode_raises_training_halted(tmp_path):
 
 def test_halt_on_selects_what_stops(tmp_path):
     model = ScriptedModel(loss_factor={2: 1e5, 5: float("nan")})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=["nonfinite_loss"])
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=["nonfinite_loss"])
     trainer = fit(tmp_path, model, monitor, max_steps=10)
     assert [(a.kind.value, a.halted) for a in monitor.alerts] == [("exploding_grad", False), ("nonfinite_loss", True)]
     assert trainer.global_step == 6
@@ -176,13 +190,13 @@ def test_amp_calibration_is_quiet_but_a_collapsing_scale_halts(tmp_path):
 
     # The finite norms of this run reach 16 to 71, and at times 100, whatever the seed: the exploding threshold is
     # set well above them, since an explosion is not what this run is about.
-    quiet = TrainingMonitor(halt_after=1, val_loss_key=None, exploding_grad_threshold=1e4)
+    quiet = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, exploding_grad_threshold=1e4)
     fit(tmp_path, ScriptedModel(default_factor=5.0), quiet, max_steps=12, plugins=amp())
     assert quiet.skipped_steps >= 1 and quiet.alerts == []
 
     # Gradients that are NaN whatever the scale, from the first step: the scaler halves it at every step, which is
     # what calibration looks like too, until it falls below `min_loss_scale` (2**16 halved 17 times is 0.5).
-    broken = TrainingMonitor(halt_after=1, val_loss_key=None, amp_overflow_patience=6)
+    broken = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, amp_overflow_patience=6)
     model = ScriptedModel(grad_poison=dict.fromkeys(range(100), 0))
     trainer = fit(tmp_path, model, broken, max_steps=50, plugins=amp())
     (alert,) = broken.alerts
@@ -196,7 +210,7 @@ def test_amp_calibration_is_quiet_but_a_collapsing_scale_halts(tmp_path):
 def test_alerts_reach_console_loggers_and_jsonl(tmp_path, caplog):
     model = ScriptedModel(loss_factor={3: 1e5})
     tb, csv = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])
     with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
         fit(tmp_path, model, monitor, max_steps=6, logger=[tb, csv])
     (alert,) = monitor.alerts
@@ -216,7 +230,7 @@ def test_alerts_reach_console_loggers_and_jsonl(tmp_path, caplog):
 
 
 def test_without_logger_alerts_reach_console_and_jsonl(tmp_path, caplog):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
         fit(tmp_path, ScriptedModel(loss_factor={2: float("nan")}), monitor, logger=False)
     assert len(monitor.alerts) == 1
@@ -230,7 +244,7 @@ def test_without_logger_alerts_reach_console_and_jsonl(tmp_path, caplog):
 def test_unwritable_log_dir_warns_once_and_monitoring_goes_on(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the log directory should be")
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])
     model = ScriptedModel(loss_factor={2: float("nan"), 4: 1e5})
     with pytest.warns(RuntimeWarning, match="could not write") as record:
         fit(blocker / "logs", model, monitor, max_steps=6)
@@ -240,7 +254,7 @@ def test_unwritable_log_dir_warns_once_and_monitoring_goes_on(tmp_path):
 
 def test_missing_validation_key_warns_once(tmp_path):
     model = ScriptedModel(val_losses=[1.0, 1.0, 1.0])
-    monitor = TrainingMonitor(halt_after=1, val_loss_key="val_acc")
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key="val_acc")
     with pytest.warns(RuntimeWarning, match="val_loss_key='val_acc'") as record:
         fit(tmp_path, model, monitor, max_steps=12, val_check_interval=4)
     assert len([w for w in record if "val_loss_key" in str(w.message)]) == 1
@@ -306,13 +320,15 @@ def test_arguments_that_need_each_other_are_accepted_together():
 
 
 def test_monitor_pickles():
-    monitor = TrainingMonitor(halt_after=1, exploding_grad_threshold=10.0, halt_on=["nonfinite_loss"])
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, exploding_grad_threshold=10.0, halt_on=["nonfinite_loss"]
+    )
     clone = pickle.loads(pickle.dumps(monitor))
     assert clone.settings() == monitor.settings()
 
 
 def test_summary_on_fit_end(tmp_path, caplog):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, summary_on_fit_end=True)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, summary_on_fit_end=True)
     with caplog.at_level(logging.INFO):
         fit(tmp_path, ScriptedModel(loss_factor={4: float("nan")}), monitor, logger=CSVLogger(tmp_path), max_steps=10)
     (text,) = [r.getMessage() for r in caplog.records if "lightning-monitor summary" in r.getMessage()]
@@ -454,7 +470,12 @@ def test_nan_loss_with_finite_gradients_is_skipped_even_when_nothing_halts(tmp_p
     # Batch 3 (rows 6 and 7) has every label ignored; step 5 explodes. Nothing halts.
     model = MeanLossLM(loss_factor={5: 1e4})
     monitor = TrainingMonitor(
-        halt_after=1, val_loss_key=None, halt_on=[], loss_spike_threshold=None, grad_spike_threshold=None
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        halt_on=[],
+        loss_spike_threshold=None,
+        grad_spike_threshold=None,
     )
     trainer = make_trainer(tmp_path, [monitor], max_steps=8)
     data = DataLoader(TokenData(64, ignore_all={6, 7}), batch_size=2)
@@ -477,7 +498,7 @@ def test_nan_loss_with_finite_gradients_is_skipped_even_when_nothing_halts(tmp_p
 
 def test_after_a_halt_no_step_is_applied_while_min_steps_keeps_lightning_training(tmp_path):
     model = ScriptedModel(loss_factor={5: 1e5})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, min_steps=10, logger=CSVLogger(tmp_path))
     trainer.fit(model, train_dataloaders=loader(24))  # 12 batches: min_steps=10 (and min_epochs=1) are met at 12
     (alert,) = monitor.alerts  # the steps after it are healthy: no other alert
@@ -521,7 +542,7 @@ class TwoOptimizers(ScriptedModel):
 
 def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
     model = TwoOptimizers(nan_at_batch=3)
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, token_accuracy=False)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, logger=CSVLogger(tmp_path))
     trainer.fit(model, train_dataloaders=loader())
     assert trainer.global_step == 8  # two optimizer steps per batch: global_step runs twice as fast as the logs
@@ -546,7 +567,9 @@ def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tm
     # Checks at steps 0, 4, 8 (and the logging steps 4, 9, ...): the explosion at step 5 is caught at step 8.
     torch.manual_seed(0)
     model = ScriptedModel(loss_factor={5: 1e3})
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=4, postmortem=None)
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, check_every_n_steps=4, postmortem=None
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=5, logger=CSVLogger(tmp_path))
     trainer.fit(model, train_dataloaders=loader())
     (alert,) = monitor.alerts

@@ -17,6 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import AlertKind, TrainingMonitor
 
+# Weights a test made non-finite validate to NaN logits: the one warning that says so is not these tests' subject.
+pytestmark = pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
+
 BAD_BATCH = 6
 
 
@@ -41,7 +44,7 @@ def poisoned_data() -> DataLoader:
 
 def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     model = TensorModel()
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20)
     trainer.fit(model, train_dataloaders=poisoned_data())
     (alert,) = monitor.alerts
@@ -76,7 +79,11 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
 
     # Resuming from the checkpoint continues training from the bad step (whose batch is now clean).
     resumed_model = TensorModel()
-    resumed = make_trainer(tmp_path / "resume", [TrainingMonitor(halt_after=1, val_loss_key=None)], max_steps=12)
+    resumed = make_trainer(
+        tmp_path / "resume",
+        [TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)],
+        max_steps=12,
+    )
     clean = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2)
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
         resumed.fit(resumed_model, train_dataloaders=clean, ckpt_path=folder / "last_good.ckpt")
@@ -108,7 +115,7 @@ def test_bundle_batches_load_without_unpickling_code(tmp_path):
 
     data = DataLoader(list(range(64)), batch_size=2, collate_fn=collate)
     model = RowsModel()
-    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=20)
+    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None, halt_after=1)], max_steps=20)
     folder = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_nonfinite_loss"
     lacks = "the values of `batch_rank0.pt` that are not plain (saved as `None`): "
     lacks += f"batch {BAD_BATCH}['source'] (PosixPath)"
@@ -138,7 +145,12 @@ def test_no_page_of_the_docs_loads_unsafely():
 
 def test_bundle_on_every_alert_when_asked(tmp_path):
     monitor = TrainingMonitor(
-        halt_after=1, val_loss_key=None, halt_on=[], postmortem="alert", exploding_grad_threshold=50.0
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        halt_on=[],
+        postmortem="alert",
+        exploding_grad_threshold=50.0,
     )
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     model = TensorModel(loss_factor={3: 1e5})
@@ -158,7 +170,7 @@ def test_bundle_on_every_alert_when_asked(tmp_path):
 
 
 def test_no_bundle_when_turned_off(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, postmortem=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(TensorModel(), train_dataloaders=poisoned_data())
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
@@ -184,7 +196,9 @@ class Blocks(TensorModel):
 
 
 def test_activation_watch_names_the_first_bad_module(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, watch_activations=True, postmortem=None)
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, watch_activations=True, postmortem=None
+    )
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(Blocks(break_at=4), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     (alert,) = monitor.alerts
@@ -210,7 +224,7 @@ def test_nonfinite_gradient_layers_are_listed_in_forward_order(tmp_path):
                 self.head.weight.grad.fill_(float("nan"))
                 self.blocks[2].weight.grad.fill_(float("nan"))
 
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, postmortem=None)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
     trainer.fit(Reversed(), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     (alert,) = monitor.alerts
@@ -226,7 +240,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
     """The README's "Resume from before the bad step", the cause not fixed: the checkpoint is mid-episode."""
     data = DataLoader(TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0))), batch_size=2)
     model = TensorModel(loss_factor={BAD_BATCH: factor})
-    first = TrainingMonitor(halt_after=1, val_loss_key=None)
+    first = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path, [first], max_steps=20)
     trainer.fit(model, train_dataloaders=data)
     (alert,) = first.alerts
@@ -234,7 +248,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
     ckpt = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_{kind.value}" / "last_good.ckpt"
 
     resumed_model = TensorModel(loss_factor={BAD_BATCH: factor})  # the bad step comes again
-    resumed = TrainingMonitor(halt_after=1, val_loss_key=None)
+    resumed = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
     trainer = make_trainer(tmp_path / "resume", [resumed], max_steps=20)
     trainer.fit(resumed_model, train_dataloaders=data, ckpt_path=ckpt)
     assert resumed.alerts[0].message == alert.message
@@ -253,7 +267,7 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
 
 def test_bundle_of_a_validation_alert_says_where_it_came_from(tmp_path):
     model = ScriptedModel(val_losses=[1.0, 2.0])
-    monitor = TrainingMonitor(halt_after=1, divergence_patience=1)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=1)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, val_check_interval=4)
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
     (alert,) = monitor.alerts
@@ -334,7 +348,12 @@ class Branches(TensorModel):
 
 def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_path):
     monitor = TrainingMonitor(
-        halt_after=1, val_loss_key=None, watch_activations=True, postmortem=None, token_accuracy=False
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        watch_activations=True,
+        postmortem=None,
+        token_accuracy=False,
     )
     trainer = make_trainer(tmp_path, [monitor], max_steps=6, val_check_interval=2, limit_val_batches=1)
     data = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2)
@@ -347,7 +366,7 @@ def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_pat
 
 
 def test_bundle_of_a_check_covering_held_steps_says_the_bad_step_may_be_earlier(tmp_path):
-    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=4)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, check_every_n_steps=4)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20)
     trainer.fit(
         TensorModel(loss_factor={5: float("nan")}),

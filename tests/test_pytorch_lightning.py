@@ -223,9 +223,9 @@ def _lightning_trainer(tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> L
 @pytest.mark.parametrize("saved_by", ["pytorch_lightning", "lightning"])
 def test_a_checkpoint_restores_the_monitor_under_the_other_package(tmp_path, saved_by):
     """One package's checkpoint resumes under the other's trainer, the monitor's alerts and detectors with it."""
-    first = TrainingMonitor(
-        halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[]
-    )  # an exploding gradient, no halt
+    first = TrainingMonitor(  # an exploding gradient, no halt (its step is applied: the loss that follows left alone)
+        halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[], loss_divergence_factor=None
+    )
     if saved_by == "pytorch_lightning":
         model, make, resume_model = Scripted(loss_factor={3: 1e5}), pl_trainer, LBoringModel
     else:
@@ -236,7 +236,9 @@ def test_a_checkpoint_restores_the_monitor_under_the_other_package(tmp_path, sav
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
 
-    resumed = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[])
+    resumed = TrainingMonitor(
+        halt_after=1, val_loss_key=None, token_accuracy=False, halt_on=[], loss_divergence_factor=None
+    )
     other = (_lightning_trainer if make is pl_trainer else pl_trainer)(tmp_path / "b", [resumed], max_steps=6)
     other.fit(_two_layers(resume_model()), train_dataloaders=loader(), ckpt_path=path)
     assert other.global_step == 6  # restored at its last step: nothing more to train

@@ -95,7 +95,7 @@ def fit(root: Path, *, monitor: TrainingMonitor, nan_at: int | None = None, tens
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fit(tmp_path_factory.mktemp("healthy"), monitor=TrainingMonitor(halt_after=1))
+    return fit(tmp_path_factory.mktemp("healthy"), monitor=TrainingMonitor(halt_after=1, loss_divergence_factor=None))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,11 @@ def halted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Every gradient norm is below 1000, so `vanishing_grad` (which never halts) fires once, at step 2 (patience 3);
     # then the NaN loss at step 10 halts with `nonfinite_loss`.
     monitor = TrainingMonitor(
-        halt_after=1, exploding_grad_threshold=None, vanishing_grad_threshold=1000.0, vanishing_grad_patience=3
+        halt_after=1,
+        loss_divergence_factor=None,
+        exploding_grad_threshold=None,
+        vanishing_grad_threshold=1000.0,
+        vanishing_grad_patience=3,
     )
     return fit(tmp_path_factory.mktemp("halted"), monitor=monitor, nan_at=NAN_AT)
 
@@ -111,7 +115,10 @@ def halted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def csv_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fit(
-        tmp_path_factory.mktemp("csv_only"), monitor=TrainingMonitor(halt_after=1), nan_at=NAN_AT, tensorboard=False
+        tmp_path_factory.mktemp("csv_only"),
+        monitor=TrainingMonitor(halt_after=1, loss_divergence_factor=None),
+        nan_at=NAN_AT,
+        tensorboard=False,
     )
 
 
@@ -170,8 +177,8 @@ def test_healthy_run_plan_holds_the_logged_series(healthy: Path) -> None:
     assert plot.panel("lr") is None
     assert plot.notes == (("lr", "learning rate 0.02 throughout"),)
     train_acc, val_acc = plot.panel("token_acc").lines
-    assert (train_acc.key, val_acc.key) == ("train_token_acc", "val_token_acc")
-    assert (val_acc.steps, val_acc.values) == events(healthy, "val_token_acc")
+    assert (train_acc.key, val_acc.key) == ("train_acc", "val_acc")  # a classifier's accuracy (logits [B, C])
+    assert (val_acc.steps, val_acc.values) == events(healthy, "val_acc")
     assert plot.alerts == ()
     assert plot.verdict == "HEALTHY"
 
@@ -181,8 +188,8 @@ def test_healthy_run_plan_holds_the_logged_series(healthy: Path) -> None:
     assert plot.panel("grad_norm").yscale == "log"
     assert plot.panel("grad_norm").thresholds == ()  # the default rules learn the run's scale: no fixed line
     fixed = dataclasses.replace(run, settings={"exploding_grad_threshold": 100.0, "vanishing_grad_threshold": 0.1})
+    # The history recorded the exploding limit in force at each check: drawn from there, not as a settings line.
     assert plan_run(fixed).panel("grad_norm").thresholds == (
-        Threshold("exploding_grad_threshold", 100.0, ALERT_COLOURS["exploding_grad"]),
         Threshold("vanishing_grad_threshold", 0.1, ALERT_COLOURS["vanishing_grad"]),
     )
     train, val = plot.panel("loss").lines
@@ -201,10 +208,10 @@ def test_halted_run_plan_marks_alerts_halt_and_nan(halted: Path) -> None:
         AlertMark(NAN_AT, "nonfinite_loss", ALERT_COLOURS["nonfinite_loss"], halted=True),
     )
     assert plot.verdict == f"HALTED: nonfinite_loss at step {NAN_AT}"
-    # Only the threshold the run was checked against is drawn (exploding_grad_threshold=None).
-    assert plot.panel("grad_norm").thresholds == (
-        Threshold("vanishing_grad_threshold", 1000.0, ALERT_COLOURS["vanishing_grad"]),
-    )
+    # Only the threshold the run was checked against is drawn (exploding_grad_threshold=None), as the history
+    # recorded it at each check.
+    assert plot.panel("grad_norm").thresholds == ()
+    assert [lim.label for lim in plot.panel("grad_norm").limits] == ["vanishing_grad limit (fixed)"]
     (grad,) = plot.panel("grad_norm").lines
     assert same(grad.values, events(halted, "grad_norm")[1])
     assert grad.steps[-1] == NAN_AT
@@ -252,7 +259,7 @@ def test_csv_only_run(csv_only: Path, capsys: pytest.CaptureFixture[str]) -> Non
     run = load_run(csv_only)
     assert not list(csv_only.glob("events.out.tfevents.*"))
     # The monitor's history adds only what the CSV lacks: its own training loss and the learning rate.
-    assert {k for k, s in run.scalars.items() if s.source != "csv"} == {"loss", "lr"}
+    assert {k for k, s in run.scalars.items() if s.source != "csv"} == {"loss", "lr", "limit/exploding_grad"}
     assert run.scalars["lr"].source == "history"
     # CSV rows repeat a step (Lightning's row and the monitor's): merged into one point per step.
     assert run.scalars["grad_norm"].steps == tuple(range(NAN_AT + 1))
@@ -418,7 +425,14 @@ def test_resumed_run_in_the_same_folder(tmp_path: Path, alerts_file: str | None)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
     def session(nan_at: int, max_steps: int, ckpt_path: Path | None = None) -> pl.Trainer:
-        monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem=None, alerts_file=alerts_file)
+        monitor = TrainingMonitor(
+            halt_after=1,
+            loss_divergence_factor=None,
+            val_loss_key=None,
+            halt_on=[],
+            postmortem=None,
+            alerts_file=alerts_file,
+        )
         trainer = pl.Trainer(
             max_steps=max_steps,
             logger=TensorBoardLogger(tmp_path, name="run", version=0),
@@ -461,7 +475,9 @@ def test_a_fresh_run_in_the_same_folder_sets_earlier_alerts_aside(tmp_path: Path
     folder = tmp_path / "fixed"
 
     def session(nan_at: int | None) -> TrainingMonitor:
-        monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[], postmortem=None)
+        monitor = TrainingMonitor(
+            halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[], postmortem=None
+        )
         trainer = pl.Trainer(
             max_steps=4,
             logger=TensorBoardLogger(tmp_path, name="", version="fixed"),

@@ -121,7 +121,9 @@ def test_recorded_limits_replace_the_settings_line(tmp_path: Path) -> None:
 
 
 def test_fixed_threshold_of_a_real_run(tmp_path: Path) -> None:
-    monitor = TrainingMonitor(exploding_grad_threshold=50.0, vanishing_grad_threshold=1e-4, halt_on=[])
+    monitor = TrainingMonitor(
+        exploding_grad_threshold=50.0, vanishing_grad_threshold=1e-4, halt_on=[], loss_divergence_factor=None
+    )
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     trainer = make_trainer(tmp_path, [monitor], logger=logger, max_steps=12)
     trainer.fit(ScriptedModel(loss_factor={5: 1e4}), train_dataloaders=loader())

@@ -57,7 +57,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_monitor import TrainingMonitor
 
-monitor = TrainingMonitor(val_loss_key=None)
+monitor = TrainingMonitor(val_loss_key=None, halt_after=1)
 trainer = pl.Trainer(
     logger=False, max_steps=3, limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
     accelerator="cpu", devices=1, callbacks=[monitor], {extra}
@@ -102,7 +102,7 @@ def test_fast_dev_run_writes_nothing_in_the_working_directory(tmp_path):
 
 def test_fast_dev_run_with_a_halt_writes_no_file_and_says_no_bundle(tmp_path):
     """A halt under `fast_dev_run`: the alert is kept and printed, but no file, bundle or recovery state is written."""
-    monitor = TrainingMonitor(val_loss_key=None, recover_on=["loss_spike"], recovery_storage="disk")
+    monitor = TrainingMonitor(val_loss_key=None, halt_after=1, recover_on=["loss_spike"], recovery_storage="disk")
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
         fast_dev_run=5,
@@ -121,7 +121,7 @@ def test_fast_dev_run_with_a_halt_writes_no_file_and_says_no_bundle(tmp_path):
 
 def test_without_a_logger_checkpoints_keep_their_folder_and_the_report_finds_the_run(tmp_path):
     """`ModelCheckpoint` without a logger writes `<root>/checkpoints`: only its checkpoints go there."""
-    monitor = TrainingMonitor(val_loss_key=None)
+    monitor = TrainingMonitor(val_loss_key=None, halt_after=1)
     checkpoints = ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)
     trainer = make_trainer(tmp_path, [monitor, checkpoints], max_steps=10, enable_checkpointing=True)
     trainer.fit(ScriptedModel(loss_factor={5: float("nan")}), train_dataloaders=loader())
