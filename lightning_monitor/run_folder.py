@@ -77,14 +77,25 @@ def run_folder(trainer: pl.Trainer) -> Path:
 
 
 def writes_files(trainer: pl.Trainer) -> bool:
-    """Whether the monitor writes files for this run: not under ``fast_dev_run``, where Lightning writes none.
+    """Whether the monitor writes files for this run.
+
+    Not under ``fast_dev_run``, where Lightning writes none; and not in a run without a logger whose checkpoint
+    callback writes straight into ``default_root_dir`` (``ModelCheckpoint(dirpath=default_root_dir)``), where the
+    monitor's folder would be one more entry among the checkpoints: its alerts then go to the console, the trainer's
+    ``callback_metrics`` and ``TrainingMonitor.alerts`` only.
 
     Example:
         >>> import lightning.pytorch as pl
         >>> [writes_files(pl.Trainer(fast_dev_run=n, logger=False, enable_progress_bar=False)) for n in (0, 1)]
         [True, False]
     """
-    return not getattr(trainer, "fast_dev_run", False)
+    if getattr(trainer, "fast_dev_run", False):
+        return False
+    if trainer.loggers:
+        return True
+    root = Path(trainer.default_root_dir).resolve()
+    dirpaths = (getattr(callback, "dirpath", None) for callback in getattr(trainer, "callbacks", []))
+    return not any(isinstance(d, (str, os.PathLike)) and Path(d).resolve() == root for d in dirpaths)
 
 
 def new_folder(path: str | os.PathLike[str]) -> Path:

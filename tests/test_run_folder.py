@@ -137,3 +137,13 @@ def test_without_a_logger_checkpoints_keep_their_folder_and_the_report_finds_the
     assert find_runs(tmp_path) == [folder]
     assert load_run(folder).alert_counts() == {"nonfinite_loss": 1}
     assert torch.load(folder / "postmortem" / "step0000005_nonfinite_loss" / "batch_rank0.pt", weights_only=True)
+
+
+def test_a_checkpoint_folder_that_is_the_root_gains_no_entry(tmp_path):
+    """Lightning's own tests list `default_root_dir` when `ModelCheckpoint(dirpath=...)` writes straight into it."""
+    monitor = TrainingMonitor(val_loss_key=None, halt_after=1)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
+    trainer = make_trainer(tmp_path, [monitor, checkpoints], max_steps=8, enable_checkpointing=True)
+    trainer.fit(ScriptedModel(loss_factor={6: float("nan")}), train_dataloaders=loader())
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS  # the monitor still acts, and says so
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt"]  # nothing of the monitor's
