@@ -120,7 +120,9 @@ def test_metrics_csv_has_one_row_per_logged_step(tmp_path, host_sync):
     assert sorted(per_step) == [1, 3, 5, 7, 9, 11]
     assert set(per_step.values()) == {1}
     for row in rows:  # the user's metric, the monitor's norms and token accuracy side by side
-        assert row["train_loss"] and row["grad_norm"] and row["train_token_acc"] and row["weight_norm"]
+        assert (
+            row["train_loss"] and row["grad_norm"] and row["train_acc"] and row["weight_norm"]
+        )  # ScriptedModel is a classifier: train_acc
 
 
 # ------------------------------------------------------------------------------------------------ histograms
