@@ -86,7 +86,19 @@ class Run:
 
 
 def load_runs(folder: Path = HERE) -> list[Run]:
-    """Every run of ``runs.json`` with its points."""
+    """Every run of ``runs.json`` with its points.
+
+    The series (``<id>.csv``) are not kept in the repository: they come from public repositories' snapshots, which
+    this project does not redistribute. ``benchmarks/real_runs/extract.py`` rebuilds them from the snapshots cited in
+    ``runs.json`` (fetched with the session's ``fetch`` tool into ``/work/.mirror``).
+    """
+    missing = [m["id"] for m in json.loads((folder / "runs.json").read_text())["runs"]]
+    missing = [run for run in missing if not (folder / f"{run}.csv").is_file()]
+    if missing:
+        raise SystemExit(
+            f"{len(missing)} series missing (e.g. {missing[0]}.csv): fetch the snapshots cited in runs.json, then run"
+            " `python benchmarks/real_runs/extract.py /work/.mirror`"
+        )
     runs = []
     for meta in json.loads((folder / "runs.json").read_text())["runs"]:
         points = []
