@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 __all__ = ["Alert", "AlertKind", "Detection", "Judgement"]
 
@@ -71,8 +72,7 @@ class Detection:
     reason: str
 
 
-@dataclass(frozen=True)
-class Judgement:
+class Judgement(NamedTuple):
     """What the detectors made of one check of a training step.
 
     Attributes:
@@ -83,7 +83,7 @@ class Judgement:
     """
 
     detections: tuple[Detection, ...] = ()
-    beyond: Mapping[AlertKind, Detection] = field(default_factory=dict)
+    beyond: Mapping[AlertKind, Detection] = MappingProxyType({})
 
 
 @dataclass(frozen=True)

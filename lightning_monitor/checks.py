@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HELD_STEPS_AT_MOST",
+    "CheckRecord",
     "OptimizerCheck",
     "OptimizerChecks",
     "Packing",
@@ -47,8 +49,13 @@ __all__ = [
 #: Steps whose norms :meth:`OptimizerCheck.hold` keeps before it reduces them (at most 64 norm vectors; the check
 #: reduces the held steps in any case).
 HELD_STEPS_AT_MOST = 64
-#: The parts every check packs first, one value each: counts known on the host, the loss sum and the loss scale.
+#: The parts every check of several processes packs first, one value each: counts known on the host, the loss sum
+#: and the loss scale. Counts known on the host travel with the rest, so that every rank decides on the same numbers.
 _HEADER = (("loss_count", 1), ("present", 1), ("held", 1), ("loss_sum", 1), ("scale", 1))
+#: The parts a check of one process packs first: the loss sum, then the loss scale under fp16 AMP only. Its counts
+#: stay on the host (:attr:`Packing.counts`).
+_LOSS = (("loss_sum", 1),)
+_LOSS_SCALE = (("loss_sum", 1), ("scale", 1))
 
 
 class Packing(NamedTuple):
@@ -60,6 +67,13 @@ class Packing(NamedTuple):
     amp: bool  # under an fp16 GradScaler
     extras: tuple[str, ...]
     norms: LayerGradNorms  # the parameters measured when it was packed
+    counts: tuple[int, int] = (0, 0)  # one process: the micro-batch losses summed, the gradients present
+
+
+#: The layout key of a plain check: one process, no held steps, no fp16 scaler, no extras.
+_PLAIN = (False, False, False)
+#: The extras of a check that packs none.
+_NO_EXTRAS: Mapping[str, list[list[float]]] = MappingProxyType({})
 
 
 class OptimizerCheck:
@@ -171,36 +185,66 @@ class OptimizerCheck:
     ) -> tuple[Tensor, Packing]:
         """:meth:`read` up to the gather: this rank's packed tensor (on the device), and how to :meth:`combine` it."""
         norms = self.norms.norm_list()
-        extras = extras or {}
         loss_sum, loss_count = loss
         device, held = self.norms.device, self._held_steps  # `norms` is on this device
         ranks = world_size() if ranks is None else ranks
-        # Host-known counts travel with the rest, so every rank decides on the same numbers.
-        zero, one, counts_now = self._constants(device, (loss_count, max(self._present, self.norms.present), held))
-        scale_now = scale_tensor(scaler, device)
-        head = [
-            *counts_now,
-            zero if loss_sum is None else loss_sum,  # no loss: 0
-            one if scale_now is None else scale_now,  # no scaler: a scale of 1
-        ]
-        values: list[Part] = [*head]
+        present = self.norms.present if self.norms.present > self._present else self._present
+        fills = self._fills if self._fills is not None and self._fills[0] == device else self._new_fills(device)
+        _, zero, one = fills
+        if ranks == 1 and not held and not extras and scaler is None:  # a plain check, the common one
+            layout = self._layouts.get(_PLAIN) or self._layout(False, False, False)
+            plain = [zero if loss_sum is None else loss_sum, *norms]
+            packed = torch.stack(plain) if layout.single_stack else layout.pack(plain)
+            self._present = 0
+            return packed, Packing(layout, 0, 1, False, (), self.norms, (loss_count, present))
+        amp = scaler is not None
+        scale_now = scale_tensor(scaler, device) if amp else None
+        if ranks > 1:  # host-known counts travel with the rest, so every rank decides on the same numbers
+            values: list[Part] = [
+                *self._counts_on(device, (loss_count, present, held)),
+                zero if loss_sum is None else loss_sum,  # no loss: 0
+                one if scale_now is None else scale_now,  # no scaler: a scale of 1
+            ]
+        else:  # one process: the counts stay on the host, and the scale travels under fp16 AMP only
+            values = [zero if loss_sum is None else loss_sum]
+            if amp:
+                values.append(one if scale_now is None else scale_now)
         if held:  # the worst of the steps held since the last check (the layout is the same on every rank)
             self._reduce_held()
             values += [self._peak, self._overflows]  # type: ignore[list-item]
         # One process: the norms as they are, squared and summed per layer on the host after the read. Several:
         # summed per layer on the device first, so that the host handles two figures per layer and rank rather than
         # one per parameter and rank. A plain check (every part a 0-d float32) packs in one `stack`.
-        values.append(self.norms.squared(torch.stack(norms)).view(-1) if ranks > 1 else norms)
-        layout = self._layout(held > 0, ranks > 1, extras)
-        packed = layout.pack([*values, *extras.values()])
-        self._peak, self._overflows, self._present, self._held_steps = None, None, 0, 0
-        return packed, Packing(layout, held, ranks, scaler is not None, tuple(extras), self.norms)
+        if ranks > 1:
+            values.append(self.norms.squared(torch.stack(norms)).view(-1))
+        else:
+            values += norms
+        if extras:
+            layout = self._layout(held > 0, ranks > 1, amp, extras)
+            packed = layout.pack([*values, *extras.values()])
+        else:
+            layout = self._layout(held > 0, ranks > 1, amp)
+            # A plain check's values are 0-d tensors of one dtype already, in order: one `stack`, nothing to join.
+            packed = torch.stack(values) if layout.single_stack else layout.pack(values)  # type: ignore[arg-type]
+        if held:
+            self._peak, self._overflows = None, None
+        self._present, self._held_steps = 0, 0
+        names = tuple(extras) if extras else ()
+        return packed, Packing(layout, held, ranks, amp, names, self.norms, (loss_count, present))
 
     def combine(self, packing: Packing, rows: list[list[float]]) -> StepFigures:
         """The host figures of a check from every rank's row of its gathered tensor (see :meth:`pack`)."""
         layout, held, ranks, amp, norms_of = packing.layout, packing.held, packing.ranks, packing.amp, packing.norms
         first, where = rows[0], layout.slices
-        scale = first[where["scale"].start] if amp else 1.0
+        scale = first[1] if amp and ranks == 1 else first[where["scale"].start] if amp else 1.0
+        if ranks == 1 and not held and not self.fused and not packing.extras:  # a plain check, the common one
+            loss_count, present = packing.counts
+            loss_sum, layer_sq = first[0], norms_of.layer_squares(first[where["norms"]])
+            total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
+            norm = math.sqrt(total_sq) if present else None
+            overflow_steps = (0 if math.isfinite(total_sq) else 1) if amp else 0
+            return StepFigures(loss_sum / loss_count if loss_count else None, norm, norm, layer_sq, overflow_steps, 1,
+                               scale if amp else None, amp, [loss_sum], [total_sq], [], _NO_EXTRAS)  # fmt: skip
         if ranks > 1:
             per_rank = layout.read(rows)
             norm_rows = per_rank["norms"]
@@ -211,15 +255,16 @@ class OptimizerCheck:
             has_grads = any(v > 0 for v in per_rank.scalars("present"))
             count = fsum(per_rank.scalars("loss_count"))
             loss_total = fsum(per_rank.scalars("loss_sum"))
-        else:  # the same figures, without the loops over ranks
+        else:  # the same figures, without the loops over ranks; the counts from the host
             layer_sq = norms_of.layer_squares(first[where["norms"]])
             rank_sq, replicated = None, []  # the total below
-            has_grads = first[where["present"].start] > 0
-            count, loss_total = first[where["loss_count"].start], first[where["loss_sum"].start]
+            count, present = packing.counts
+            has_grads = present > 0
+            loss_total = first[0]  # `loss_sum`, first in a one-process layout
         if self.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
             unscale = scale**2
             layer_sq = [v / unscale for v in layer_sq]
-        total_sq = fsum(layer_sq)
+        total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
         overflow_steps = 0 if math.isfinite(total_sq) else 1
         norm = math.sqrt(total_sq)
         grad_norm = grad_peak = norm if has_grads else None
@@ -234,54 +279,56 @@ class OptimizerCheck:
                 finite = [v for v in (held_norm, norm) if math.isfinite(v)]
                 grad_peak = max(finite) if finite else norm
         return StepFigures(
-            loss=loss_total / count if count else None,
-            grad_norm=grad_norm,
-            grad_peak=grad_peak,
-            layer_sq=layer_sq,
-            overflow_steps=overflow_steps if amp else 0,
-            checked_steps=held + 1,
-            loss_scale=scale if amp else None,
-            amp=amp,
-            loss_ranks=[r[where["loss_sum"].start] for r in rows],
-            grad_ranks=[total_sq] if rank_sq is None else rank_sq,
-            replicated_ranks=replicated,
-            extras={name: [list(r[where[name]]) for r in rows] for name in packing.extras},
+            loss_total / count if count else None,
+            grad_norm,
+            grad_peak,
+            layer_sq,
+            overflow_steps if amp else 0,
+            held + 1,
+            scale if amp else None,
+            amp,
+            [first[where["loss_sum"].start]] if ranks == 1 else [r[where["loss_sum"].start] for r in rows],
+            [total_sq] if rank_sq is None else rank_sq,
+            replicated,
+            {name: [list(r[where[name]]) for r in rows] for name in packing.extras} if packing.extras else _NO_EXTRAS,
         )
 
-    def _layout(self, held: bool, several: bool, extras: Mapping[str, Part]) -> Layout:
+    def _layout(self, held: bool, several: bool, amp: bool, extras: Mapping[str, Part] | None = None) -> Layout:
         """The layout of this check's packed tensor, built once per pattern of parts (an extra keeps its size)."""
-        key = (held, several, *extras)
+        key = (held, several, amp, *extras) if extras else (held, several, amp)
         layout = self._layouts.get(key)
         if layout is None:
+            extras = extras or {}
             shapes = tuple((name, v.numel() if isinstance(v, Tensor) else len(v)) for name, v in extras.items())
             flat = all(not isinstance(v, Tensor) for v in extras.values())
             norms = ("norms", 2 * len(self.norms.names) if several else len(self.norms.params))
-            parts = [*_HEADER, *((("held_peak", 2), ("held_overflows", 1)) if held else ()), norms, *shapes]
+            head = _HEADER if several else _LOSS_SCALE if amp else _LOSS
+            parts = [*head, *((("held_peak", 2), ("held_overflows", 1)) if held else ()), norms, *shapes]
             # A plain check: every part is a 0-d float32, so one `stack` packs them all.
             single = not held and not several and self.norms.dtype is PACK_DTYPE and flat
             layout = self._layouts[key] = Layout(parts, single_stack=single)
         return layout
 
-    def _constants(
-        self, device: torch.device, counts: tuple[int, int, int]
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """A 0-d ``0`` and ``1`` that stand in for figures a step does not have, and ``counts`` as 0-d tensors.
+    def _new_fills(self, device: torch.device) -> tuple[torch.device, Tensor, Tensor]:
+        """A 0-d ``0`` and ``1`` on ``device`` that stand in for figures a step does not have (made once)."""
+        zero, one = (torch.full((), v, dtype=PACK_DTYPE, device=device) for v in (0.0, 1.0))
+        self._fills = (device, zero, one)
+        self._counts = {}
+        return self._fills
 
-        All are cached on ``device``. The counts rarely change, so most steps create and copy nothing; a new
-        pattern is copied without blocking on CUDA (the copy queues behind the device work instead of waiting for it).
+    def _counts_on(self, device: torch.device, counts: tuple[int, int, int]) -> tuple[Tensor, ...]:
+        """``counts`` as 0-d tensors on ``device``, cached (several processes: they travel with the figures).
+
+        The counts rarely change, so most steps create and copy nothing; a new pattern is copied without blocking
+        on CUDA (the copy queues behind the device work instead of waiting for it).
         """
-        if self._fills is None or self._fills[0] != device:
-            zero, one = (torch.full((), v, dtype=PACK_DTYPE, device=device) for v in (0.0, 1.0))
-            self._fills = (device, zero, one)
-            self._counts = {}
         cached = self._counts.get(counts)
         if cached is None:
             if len(self._counts) >= 16:  # bounded: patterns that come and go are built again
                 self._counts.clear()
             cached = to_device(counts, device, PACK_DTYPE).unbind()
             self._counts[counts] = cached
-        _, zero, one = self._fills
-        return zero, one, cached
+        return cached
 
     def figures(self, step: StepFigures, layer_norms: bool) -> dict[str, float]:
         """The host figures to log for this step."""
@@ -295,6 +342,32 @@ class OptimizerCheck:
         if step.loss_scale is not None:
             out["loss_scale"] = step.loss_scale
         return out
+
+
+class CheckRecord(NamedTuple):
+    """One check's host figures, made into the dictionaries that are logged and kept only when something reads them.
+
+    Most checks are neither logged nor alerted on: their record is only kept, for a post-mortem bundle's history
+    (:meth:`~lightning_monitor.writer.RunWriter.recent_records`) and :attr:`TrainingMonitor.latest`, which build it.
+    """
+
+    check: OptimizerCheck
+    figures: StepFigures
+    layer_norms: bool  # per-layer norms are logged
+    skipped_steps: int  # the run's skipped steps at this check
+
+    def logged(self) -> dict[str, float]:
+        """The figures of the check to log: the total and per-layer norms, the loss scale."""
+        return self.check.figures(self.figures, self.layer_norms)
+
+    def latest(self, logged: dict[str, float] | None = None) -> dict[str, float]:
+        """The check's record: its ``loss``, then ``logged`` (by default :meth:`logged` and ``skipped_steps``)."""
+        if logged is None:
+            logged = self.logged()
+            if self.skipped_steps:  # absent means none
+                logged["skipped_steps"] = float(self.skipped_steps)
+        loss = self.figures.loss
+        return {"loss": math.nan if loss is None else loss, **logged}
 
 
 class OptimizerChecks:

@@ -116,8 +116,7 @@ class Policy:
         return kind in self.halt_on or kind in self.skip_on
 
 
-@dataclass(frozen=True)
-class StepFacts:
+class StepFacts(NamedTuple):
     """The facts of a training-step check that the decision needs besides its judgement.
 
     Attributes:
@@ -177,6 +176,10 @@ class Ladder:
         return cls({(int(opt), AlertKind(kind)): tuple(int(c) for c in checks) for opt, kind, checks in state["hits"]})
 
 
+#: The ladder of a run with no problem yet (a :class:`Verdict`'s default).
+EMPTY_LADDER = Ladder()
+
+
 @dataclass(frozen=True)
 class Ruling:
     """One alert to give, and what the decision made of it.
@@ -193,8 +196,7 @@ class Ruling:
     recurrences: int = 0
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What one check calls for; the monitor acts on it, in this order: guard, alerts, bundle, keep/restore, halt.
 
     Attributes:
@@ -213,7 +215,7 @@ class Verdict:
     keep: bool = False
     restore: bool = False
     finished: RecoveryRecord | None = None
-    ladder: Ladder = field(default_factory=Ladder)
+    ladder: Ladder = EMPTY_LADDER
 
     @property
     def halt(self) -> Ruling | None:

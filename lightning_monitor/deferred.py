@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,8 +58,7 @@ class OnDevice(str, Enum):
     APPLIED = "applied"
 
 
-@dataclass(frozen=True)
-class DeviceRule:
+class DeviceRule(NamedTuple):
     """What a deferred check's device guard applies before the host reads the step.
 
     Attributes:
@@ -73,8 +71,7 @@ class DeviceRule:
     limit: float = math.inf
 
 
-@dataclass(frozen=True)
-class PendingCheck:
+class PendingCheck(NamedTuple):
     """A check packed on the device, waiting to be read: now (:class:`StepReads`) or at the optimizer's next step.
 
     Attributes:
@@ -123,6 +120,10 @@ class StepReads:
         >>> figures.loss, round(figures.grad_norm**2, 5)  # weight [1, 1], bias [1]
         (0.5, 3.0)
     """
+
+    def __len__(self) -> int:
+        """Nothing waits: every check is read when submitted."""
+        return 0
 
     def submit(self, pending: PendingCheck, packed: Tensor, rule: DeviceRule) -> list[Read]:
         """Gather ``packed`` from every rank and read it: the one host sync of a check."""
@@ -197,8 +198,8 @@ class DeferredReads:
             flag = bad.to(world.dtype)
         # The flag travels with the figures, so the alert says what the device did.
         host, ready = copy_to_host(torch.cat([world.reshape(-1), flag.reshape(1)]))
-        self._pending[id(optimizer)] = replace(
-            pending, host=host, ready=ready, on_device=on_device, batches=[*pending.batches]
+        self._pending[id(optimizer)] = pending._replace(
+            host=host, ready=ready, on_device=on_device, batches=[*pending.batches]
         )
         return []
 
@@ -229,7 +230,7 @@ class DeferredReads:
         size = len(values) // pending.packing.ranks
         rows = [values[r * size : (r + 1) * size] for r in range(pending.packing.ranks)]
         if not acted and pending.on_device is not OnDevice.SKIPPED:
-            pending = replace(pending, on_device=OnDevice.APPLIED)
+            pending = pending._replace(on_device=OnDevice.APPLIED)
         return pending, pending.check.combine(pending.packing, rows)
 
 

@@ -262,7 +262,11 @@ class LayerGradNorms:
 
         What :func:`combine_ranks` makes of one rank's rows, in one pass: the figure of a single process.
         """
-        return self._sum_squares(norms, self._layer_runs, len(self.names))
+        runs = self._layer_runs
+        if len(runs) == 1 and len(norms) == len(self.params):  # one layer, one weight: one sum
+            _, weight, _, _ = runs[0]
+            return [sum(map(operator.mul, norms, norms)) * weight]
+        return self._sum_squares(norms, runs, len(self.names))
 
     def squared(self, norms: Tensor | None = None) -> Tensor:
         """Return a ``[2, num_layers]`` tensor of squared norms on this rank, on the device: replicated, sharded row.

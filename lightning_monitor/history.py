@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import torch
 from torch import Tensor
@@ -32,7 +32,25 @@ from lightning_monitor.sinks import JsonlSink
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FLUSH_EVERY", "HISTORY_FILE", "RunHistory", "learning_rates"]
+__all__ = ["FLUSH_EVERY", "HISTORY_FILE", "Figures", "LazyFigures", "RunHistory", "learning_rates", "resolved"]
+
+
+class LazyFigures(Protocol):
+    """A check's figures that are made only when read (most checks' are never read)."""
+
+    def latest(self) -> dict[str, float]:
+        """The figures."""
+        ...
+
+
+#: A check's figures, or a record that makes them when read.
+Figures = Union[Mapping[str, float], LazyFigures]  # noqa: UP007 (a runtime alias: no `|` on a Protocol class)
+
+
+def resolved(figures: Figures) -> Mapping[str, float]:
+    """The figures themselves."""
+    return figures if isinstance(figures, Mapping) else figures.latest()
+
 
 #: File name of the history, in the monitor's run folder (the report reads it when the folder has no other metrics).
 HISTORY_FILE = "monitor_history.jsonl"
@@ -67,6 +85,7 @@ class RunHistory:
         self._open: int | None = None  # the step of the last training record, until the user's losses joined it
         self._last: int | None = None  # the step of the last training record
         self._seen: dict[str, object] = {}  # the host value last taken per logged key (a stale one is not re-taken)
+        self._loss_keys: dict[str, bool] = {}  # whether a logged key names a loss (`LOSS_KEY`), once per key
         self._broken = False
         self._file: JsonlSink | None = None  # the file, opened once at the first write: no open per flush
 
@@ -98,9 +117,7 @@ class RunHistory:
         if len(self._records) >= FLUSH_EVERY:
             self.flush()
 
-    def record_step(
-        self, trainer: pl.Trainer, step: int, figures: Mapping[str, float], *, logs: bool, alert: bool
-    ) -> None:
+    def record_step(self, trainer: pl.Trainer, step: int, figures: Figures, *, logs: bool, alert: bool) -> None:
         """Record a check's figures and the learning rates at a logging step or an alert (then write at once).
 
         Without a logger, Lightning has no logging step: the history keeps the first check, then every
@@ -108,11 +125,13 @@ class RunHistory:
         """
         if self.path is None:
             return
-        every, last = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1), self._last
-        own = not trainer.loggers and (last is None or (step + 1) % every == 0 or step - last >= every)
-        if not (logs or alert or own):
+        if not (logs or alert or trainer.loggers):  # without a logger, the history keeps steps of its own
+            every, last = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1), self._last
+            if not (last is None or (step + 1) % every == 0 or step - last >= every):
+                return
+        elif not (logs or alert):
             return
-        self.add(step, trainer.current_epoch, {**figures, **learning_rates(trainer.optimizers)})
+        self.add(step, trainer.current_epoch, {**resolved(figures), **learning_rates(trainer.optimizers)})
         self._open = self._last = step
         if alert:
             self.flush()
@@ -126,11 +145,15 @@ class RunHistory:
         """
         if self.path is None:
             return
+        seen = self._seen
+        if step is None and self._open is None:  # no record open (the common batch): what is there now is stale
+            values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
+            if isinstance(values, dict):
+                seen.update(values)
+            return
+        fresh = {k: v for k, v in host_logged_values(trainer).items() if seen.get(k) is not v and self._is_loss(k)}
+        seen.update(fresh)
         at = logging_step(trainer) - 1 if step is None else step
-        fresh = {
-            k: v for k, v in host_logged_values(trainer).items() if LOSS_KEY.match(k) and self._seen.get(k) is not v
-        }
-        self._seen.update(fresh)
         if step is None and self._open != at:
             return
         self._open = None
@@ -138,6 +161,13 @@ class RunHistory:
             record = self._records.setdefault(at, {"step": at, "epoch": trainer.current_epoch})
             for key, value in fresh.items():
                 record.setdefault(key, value)  # the monitor's own `loss` stays the optimizer step's
+
+    def _is_loss(self, key: str) -> bool:
+        """Whether the logged ``key`` names a loss (:data:`LOSS_KEY`), matched once per key."""
+        found = self._loss_keys.get(key)
+        if found is None:
+            found = self._loss_keys[key] = LOSS_KEY.match(key) is not None
+        return found
 
     def end_validation(self, trainer: pl.Trainer, key: str | None, value: float | None) -> None:
         """At the end of a validation run during fit: its losses (``key`` as the monitor read it), then write."""

@@ -111,37 +111,47 @@ def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
         >>> [d.kind.value for d in judged.detections], sorted(k.value for k in judged.beyond)
         (['nonfinite_loss'], ['nonfinite_loss'])
     """
-    found: list[Detection | None] = []
-    if step.loss is not None:
-        found.append(detectors.nonfinite_loss.update(step.loss))
-        if detectors.loss_spike is not None:
-            found.append(detectors.loss_spike.update(step.loss))
-        if detectors.loss_divergence is not None:
-            found.append(detectors.loss_divergence.update(step.loss))
-    measured = step.grad_norm is not None and step.grad_peak is not None
+    d, found = detectors, []
+    loss = step.loss
+    if loss is not None:
+        if (x := d.nonfinite_loss.update(loss)) is not None:
+            found.append(x)
+        if d.loss_spike is not None and (x := d.loss_spike.update(loss)) is not None:
+            found.append(x)
+        if d.loss_divergence is not None and (x := d.loss_divergence.update(loss)) is not None:
+            found.append(x)
+    norm, peak = step.grad_norm, step.grad_peak
+    measured = norm is not None and peak is not None
     if measured:
         if step.amp:
             overflowed = step.overflow_steps == step.checked_steps
-            found.append(detectors.amp.update(overflowed, step.loss_scale))  # type: ignore[arg-type]
+            x = d.amp.update(overflowed, step.loss_scale)  # type: ignore[arg-type]
         else:
-            found.append(detectors.nonfinite_grad.update(step.grad_peak))  # type: ignore[arg-type]
-        for detector, value in (
-            (detectors.exploding, step.grad_peak),
-            (detectors.vanishing, step.grad_norm),
-            (detectors.grad_spike, step.grad_norm),
-        ):
-            if detector is not None:
-                found.append(detector.update(value))  # type: ignore[arg-type]
-    detections = [d for d in found if d is not None]
-    beyond = _beyond(detectors, step) if detections or _any_beyond(detectors, measured, step.amp) else {}
+            x = d.nonfinite_grad.update(peak)  # type: ignore[arg-type]
+        if x is not None:
+            found.append(x)
+        if d.exploding is not None and (x := d.exploding.update(peak)) is not None:  # type: ignore[arg-type]
+            found.append(x)
+        if d.vanishing is not None and (x := d.vanishing.update(norm)) is not None:  # type: ignore[arg-type]
+            found.append(x)
+        if d.grad_spike is not None and (x := d.grad_spike.update(norm)) is not None:  # type: ignore[arg-type]
+            found.append(x)
+    if not found and not _any_beyond(d, measured, step.amp):
+        return _CALM  # the common check: nothing found, nothing beyond a limit
+    detections = found
+    beyond = _beyond(d, step)
     if detections:
-        kinds = {d.kind for d in detections}
+        kinds = {x.kind for x in detections}
         # A non-finite loss makes non-finite gradients, and an explosion is also a spike: keep the cause.
-        if AlertKind.NONFINITE_LOSS in kinds or detectors.nonfinite_loss.beyond:
-            detections = [d for d in detections if d.kind is not AlertKind.NONFINITE_GRAD]
+        if AlertKind.NONFINITE_LOSS in kinds or d.nonfinite_loss.beyond:
+            detections = [x for x in detections if x.kind is not AlertKind.NONFINITE_GRAD]
         if AlertKind.EXPLODING_GRAD in kinds:
-            detections = [d for d in detections if d.kind is not AlertKind.GRAD_SPIKE]
+            detections = [x for x in detections if x.kind is not AlertKind.GRAD_SPIKE]
     return Judgement(tuple(detections), beyond)
+
+
+#: The judgement of a check with nothing found and nothing beyond a limit.
+_CALM = Judgement()
 
 
 def guard_limit(detectors: StepDetectors) -> float:

@@ -40,6 +40,10 @@ TAIL_WINDOW = 2000
 TAIL_QUANTILE = 0.99
 #: The tail is never above the fifth largest of those norms (the 99th percentile of fewer than 500 is higher).
 TAIL_RANK = 5
+#: How many norms beyond twice the tail's rank :class:`ExplodingDetector` keeps sorted, and the most it keeps before
+#: it sets its cut again.
+_TOP_MARGIN = 32
+_TOP_AT_MOST = 512
 
 
 class ExplodingDetector:
@@ -62,8 +66,10 @@ class ExplodingDetector:
       the tighter limit, and where above, the run's own scale says ``limit`` is within its healthy range.
 
     A norm beyond the limit fires at once, once per episode (like :class:`ThresholdDetector`). Norms the detector
-    fired on do not enter the tail, and non-finite ones are left to :class:`NonFiniteDetector`. The tail is kept as a
-    sorted list, so a check costs a binary search and a short memory move, not a sort.
+    fired on do not enter the tail, and non-finite ones are left to :class:`NonFiniteDetector`. Only the window's
+    largest norms are kept sorted (those above a cut, a few dozen beyond the tail's rank): a check costs a comparison,
+    and now and then a binary search and a short memory move; the cut is set again, with one sort of the window, on
+    the rare check where too few are left above it.
 
     Args:
         name: What the figure is called in messages.
@@ -126,10 +132,13 @@ class ExplodingDetector:
         self.warned = False
         self.seen = 0  # finite norms taken into the tail, at most `early` (counted as before: see `armed`)
         self.recent: deque[float] = deque()  # the last `window` norms taken, in order
-        self.sorted: list[float] = []  # the same, sorted
+        self.top: list[float] = []  # those of them above `_cut`, sorted: the largest, the tail among them
         self.count = 0
         self.notice: str | None = None
         self._tail, self._limit = 0.0, math.inf
+        self._cut = -math.inf  # every norm of the window above it is in `top`
+        self._recut_above = _TOP_AT_MOST  # `top` grown past this: set the cut again
+        self._rank = (0, 0)  # (n, the tail's rank from the top for n norms), computed once per n
         self._refresh()
 
     @property
@@ -162,17 +171,21 @@ class ExplodingDetector:
 
     def _refresh(self) -> None:
         """Recompute the tail and the limit in force (after a norm came in), so that reading them costs nothing."""
-        n = len(self.sorted)
+        n = len(self.recent)
         self._tail = 0.0
         if self.seen >= self.early and n:
-            from_top = max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK)
-            self._tail = self.sorted[n - min(from_top, n)]
+            if self._rank[0] != n:  # once the window is full, n no longer changes
+                from_top = max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK)
+                self._rank = (n, min(from_top, n))
+            if len(self.top) < self._rank[1]:  # a new tail's rank below the cut: set it again
+                self._cut_again()
+            self._tail = self.top[len(self.top) - self._rank[1]]
         if self._tail > 0:
             self._limit = self.factor * self._tail
         elif not self.starts_below:
             self._limit = math.inf
         else:
-            self._limit = max(self.limit, self.factor * self.sorted[-1]) if self.sorted else self.limit
+            self._limit = max(self.limit, self.factor * self.top[-1]) if self.top else self.limit
 
     def update(self, value: float) -> Detection | None:
         """Take one figure; return a detection when it is the first beyond the limit of an episode."""
@@ -192,7 +205,7 @@ class ExplodingDetector:
                     "are normal for this run (a summed loss, large targets), set exploding_grad_threshold to the norm "
                     "that should halt it."
                 )
-        limit = self.limit_now
+        limit = self._limit  # `limit_now`
         if not value > limit:
             self.count = 0
             self._take(value)
@@ -203,12 +216,12 @@ class ExplodingDetector:
         if self.tail > 0:
             reason = (
                 f"{self.name} {format_value(value)} > {format_value(self.factor)}x its {_ordinal(self.quantile)} "
-                f"percentile over the last {len(self.sorted)} steps ({format_value(self.tail)})"
+                f"percentile over the last {len(self.recent)} steps ({format_value(self.tail)})"
             )
         elif limit > self.limit:
             reason = (
                 f"{self.name} {format_value(value)} > {format_value(self.factor)}x the largest of its first "
-                f"{len(self.sorted)} steps ({format_value(limit / self.factor)})"
+                f"{len(self.recent)} steps ({format_value(limit / self.factor)})"
             )
         else:
             reason = f"{self.name} {format_value(value)} > {format_value(limit)} (the default exploding_grad_threshold)"
@@ -216,12 +229,35 @@ class ExplodingDetector:
 
     def _take(self, value: float) -> None:
         """Put a norm into the tail, dropping the oldest beyond ``window``."""
-        self.seen = min(self.seen + 1, self.early)
-        self.recent.append(value)
-        bisect.insort(self.sorted, value)
-        if len(self.recent) > self.window:
-            del self.sorted[bisect.bisect_left(self.sorted, self.recent.popleft())]
+        recent, top, cut = self.recent, self.top, self._cut
+        recent.append(value)
+        changed = self.seen < self.early or len(recent) <= self.window  # the count or the window grows
+        if self.seen < self.early:
+            self.seen += 1
+        if value > cut:
+            bisect.insort(top, value)
+            changed = True
+        if len(recent) > self.window:
+            old = recent.popleft()
+            if old > cut:
+                del top[bisect.bisect_left(top, old)]
+                changed = True
+        if not changed:  # the window is full and nothing above the cut came or went: tail and limit are as they were
+            return
+        # The tail's rank (at most TAIL_RANK or 1% of the window from the top) must lie above the cut.
+        if len(top) > self._recut_above or (len(top) <= self._rank[1] and cut > -math.inf):
+            self._cut_again()
         self._refresh()
+
+    def _cut_again(self) -> None:
+        """Keep the window's largest norms, about twice the tail's rank and a margin, sorted in :attr:`top`."""
+        ordered = sorted(self.recent)
+        n = len(ordered)
+        keep = 2 * max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK) + _TOP_MARGIN
+        first = 0 if keep >= n else bisect.bisect_left(ordered, ordered[n - keep])  # ties with the last kept, kept
+        self._cut = ordered[first - 1] if first else -math.inf
+        self.top = ordered[first:]
+        self._recut_above = max(_TOP_AT_MOST, 2 * len(self.top))  # ties can keep many: cut again only if it helps
 
     @property
     def beyond(self) -> bool:
@@ -243,7 +279,7 @@ class ExplodingDetector:
         self.starts_below = bool(state.get("starts_below", state.get("armed", False)))
         self.warned = bool(state.get("warned", False))
         self.recent = deque(float(v) for v in state.get("recent", [])[-self.window :])
-        self.sorted = sorted(self.recent)
+        self._cut_again()
         self.seen = min(int(state.get("seen", 0)), len(self.recent)) if "recent" in state else 0
         self.count = int(state.get("count", 0))
         self._refresh()
@@ -305,6 +341,7 @@ class CollapseDetector:
         self.collapsed = False
         self.count = 0
         self._reference: float | None = None
+        self._below = 0  # how many of `recent` are below the limit (the median needs half of them to be)
 
     @property
     def reference(self) -> float | None:
@@ -321,10 +358,18 @@ class CollapseDetector:
         if reference is None:
             self.values.append(value)
             return None
-        self.recent.append(value)
-        self.count = self.count + 1 if value < self.ratio * reference else 0
-        typical = statistics.median(self.recent) if len(self.recent) == self.patience else math.inf
-        if not typical < self.ratio * reference:
+        limit = self.ratio * reference
+        recent = self.recent
+        if len(recent) == self.patience and recent[0] < limit:  # the oldest leaves the window
+            self._below -= 1
+        recent.append(value)
+        below = value < limit
+        self._below += below
+        self.count = self.count + 1 if below else 0
+        # The median of `patience` values is below the limit only if at least half of them are: else skip it.
+        full = len(recent) == self.patience
+        typical = statistics.median(recent) if full and 2 * self._below >= self.patience else math.inf
+        if not typical < limit:
             self.collapsed = False
             return None
         if self.collapsed:
@@ -352,6 +397,8 @@ class CollapseDetector:
         self.recent = deque((float(v) for v in state.get("recent", [])), maxlen=self.patience)
         self.collapsed = bool(state.get("collapsed", False))
         self._reference = None
+        reference = self.reference
+        self._below = 0 if reference is None else sum(v < self.ratio * reference for v in self.recent)
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.

@@ -47,7 +47,7 @@ from lightning_monitor._lightning import (
 from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, weights_finite
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind, Judgement
-from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
+from lightning_monitor.checks import CheckRecord, OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
 from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
@@ -306,7 +306,7 @@ class TrainingMonitor(Callback):
         # validation keys; any other setting may change between a run and its resume (see `on_load_checkpoint`).
         self._state_key = self._generate_state_key(val_loss_key=self.config.validation.val_loss_key)
         self._policy = Policy.of(self.config.response)
-        self.latest: dict[str, float] = {}
+        self._latest: CheckRecord | None = None  # the last check's figures (see `latest`)
         self._start_afresh()
         self._fitted: weakref.ref[pl.Trainer] | None = None  # the trainer of the last fit
         self._fresh, self._resumed = True, False  # this fit started afresh; a checkpoint restored the monitor
@@ -318,6 +318,8 @@ class TrainingMonitor(Callback):
         self._reads: StepReads | DeferredReads = StepReads()
         self._guarded = True  # the step guard can keep a step from the weights (not under DeepSpeed)
         self._histograms = False  # histograms asked for, and a logger to take them (found at the run's start)
+        self._show_on_bar = False  # `progress_bar` (read at the run's start, as the loggers are)
+        self._order_closed = False  # the forward-order hooks were removed after the first check
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -338,6 +340,11 @@ class TrainingMonitor(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The figures of the last training-step check: its ``loss`` and what it logs (empty before the first)."""
+        return {} if self._latest is None else self._latest.latest()
 
     @property
     def alerts(self) -> list[Alert]:
@@ -396,11 +403,13 @@ class TrainingMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Learn the forward order of the layers once (the hooks go after the first check), and watch activations.
         self._checks.order = ForwardOrder.of_layers(pl_module)
+        self._order_closed = False
         self._activations = ActivationWatch(pl_module) if self.config.step.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
         self._histograms = self._histograms_go_somewhere(trainer)
+        self._show_on_bar = self.config.figures.progress_bar
         unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
         self._guarded = unreadable is None
         if unreadable is not None:
@@ -467,13 +476,14 @@ class TrainingMonitor(Callback):
         self._step_closed = True
         if self._guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
             self._guard.disarm()
-        for pending, figures in self._reads.take(optimizer):
-            self._step_check(trainer, pending, figures)
+        if self._reads:  # a deferred check waits (host_sync="deferred")
+            for pending, figures in self._reads.take(optimizer):
+                self._step_check(trainer, pending, figures)
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
         self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
-        weight_parts: dict[str, Any] = {}
+        weight_parts: dict[str, Any] = {}  # the extras of this check, if any
         if self.config.figures.weight_norms:  # on logging steps only; the step before one keeps a copy of the weights
             watch = self._weights.setdefault(check.index, WeightWatch())
             if logs:
@@ -484,13 +494,15 @@ class TrainingMonitor(Callback):
             check.hold(self._scaler)
             return
 
-        # Measure, on the device.
-        step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
-        extras: dict[str, Any] = {"train_token_counts": step_counts, **weight_parts}
-        every_hist = self.config.figures.histogram_every_n_steps
-        if every_hist is not None and logs and self._histograms:  # a logging step `every_hist` steps after the last
+        # Measure, on the device: the norms and the loss, and the extras due at this check (none at most).
+        extras: dict[str, Any] = weight_parts
+        counted_at = None
+        if self._tokens.counts_due:  # the counts of the last logging step (every rank alike)
+            step_counts, counted_at = self._tokens.take_step_counts(check.norms.device)
+            extras["train_token_counts"] = step_counts
+        if logs and self._histograms:  # a logging step `histogram_every_n_steps` steps after the last
             last = self._histogram_at.get(check.index)
-            if last is None or at - last >= every_hist:
+            if last is None or at - last >= self.config.figures.histogram_every_n_steps:  # type: ignore[operator]
                 self._histogram_at[check.index] = at
                 extras.update(histogram_parts(check.norms))
         if self._activations is not None:
@@ -523,49 +535,28 @@ class TrainingMonitor(Callback):
 
     def _step_check(self, trainer: pl.Trainer, pending: PendingCheck, figures: StepFigures) -> None:
         """Judge, decide, word, act and write one training-step check whose figures are on the host."""
-        check = pending.check
+        check, extras = pending.check, figures.extras
         first_bad = None
         if self._activations is not None:  # the first module flagged since the last check, then a fresh start
-            first_bad = self._activations.take_first_nonfinite(figures.extras["activation_flags"])
-        if self._checks.order is not None:
+            first_bad = self._activations.take_first_nonfinite(extras["activation_flags"])
+        if self._checks.order is not None and not self._order_closed:  # the forward order is known after one step
             self._checks.order.close()
+            self._order_closed = True
         if pending.counted_at is not None:
-            counts = figures.extras["train_token_counts"]
+            counts = extras["train_token_counts"]
             self._accuracy(trainer, self._tokens.key("train"), counts, pending.counted_at)
             self._tokens.warn_counts("train", counts)
-        logged = check.figures(figures, self.config.step.layer_norms)
-        watch = self._weights.get(check.index)
-        if watch is not None:
-            layers = self.config.step.layer_norms
-            logged.update(watch.figures(pending.packing.norms, figures.extras, check.suffix, layers))
-        if GRAD_HIST in figures.extras:  # histograms go to TensorBoard and W&B; their non-finite counts to every logger
-            norms, suffix = pending.packing.norms, check.suffix
-            found = [
-                read_histograms(norms, figures.extras[part], part, suffix)
-                for part in (GRAD_HIST, WEIGHT_HIST)
-                if part in figures.extras
-            ]
-            for part, histograms in zip(("grad", "weight"), found, strict=False):
-                logged[f"{part}_nonfinite_values{suffix}"] = float(sum(h.nonfinite for h in histograms))
-            self._writer.histograms(trainer, [h for histograms in found for h in histograms], pending.at)
-        if self.config.figures.progress_bar and figures.grad_norm is not None:  # on the host already: no read
-            show_on_progress_bar(trainer, {total_key(check.suffix): figures.grad_norm})
-        self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
 
         # Judge, then decide.
-        judged = judge(check.detectors, figures)
-        notice = getattr(check.detectors.exploding, "notice", None)
+        detectors = check.detectors
+        judged = judge(detectors, figures)
+        notice = getattr(detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self._warn("exploding_grad_scale", notice)
         plan = self._recovery_plan(judged, figures, pending)
-        facts = StepFacts(
-            optimizer=check.index,
-            check=self._state.next_check(check.index),
-            unsafe=figures.unsafe,
-            amp=figures.amp,
-            read_after_step=pending.on_device is not None,
-            halted=self._state.halted,
-        )
+        unsafe = figures.unsafe
+        facts = StepFacts(check.index, self._state.next_check(check.index), unsafe, figures.amp,
+                          pending.on_device is not None, self._state.halted)  # fmt: skip
         verdict = decide(judged, facts, plan, self._state.ladder, self._policy)
         self._state.ladder = verdict.ladder
 
@@ -573,11 +564,34 @@ class TrainingMonitor(Callback):
         # Under DeepSpeed no step can be kept from the weights from outside its engine: no alert may say one was.
         skip = verdict.skip and self._guarded
         exact = keep_from_weights(self._guard, pending.optimizer) is SkipKind.EXACT if skip else True
-        overflowed = figures.amp and figures.grad_norm is not None and not math.isfinite(figures.grad_norm)
+        grad_norm = figures.grad_norm
+        overflowed = figures.amp and grad_norm is not None and not math.isfinite(grad_norm)
         kept_out = skip or pending.on_device in (OnDevice.FUSED, OnDevice.SKIPPED)
         self._state.skipped_steps += int(kept_out and not overflowed) + figures.overflow_steps  # overflows: the scaler
+        record = CheckRecord(check, figures, self.config.step.layer_norms, self._state.skipped_steps)
+        self._latest = record
+        if not (pending.logs or verdict.rulings or verdict.finished or not self._every or self._show_on_bar):
+            # The common check: no alert, not logged; its record is made only if a bundle or the history reads it.
+            self._writer.step(trainer, pending.at, pending.epoch, None, record, logs=False, alerts=(),
+                              run_alerts=self._state.alerts)  # fmt: skip
+            return
+
+        logged = record.logged()
+        watch = self._weights.get(check.index)
+        if watch is not None:
+            logged.update(watch.figures(pending.packing.norms, extras, check.suffix, self.config.step.layer_norms))
+        if GRAD_HIST in extras:  # histograms go to TensorBoard and W&B; their non-finite counts to every logger
+            norms, suffix = pending.packing.norms, check.suffix
+            parts = [part for part in (GRAD_HIST, WEIGHT_HIST) if part in extras]
+            found = [read_histograms(norms, extras[part], part, suffix) for part in parts]
+            for part, histograms in zip(("grad", "weight"), found, strict=False):
+                logged[f"{part}_nonfinite_values{suffix}"] = float(sum(h.nonfinite for h in histograms))
+            self._writer.histograms(trainer, [h for histograms in found for h in histograms], pending.at)
+        if self._show_on_bar and grad_norm is not None:  # on the host already: no read
+            show_on_progress_bar(trainer, {total_key(check.suffix): grad_norm})
         if self._state.skipped_steps:  # absent means none: no constant zero written at every logging step
-            latest["skipped_steps"] = logged["skipped_steps"] = float(self._state.skipped_steps)
+            logged["skipped_steps"] = float(self._state.skipped_steps)
+        latest = record.latest(logged)
         bundle, weights_ok, alerts = None, True, []
         if verdict.rulings:  # word the alerts with what acting on the step did
             bundle = self._open_bundle(trainer, verdict, pending.at)
@@ -606,7 +620,7 @@ class TrainingMonitor(Callback):
         self._state.alerts += alerts
         kept = latest  # the check's record in the history, with the limits in force where the history keeps it
         if pending.logs or alerts or not self._every:
-            kept = {**latest, **limits_in_force(check.detectors, check.suffix)}
+            kept = {**latest, **limits_in_force(detectors, check.suffix)}
         # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
         self._writer.step(trainer, pending.at, pending.epoch, logged, kept, logs=pending.logs or bool(halting),
                           alerts=alerts, run_alerts=self._state.alerts)  # fmt: skip
@@ -631,7 +645,7 @@ class TrainingMonitor(Callback):
         """What ``recover_on`` makes of this check's detections (nothing without it)."""
         recovery = self._recovery
         if not recovery.on:  # the common case: nothing to decide
-            return RecoveryPlan(list(judged.detections))
+            return RecoveryPlan(list(judged.detections)) if judged.detections else _NO_RECOVERY
         beyond = any(kind in recovery.settings.recover_on for kind in judged.beyond)
         first = pending.check.index == 0
         return recovery.plan(list(judged.detections), beyond, figures.unsafe, pending.at, first)
@@ -804,3 +818,5 @@ class TrainingMonitor(Callback):
 
 #: The device rule of a check read before its step: the host decides, nothing is applied on the device.
 _READ_BEFORE_STEP = DeviceRule()
+#: The recovery plan of a check without detections, where ``recover_on`` is off (its list is never changed).
+_NO_RECOVERY = RecoveryPlan([])

@@ -30,6 +30,8 @@ AT_ONCE = 2.5
 #: The next check stays up when it is above the level the spike was judged against by this fraction of the spike's
 #: bar (1: it is an outlier against that same level too).
 CONFIRM = 1.0
+#: How fast the recent level follows once it has ``RECENT`` values.
+_PER_RECENT = 1.0 / RECENT
 
 
 class SpikeDetector:
@@ -170,6 +172,10 @@ class SpikeDetector:
         # A spike under `at_once` waiting for the next check: (value, reference, std, bar, peaked).
         self.pending: tuple[float, float, float, float, bool] | None = None
         self.alerted = False  # the episode under way has been reported
+        # Rates and the peak's decay, computed once (each step reads them; the same floats as computed there).
+        self._per_window = 1.0 / window
+        self._level_rate = 4.0 / window
+        self._peak_decay = 0.5 ** (1.0 / (PEAK_MEMORY * window))
 
     @property
     def std(self) -> float:
@@ -190,43 +196,63 @@ class SpikeDetector:
 
     def update(self, value: float) -> Detection | None:
         """Take one figure; return a detection when the ``patience``-th outlier in a row arrives."""
+        # Called at every check: plain arithmetic on locals, `x if x > y else y` for `max` (the same value).
         self.outlier = False
         if not math.isfinite(value):
             return None
-        if value <= 0 and not self.linear:
+        linear = self.linear
+        if value <= 0 and not linear:
             if not self.signed:
                 return None
             self._go_linear()
-        y = value if self.linear else math.log(value)
-        if self.seen == 0:
+            linear = True
+        y = value if linear else math.log(value)
+        seen = self.seen
+        if seen == 0:
             self.seen, self.level, self.recent, self.previous, self.magnitude = 1, y, y, y, abs(y)
-            self.linear_seen = int(self.linear)
+            self.linear_seen = int(linear)
             return None
-        std = self.std
+        std = math.sqrt(self.var)  # `self.std`, inline
+        floor = self.min_std * self.magnitude if linear else self.min_std
+        if floor > std:
+            std = floor
+        if std < 1e-12:
+            std = 1e-12
         predicted = self.recent
         rise = y - predicted
-        bar = self.threshold * std
-        tracked = self.linear or self.tail_margin  # the largest recent rise is tracked, and bars a spike
+        bar = cap = self.threshold * std
+        tracked = linear or self.tail_margin  # the largest recent rise is tracked, and bars a spike
         peaked = tracked and PEAK_MARGIN * self.peak > bar
         if peaked:
             bar = PEAK_MARGIN * self.peak
-        judged = self.seen >= self.warmup and (not self.linear or self.linear_seen >= self.warmup)
-        self.outlier = judged and rise > bar
-        clipped = min(y, predicted + self.threshold * std) if judged else y
-        self.linear_seen += int(self.linear)
+        judged = seen >= self.warmup and (not linear or self.linear_seen >= self.warmup)
+        outlier = self.outlier = judged and rise > bar
+        clipped = y
+        if judged and predicted + cap < y:
+            clipped = predicted + cap
+        if linear:
+            self.linear_seen += 1
         if tracked:
-            self.peak *= 0.5 ** (1.0 / (PEAK_MEMORY * self.window))
-            if not self.outlier:
-                self.peak = max(self.peak, rise)
+            self.peak *= self._peak_decay
+            if not outlier and rise > self.peak:
+                self.peak = rise
         # Plain averages until the windows fill up, then exponential ones.
-        self.seen += 1
-        rate = max(1.0 / self.window, 1.0 / self.seen)
-        self.level += max(4.0 / self.window, 1.0 / self.seen) * (clipped - self.level)
-        self.recent += max(1.0 / RECENT, 1.0 / self.seen) * (clipped - self.recent)
+        seen += 1
+        self.seen = seen
+        per_seen = 1.0 / seen
+        rate = per_seen if per_seen > self._per_window else self._per_window
+        level_rate = per_seen if per_seen > self._level_rate else self._level_rate
+        recent_rate = per_seen if per_seen > _PER_RECENT else _PER_RECENT
+        self.level += level_rate * (clipped - self.level)
+        self.recent += recent_rate * (clipped - predicted)
         self.var += rate * ((clipped - self.previous) ** 2 / 2 - self.var)
         self.magnitude += rate * (abs(clipped) - self.magnitude)
         self.previous = clipped
-        self.count = self.count + 1 if self.outlier else 0
+        if not outlier and self.pending is None:  # the common step: nothing pending, nothing to report
+            self.count = 0
+            self.alerted = False
+            return None
+        self.count = self.count + 1 if outlier else 0
         found = None
         if self.pending is not None:  # the check after a spike too small to alert alone: is the level still up?
             first, reference, spread, high, peak = self.pending
@@ -234,7 +260,7 @@ class SpikeDetector:
             if y - reference > self.confirm * high:
                 found = self._detection(first, reference, spread, high, peak, after=value)
         if self.count == self.patience and found is None and not self.alerted:
-            big = self.linear or rise >= math.log(self.at_once)
+            big = linear or rise >= math.log(self.at_once)
             if big:
                 found = self._detection(value, predicted, std, bar, peaked)
             else:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple
 
 from lightning_monitor.alerts import AlertKind, format_value
 
 __all__ = ["StepFigures"]
 
 
-@dataclass(frozen=True)
-class StepFigures:
+class StepFigures(NamedTuple):
     """The host figures of one check, combined over ranks, plus what each rank saw for attribution."""
 
     loss: float | None  # None when no backward ran since the last check
@@ -24,8 +25,8 @@ class StepFigures:
     amp: bool
     loss_ranks: list[float]  # each rank's loss sum, for attribution
     grad_ranks: list[float]  # each rank's local squared total, for attribution
-    replicated_ranks: list[float] = field(default_factory=list)  # each rank's replicated part of it (DDP)
-    extras: dict[str, list[list[float]]] = field(default_factory=dict)  # each extra part, per rank
+    replicated_ranks: Sequence[float] = ()  # each rank's replicated part of it (DDP)
+    extras: Mapping[str, list[list[float]]] = MappingProxyType({})  # each extra part, per rank
 
     @property
     def grad_nonfinite(self) -> bool:

@@ -207,6 +207,8 @@ class TokenAccuracyTracker:
         self.logged_at: int | None = None
         self._every_batch = False
         self._pending: tuple[Tensor, int] | None = None  # a step's counts, waiting to be shipped with the next check
+        self._due = False  # a logging step closed since the last check: its counts (or zeros) go with the next
+        self._counting = False  # the settings count tokens at all (the same on every rank)
         self._no_counts: tuple[Tensor, ...] | None = None  # cached zeros standing for "no counts waiting"
 
     def key(self, stage: Stage) -> str:
@@ -237,7 +239,8 @@ class TokenAccuracyTracker:
         self._counted_train = False
         self._every_batch = every_batch
         self._warned.clear()
-        self._window, self.logged_at, self._pending = 0, None, None
+        self._window, self.logged_at, self._pending, self._due = 0, None, None, False
+        self._counting = bool(enabled)
         self._told_shift = False
         self._per_example = None
 
@@ -263,9 +266,19 @@ class TokenAccuracyTracker:
         if self.logged_at is not None:
             counts = self.counts_since_mark(self._window)
             self._pending = None if counts is None else (counts, self.logged_at)
+            self._due = self._counting
         self._window += 1
         if next_may_log and "train" not in self.disabled:
             self.mark(self._window)
+
+    @property
+    def counts_due(self) -> bool:
+        """Whether the next check carries a logged step's counts: on every rank alike, whatever each counted.
+
+        Set when a logging step closes with token accuracy on, until :meth:`take_step_counts`; checks in between
+        carry none. Every rank packs the same layout: a rank with no counts waiting sends zeros.
+        """
+        return self._due or self._pending is not None
 
     def take_step_counts(self, device: torch.device) -> tuple[tuple[Tensor, ...], int | None]:
         """The ``(correct, total, invalid, nan)`` of the last logged step (0-d, on ``device``) and its step.
@@ -274,6 +287,7 @@ class TokenAccuracyTracker:
         ``PACK_DTYPE`` (float32): exact up to 2**24 tokens per rank in one logging step, and beyond that rounded at
         the precision loggers store the figure in.
         """
+        self._due = False
         if self._pending is None:
             if self._no_counts is None or self._no_counts[0].device != device:
                 self._no_counts = torch.zeros(COUNTS, dtype=PACK_DTYPE, device=device).unbind()

@@ -16,7 +16,7 @@ from lightning_monitor._compat import rank_zero_info
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import Alert
 from lightning_monitor.histograms import Histogram, write_histograms
-from lightning_monitor.history import HISTORY_FILE, RunHistory
+from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolved
 from lightning_monitor.run_folder import run_folder, writes_files
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
 
@@ -45,7 +45,7 @@ class RunWriter:
         self.alerts_file = alerts_file
         self.log_dir = Path(".")
         self.history = RunHistory()
-        self.recent: deque[tuple[int, int, dict[str, float]]] = deque(maxlen=RECENT_CHECKS)
+        self.recent: deque[tuple[int, int, Figures]] = deque(maxlen=RECENT_CHECKS)
         self._console = ConsoleSink()
         self._loggers = LoggerSink([])
         self._jsonl: JsonlSink | None = None
@@ -102,8 +102,8 @@ class RunWriter:
         trainer: pl.Trainer,
         at: int,
         epoch: int,
-        logged: dict[str, float],
-        latest: dict[str, float],
+        logged: dict[str, float] | None,
+        latest: Figures,
         *,
         logs: bool,
         alerts: Sequence[Alert],
@@ -115,17 +115,18 @@ class RunWriter:
             trainer: The trainer.
             at: The step the check's figures are logged at.
             epoch: The epoch of that step.
-            logged: The figures to log.
-            latest: The check's figures as kept in the history and a bundle's.
+            logged: The figures to log (``None`` for a check that does not log, where the trainer has loggers).
+            latest: The check's figures as kept in the history and a bundle's, or a record that makes them when read.
             logs: Whether the figures are written to the loggers at this step.
             alerts: The check's alerts, in order.
             run_alerts: Every alert of the run so far, these included (the counts per kind start from them).
         """
-        self.alerts(trainer, alerts, run_alerts)
+        if alerts:
+            self.alerts(trainer, alerts, run_alerts)
         if logs:
-            self.figures(trainer, logged, at)
+            self.figures(trainer, logged or {}, at)
         elif not trainer.loggers:  # no logging step without a logger: callback_metrics still get every check's
-            mirror_callback_metrics(trainer, logged)
+            mirror_callback_metrics(trainer, logged or {})
         self.recent.append((at, epoch, latest))
         self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))
 
@@ -148,7 +149,7 @@ class RunWriter:
 
     def recent_records(self) -> Iterator[dict[str, Any]]:
         """The last checks' figures, each with its step and epoch, oldest first (a bundle's history)."""
-        return ({"step": step, "epoch": epoch, **figures} for step, epoch, figures in self.recent)
+        return ({"step": step, "epoch": epoch, **resolved(figures)} for step, epoch, figures in self.recent)
 
     def add_files(self, paths: Sequence[Path]) -> None:
         """Make the files among ``paths`` that were written part of every W&B and MLflow run (rank zero)."""
