@@ -20,7 +20,8 @@ runs, every-step runs apart from the runs logged every N steps (all alerts of th
 had not stopped it); sick runs caught (any alert at or after the labelled onset) and halted, and how late (steps, and
 checks of the signal that shows the fault: evaluations for a validation fault, whose catch must be a validation
 alert); halts before the onset of a sick run.
-The held-out runs (``heldout: true``, a quarter picked with a fixed seed before any rule ran) are reported apart.
+The held-out runs (``heldout: true``, a quarter picked with a fixed seed before any rule ran) are reported apart, and
+the second round's held-out runs (``heldout: "round2"``, a third of the runs added in round 2) apart again.
 Runs marked ``fp16_amp`` (the logs show a GradScaler skipping a step) are replayed as fp16 runs by the two rules that
 know AMP (the package, with ``amp=True``, and the seed); the peers' rules take no such notion.
 
@@ -29,6 +30,7 @@ Usage::
     PYTHONPATH=$PWD python benchmarks/real_runs.py            # the tables, as Markdown
     PYTHONPATH=$PWD python benchmarks/real_runs.py --runs     # and one row per run
     PYTHONPATH=$PWD python benchmarks/real_runs.py --set KEY=VALUE ...   # the package with other settings
+    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open       # one set only (open, heldout, round2)
 """
 
 from __future__ import annotations
@@ -361,15 +363,32 @@ def per_run(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Sequenc
                 )
             cells.append(", ".join(c for c in cell if c) or "-")
         label = run.meta["label"] + (f" ({run.meta['onset_step']})" if run.sick else "")
-        held = " (held out)" if run.meta["heldout"] else ""
+        held = {True: " (held out)", "round2": " (held out, round 2)"}.get(run.meta["heldout"], "")
         lines.append(f"| {run.id}{held} | {run.meta['kind']} | {run.steps} | {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+#: The sets of runs reported apart: ``heldout`` false, true, and ``"round2"`` in ``runs.json``.
+GROUPS = {
+    "open": "Runs open to tuning",
+    "heldout": "Held-out runs, reported apart, not to be tuned on",
+    "round2": "Held-out runs of round 2, reported apart, not to be tuned on",
+}
+
+
+def group(run: Run) -> str:
+    """The set a run is reported in."""
+    held = run.meta["heldout"]
+    return "round2" if held == "round2" else "heldout" if held else "open"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", action="store_true", help="also print one row per run")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--group", choices=[*GROUPS, "all"], default="all", help="report one set of runs only (default: all)"
+    )
     args = parser.parse_args(argv)
     settings = {}
     for item in args.settings:  # read as `lightning-monitor replay --set` reads them
@@ -382,19 +401,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         "olmo": rule_olmo,
         "zclip": rule_zclip,
     }
-    runs = load_runs()
+    runs = [r for r in load_runs() if args.group in ("all", group(r))]
     scores = {
         name: {run.id: score(run, rule(run.points, run.meta["fp16_amp"])) for run in runs}
         for name, rule in rules.items()
     }
-    tuned = [r for r in runs if not r.meta["heldout"]]
-    held = [r for r in runs if r.meta["heldout"]]
     points = sum(len(r.points) for r in runs)
-    print(f"{len(runs)} runs ({sum(r.sick for r in runs)} sick), {points:,} logged points.\n")
-    print(f"Runs open to tuning ({len(tuned)}):\n")
-    print("\n".join(summarize(tuned, scores, list(rules))))
-    print(f"\nHeld-out runs ({len(held)}), reported apart, not to be tuned on:\n")
-    print("\n".join(summarize(held, scores, list(rules))))
+    print(f"{len(runs)} runs ({sum(r.sick for r in runs)} sick), {points:,} logged points.")
+    for name, title in GROUPS.items():
+        part = [r for r in runs if group(r) == name]
+        if part:
+            print(f"\n{title} ({len(part)}):\n")
+            print("\n".join(summarize(part, scores, list(rules))))
     if args.runs:
         print("\nPer run (halt: first halting step; w: warnings; caught: first alert at or after the onset, +steps):\n")
         print("\n".join(per_run(runs, scores, list(rules))))

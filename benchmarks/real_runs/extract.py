@@ -1,8 +1,9 @@
 """Pull the logged values of public training runs into small CSVs (provenance of benchmarks/real_runs).
 
 Each source is a public GitHub repository read from a local snapshot (``git --git-dir MIRROR show
-COMMIT:PATH``); only the logged figures are kept: ``step,loss,grad_norm,val_loss,lr``. Run from the
-worktree root after the snapshots are on this machine::
+COMMIT:PATH``): a Hugging Face ``trainer_state.json``, a modded-nanogpt record log, or a Lightning CSVLogger
+``metrics.csv`` (``format`` in ``sources.json``); only the logged figures are kept:
+``step,loss,grad_norm,val_loss,lr``. Run from the worktree root after the snapshots are on this machine::
 
     python benchmarks/real_runs/extract.py /work/.mirror
 """
@@ -75,6 +76,21 @@ def from_nanogpt_log(text: str) -> list[dict[str, str]]:
     return [rows[s] for s in sorted(rows)]
 
 
+def from_lightning_csv(text: str, columns: dict[str, str]) -> list[dict[str, str]]:
+    """Rows of a Lightning CSVLogger ``metrics.csv``, merged by step; ``columns`` maps ``loss``, ``grad_norm``,
+    ``val_loss`` and ``lr`` to the run's own column names (those it did not log are left out)."""
+    rows: dict[int, dict[str, str]] = {}
+    for line in csv.DictReader(text.splitlines()):
+        if not line.get("step"):
+            continue
+        step = int(float(line["step"]))
+        for key, column in columns.items():
+            if line.get(column) not in (None, ""):
+                row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+                row[key] = _num(float(line[column]))
+    return [rows[s] for s in sorted(rows)]
+
+
 def write(run_id: str, rows: list[dict[str, str]]) -> None:
     with open(HERE / f"{run_id}.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=["step", "loss", "grad_norm", "val_loss", "lr"])
@@ -86,7 +102,12 @@ def main(mirrors: Path) -> None:
     sources = json.loads((HERE / "sources.json").read_text())
     for run_id, source in sources.items():
         text = _git(mirrors, source["repo"], "show", f"{source['commit']}:{source['path']}")
-        rows = from_trainer_state(text) if source["format"] == "trainer_state" else from_nanogpt_log(text)
+        if source["format"] == "trainer_state":
+            rows = from_trainer_state(text)
+        elif source["format"] == "lightning_csv":
+            rows = from_lightning_csv(text, source["columns"])
+        else:
+            rows = from_nanogpt_log(text)
         write(run_id, rows)
         print(run_id, len(rows))
 
