@@ -80,10 +80,13 @@ class Judgement(NamedTuple):
             hides the non-finite gradients it makes, an explosion hides the spike it is).
         beyond: Every kind whose figure was beyond its limit at this check, whether or not it fired, described as a
             detection would (what ``skip_on``, ``recover_on`` and the halting ladder count), causes only.
+        limits: The limits the next check is judged against, as history keys (``limit/exploding_grad``...), where
+            asked for or where something was found or beyond a limit; else ``None``.
     """
 
     detections: tuple[Detection, ...] = ()
     beyond: Mapping[AlertKind, Detection] = MappingProxyType({})
+    limits: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)

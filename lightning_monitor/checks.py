@@ -5,16 +5,14 @@ the parameters it steps (and from a checkpoint after a resume). An :class:`Optim
 (:class:`~lightning_monitor.grad_norms.LayerGradNorms`) and carries that optimizer's detectors for the judge stage
 (:mod:`~lightning_monitor.judging`). At a check it measures the gradients and packs them with the loss, the loss scale
 and any extra figures into one tensor of named parts (:class:`~lightning_monitor.packing.Layout`); the read stage
-gathers it from every rank and reads it to the host once (:mod:`~lightning_monitor.deferred`), and :meth:`combine`
-turns the rows into :class:`StepFigures`. Between checks (``check_every_n_steps > 1``) it keeps the worst figures on
-the device, with no host sync.
+(:mod:`~lightning_monitor.deferred`) gathers it from every rank, reads it to the host once, and turns the rows into
+:class:`StepFigures` (:meth:`StepFigures.of`). Between checks (``check_every_n_steps > 1``) it keeps the worst
+figures on the device, with no host sync.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -22,10 +20,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_monitor._compat import rank_zero_warn
-from lightning_monitor._host import fsum, gather_ranks, host_dtype, to_device, world_size
+from lightning_monitor._host import gather_ranks, host_dtype, to_device, world_size
 from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.activations import ForwardOrder
-from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks
+from lightning_monitor.grad_norms import LayerGradNorms
 from lightning_monitor.keys import layer_keys, total_key
 from lightning_monitor.packing import PACK_DTYPE, Layout, Part
 from lightning_monitor.step_figures import StepFigures
@@ -37,7 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HELD_STEPS_AT_MOST",
-    "CheckRecord",
     "OptimizerCheck",
     "OptimizerChecks",
     "Packing",
@@ -59,7 +56,7 @@ _LOSS_SCALE = (("loss_sum", 1), ("scale", 1))
 
 
 class Packing(NamedTuple):
-    """How a check's packed tensor is laid out, and what :meth:`OptimizerCheck.combine` needs to read it back."""
+    """How a check's packed tensor is laid out, and what :meth:`StepFigures.of` needs to read it back."""
 
     layout: Layout
     held: int  # steps held since the last check
@@ -68,12 +65,11 @@ class Packing(NamedTuple):
     extras: tuple[str, ...]
     norms: LayerGradNorms  # the parameters measured when it was packed
     counts: tuple[int, int] = (0, 0)  # one process: the micro-batch losses summed, the gradients present
+    fused: bool = False  # the gradients are still scaled by the loss scale (a fused optimizer under fp16 AMP)
 
 
 #: The layout key of a plain check: one process, no held steps, no fp16 scaler, no extras.
 _PLAIN = (False, False, False)
-#: The extras of a check that packs none.
-_NO_EXTRAS: Mapping[str, list[list[float]]] = MappingProxyType({})
 
 
 class OptimizerCheck:
@@ -96,8 +92,8 @@ class OptimizerCheck:
         self.suffix = suffix
         self.fused = fused
         self.order: ForwardOrder | None = None  # set by the monitor once the forward order is known
-        self._total_key = total_key(suffix)
-        self._layer_keys = layer_keys(norms.names, suffix)
+        self.total_key = total_key(suffix)  # the keys its figures are logged under
+        self.layer_keys = layer_keys(norms.names, suffix)
         # Device-side figures since the last check: the held steps' norms not yet reduced (see `hold`), the worst
         # total (replicated, sharded) and the count of overflowing steps of those reduced, and the steps held.
         self._held: list[Tensor] = []
@@ -114,7 +110,7 @@ class OptimizerCheck:
         """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
         self._reduce_held()  # the held norms are laid out as the old parameters are
         self.norms = norms
-        self._layer_keys = layer_keys(norms.names, self.suffix)
+        self.layer_keys = layer_keys(norms.names, self.suffix)
         self._layouts = {}
 
     def count_step(self, every: int) -> bool:
@@ -174,7 +170,7 @@ class OptimizerCheck:
             ranks: :func:`~lightning_monitor._host.world_size`, when the caller knows it.
         """
         packed, packing = self.pack(loss, scaler, extras, ranks)
-        return self.combine(packing, gather_ranks(packed, packing.ranks))  # the one host sync of this check
+        return StepFigures.of(packing, gather_ranks(packed, packing.ranks))  # the one host sync of this check
 
     def pack(
         self,
@@ -183,7 +179,7 @@ class OptimizerCheck:
         extras: Mapping[str, Part] | None = None,
         ranks: int | None = None,
     ) -> tuple[Tensor, Packing]:
-        """:meth:`read` up to the gather: this rank's packed tensor (on the device), and how to :meth:`combine` it."""
+        """:meth:`read` up to the gather: this rank's packed tensor (on the device), and how to read it back."""
         norms = self.norms.norm_list()
         loss_sum, loss_count = loss
         device, held = self.norms.device, self._held_steps  # `norms` is on this device
@@ -196,7 +192,7 @@ class OptimizerCheck:
             plain = [zero if loss_sum is None else loss_sum, *norms]
             packed = torch.stack(plain) if layout.single_stack else layout.pack(plain)
             self._present = 0
-            return packed, Packing(layout, 0, 1, False, (), self.norms, (loss_count, present))
+            return packed, Packing(layout, 0, 1, False, (), self.norms, (loss_count, present), self.fused)
         amp = scaler is not None
         scale_now = scale_tensor(scaler, device) if amp else None
         if ranks > 1:  # host-known counts travel with the rest, so every rank decides on the same numbers
@@ -230,68 +226,7 @@ class OptimizerCheck:
             self._peak, self._overflows = None, None
         self._present, self._held_steps = 0, 0
         names = tuple(extras) if extras else ()
-        return packed, Packing(layout, held, ranks, amp, names, self.norms, (loss_count, present))
-
-    def combine(self, packing: Packing, rows: list[list[float]]) -> StepFigures:
-        """The host figures of a check from every rank's row of its gathered tensor (see :meth:`pack`)."""
-        layout, held, ranks, amp, norms_of = packing.layout, packing.held, packing.ranks, packing.amp, packing.norms
-        first, where = rows[0], layout.slices
-        scale = first[1] if amp and ranks == 1 else first[where["scale"].start] if amp else 1.0
-        if ranks == 1 and not held and not self.fused and not packing.extras:  # a plain check, the common one
-            loss_count, present = packing.counts
-            loss_sum, layer_sq = first[0], norms_of.layer_squares(first[where["norms"]])
-            total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
-            norm = math.sqrt(total_sq) if present else None
-            overflow_steps = (0 if math.isfinite(total_sq) else 1) if amp else 0
-            return StepFigures(loss_sum / loss_count if loss_count else None, norm, norm, layer_sq, overflow_steps, 1,
-                               scale if amp else None, amp, [loss_sum], [total_sq], [], _NO_EXTRAS)  # fmt: skip
-        if ranks > 1:
-            per_rank = layout.read(rows)
-            norm_rows = per_rank["norms"]
-            layer_sq = combine_ranks(norm_rows)
-            rank_sq: list[float] | None = [fsum(row) for row in norm_rows]
-            layers = len(norms_of.names)
-            replicated = [fsum(row[:layers]) for row in norm_rows]
-            has_grads = any(v > 0 for v in per_rank.scalars("present"))
-            count = fsum(per_rank.scalars("loss_count"))
-            loss_total = fsum(per_rank.scalars("loss_sum"))
-        else:  # the same figures, without the loops over ranks; the counts from the host
-            layer_sq = norms_of.layer_squares(first[where["norms"]])
-            rank_sq, replicated = None, []  # the total below
-            count, present = packing.counts
-            has_grads = present > 0
-            loss_total = first[0]  # `loss_sum`, first in a one-process layout
-        if self.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
-            unscale = scale**2
-            layer_sq = [v / unscale for v in layer_sq]
-        total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
-        overflow_steps = 0 if math.isfinite(total_sq) else 1
-        norm = math.sqrt(total_sq)
-        grad_norm = grad_peak = norm if has_grads else None
-        if held and has_grads:
-            held_norm = math.sqrt(combine_ranks([r[where["held_peak"]] for r in rows])[0])  # finite, unscaled
-            held_bad = int(max(r[where["held_overflows"].start] for r in rows))
-            overflow_steps += held_bad
-            if not amp:  # a non-finite gradient is an alert: it shows in the peak
-                worst = max(held_norm, norm, key=lambda v: math.inf if math.isnan(v) else v)
-                grad_peak = math.nan if held_bad and math.isfinite(worst) else worst
-            else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
-                finite = [v for v in (held_norm, norm) if math.isfinite(v)]
-                grad_peak = max(finite) if finite else norm
-        return StepFigures(
-            loss_total / count if count else None,
-            grad_norm,
-            grad_peak,
-            layer_sq,
-            overflow_steps if amp else 0,
-            held + 1,
-            scale if amp else None,
-            amp,
-            [first[where["loss_sum"].start]] if ranks == 1 else [r[where["loss_sum"].start] for r in rows],
-            [total_sq] if rank_sq is None else rank_sq,
-            replicated,
-            {name: [list(r[where[name]]) for r in rows] for name in packing.extras} if packing.extras else _NO_EXTRAS,
-        )
+        return packed, Packing(layout, held, ranks, amp, names, self.norms, (loss_count, present), self.fused)
 
     def _layout(self, held: bool, several: bool, amp: bool, extras: Mapping[str, Part] | None = None) -> Layout:
         """The layout of this check's packed tensor, built once per pattern of parts (an extra keeps its size)."""
@@ -329,45 +264,6 @@ class OptimizerCheck:
             cached = to_device(counts, device, PACK_DTYPE).unbind()
             self._counts[counts] = cached
         return cached
-
-    def figures(self, step: StepFigures, layer_norms: bool) -> dict[str, float]:
-        """The host figures to log for this step."""
-        out: dict[str, float] = {}
-        if step.grad_norm is not None:
-            out[self._total_key] = step.grad_norm
-            if layer_norms:
-                norms = zip(self._layer_keys, map(math.sqrt, step.layer_sq), strict=True)
-                frozen = self.norms.frozen  # layers that cannot have a gradient (PEFT's base model): not logged
-                out.update(norms if not frozen else (kv for i, kv in enumerate(norms) if i not in frozen))
-        if step.loss_scale is not None:
-            out["loss_scale"] = step.loss_scale
-        return out
-
-
-class CheckRecord(NamedTuple):
-    """One check's host figures, made into the dictionaries that are logged and kept only when something reads them.
-
-    Most checks are neither logged nor alerted on: their record is only kept, for a post-mortem bundle's history
-    (:meth:`~lightning_monitor.writer.RunWriter.recent_records`) and :attr:`TrainingMonitor.latest`, which build it.
-    """
-
-    check: OptimizerCheck
-    figures: StepFigures
-    layer_norms: bool  # per-layer norms are logged
-    skipped_steps: int  # the run's skipped steps at this check
-
-    def logged(self) -> dict[str, float]:
-        """The figures of the check to log: the total and per-layer norms, the loss scale."""
-        return self.check.figures(self.figures, self.layer_norms)
-
-    def latest(self, logged: dict[str, float] | None = None) -> dict[str, float]:
-        """The check's record: its ``loss``, then ``logged`` (by default :meth:`logged` and ``skipped_steps``)."""
-        if logged is None:
-            logged = self.logged()
-            if self.skipped_steps:  # absent means none
-                logged["skipped_steps"] = float(self.skipped_steps)
-        loss = self.figures.loss
-        return {"loss": math.nan if loss is None else loss, **logged}
 
 
 class OptimizerChecks:

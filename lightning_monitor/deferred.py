@@ -128,7 +128,7 @@ class StepReads:
     def submit(self, pending: PendingCheck, packed: Tensor, rule: DeviceRule) -> list[Read]:
         """Gather ``packed`` from every rank and read it: the one host sync of a check."""
         del rule  # the host decides before the step: nothing to apply on the device
-        return [(pending, pending.check.combine(pending.packing, gather_ranks(packed, pending.packing.ranks)))]
+        return [(pending, StepFigures.of(pending.packing, gather_ranks(packed, pending.packing.ranks)))]
 
     def take(self, optimizer: Optimizer) -> list[Read]:
         """Nothing waits: every check was read when submitted."""
@@ -231,7 +231,7 @@ class DeferredReads:
         rows = [values[r * size : (r + 1) * size] for r in range(pending.packing.ranks)]
         if not acted and pending.on_device is not OnDevice.SKIPPED:
             pending = pending._replace(on_device=OnDevice.APPLIED)
-        return pending, pending.check.combine(pending.packing, rows)
+        return pending, StepFigures.of(pending.packing, rows)
 
 
 def resolve_host_sync(host_sync: HostSync, device: torch.device) -> Literal["step", "deferred"]:

@@ -99,8 +99,12 @@ class StepDetectors:
             det.load_state_dict(state.get(name, {}))
 
 
-def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
+def judge(detectors: StepDetectors, step: StepFigures, *, limits: bool = False, suffix: str = "") -> Judgement:
     """Run every detector on the figures of one check; report causes, not their echoes.
+
+    With ``limits`` (a check whose record keeps them), and whenever something was found or is beyond a limit, the
+    judgement carries the limits the next check is judged against (:func:`limits_in_force`, ``suffix`` the
+    optimizer's).
 
     Example:
         >>> from lightning_monitor import TrainingMonitor
@@ -136,8 +140,8 @@ def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
             found.append(x)
         if d.grad_spike is not None and (x := d.grad_spike.update(norm)) is not None:  # type: ignore[arg-type]
             found.append(x)
-    if not found and not _any_beyond(d, measured, step.amp):
-        return _CALM  # the common check: nothing found, nothing beyond a limit
+    if not found and not _any_beyond(d, measured, step.amp):  # the common check: nothing found, nothing beyond
+        return Judgement(limits=limits_in_force(d, suffix)) if limits else _CALM
     detections = found
     beyond = _beyond(d, step)
     if detections:
@@ -147,7 +151,7 @@ def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
             detections = [x for x in detections if x.kind is not AlertKind.NONFINITE_GRAD]
         if AlertKind.EXPLODING_GRAD in kinds:
             detections = [x for x in detections if x.kind is not AlertKind.GRAD_SPIKE]
-    return Judgement(tuple(detections), beyond)
+    return Judgement(tuple(detections), beyond, limits_in_force(d, suffix))
 
 
 #: The judgement of a check with nothing found and nothing beyond a limit.

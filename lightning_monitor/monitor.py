@@ -47,7 +47,7 @@ from lightning_monitor._lightning import (
 from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, weights_finite
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind, Judgement
-from lightning_monitor.checks import CheckRecord, OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
+from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
 from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
@@ -62,7 +62,7 @@ from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
 from lightning_monitor.validation import ValidationCheck
 from lightning_monitor.weights import WeightWatch
 from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
-from lightning_monitor.writer import RunWriter
+from lightning_monitor.writer import CheckRecord, RunWriter
 
 __all__ = ["DEFAULT_HALT_ON", "TrainingMonitor"]
 
@@ -549,7 +549,7 @@ class TrainingMonitor(Callback):
 
         # Judge, then decide.
         detectors = check.detectors
-        judged = judge(detectors, figures)
+        judged = judge(detectors, figures, limits=pending.logs or not self._every, suffix=check.suffix)
         notice = getattr(detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self._warn("exploding_grad_scale", notice)
@@ -620,10 +620,11 @@ class TrainingMonitor(Callback):
         self._state.alerts += alerts
         kept = latest  # the check's record in the history, with the limits in force where the history keeps it
         if pending.logs or alerts or not self._every:
-            kept = {**latest, **limits_in_force(detectors, check.suffix)}
+            limits = judged.limits if judged.limits is not None else limits_in_force(detectors, check.suffix)
+            kept = {**latest, **limits}
         # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
         self._writer.step(trainer, pending.at, pending.epoch, logged, kept, logs=pending.logs or bool(halting),
-                          alerts=alerts, run_alerts=self._state.alerts)  # fmt: skip
+                          alerts=alerts, run_alerts=self._state.alerts, halting=bool(halting))  # fmt: skip
         if bundle is not None:
             skipped = "deferred" if pending.on_device is not None else skip
             step = {
@@ -639,7 +640,7 @@ class TrainingMonitor(Callback):
         elif verdict.keep:
             self._recovery.keep(StateSources.of(trainer), pending.at)
         if halting:
-            self._halt(trainer, halting[0])
+            self._halt(trainer, halting[0], synced=True)
 
     def _recovery_plan(self, judged: Judgement, figures: StepFigures, pending: PendingCheck) -> RecoveryPlan:
         """What ``recover_on`` makes of this check's detections (nothing without it)."""
@@ -766,10 +767,14 @@ class TrainingMonitor(Callback):
         save_bundle(trainer, folder, step, self._writer.recent_records(), self._state.alerts, cause, self._warn)
         self._writer.bundle_written(trainer, folder)
 
-    def _halt(self, trainer: pl.Trainer, alert: Alert) -> None:
-        """Halt on this rank: every rank reaches this call at the same step with the same alert."""
+    def _halt(self, trainer: pl.Trainer, alert: Alert, synced: bool = False) -> None:
+        """Halt on this rank: every rank reaches this call at the same step with the same alert.
+
+        The alerts file and the bundle reach W&B and MLflow before the run ends (``synced``: the writer did it).
+        """
         self._state.halt(alert)
-        self._writer.sync(trainer)  # the alerts file and the bundle reach W&B and MLflow before the run ends
+        if not synced:
+            self._writer.sync(trainer)
         halt(trainer, alert, self.config.response.halt_mode)
 
     # ------------------------------------------------------------------------------------------------ checkpoints

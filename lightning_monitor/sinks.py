@@ -275,3 +275,34 @@ def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) ->
             f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).",
             category=RuntimeWarning,
         )
+
+
+def publish(
+    alerts: Sequence[tuple[Alert, int, int]],
+    figures: Mapping[str, float] | None,
+    step: int,
+    console: ConsoleSink,
+    loggers: LoggerSink,
+    jsonl: JsonlSink | None,
+    files: Sequence[Path] = (),
+) -> None:
+    """Write a check's alerts to the console, every logger and the alerts file, then its figures to every logger.
+
+    Args:
+        alerts: Each alert with the count of its kind so far and its index among the run's alerts (it included).
+        figures: The figures to log at ``step``, or ``None``.
+        step: The step the figures are logged at (an alert is logged at its own).
+        console: The console sink.
+        loggers: The trainer's loggers.
+        jsonl: The alerts file, if there is one.
+        files: Files written for these alerts, to make part of every W&B and MLflow run.
+    """
+    for alert, count, index in alerts:
+        console.write(alert)
+        loggers.write(alert, alert.step, count, index)
+        if jsonl is not None:
+            jsonl.write(alert)
+    if files:
+        loggers.add_files(files)
+    if figures:
+        loggers.log_figures(figures, step)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from lightning_monitor._host import fsum
 from lightning_monitor.alerts import AlertKind, format_value
+from lightning_monitor.grad_norms import combine_ranks
+
+if TYPE_CHECKING:
+    from lightning_monitor.checks import Packing
 
 __all__ = ["StepFigures"]
+
+#: The extras of a check that packs none.
+_NO_EXTRAS: Mapping[str, list[list[float]]] = MappingProxyType({})
 
 
 class StepFigures(NamedTuple):
@@ -28,6 +36,71 @@ class StepFigures(NamedTuple):
     replicated_ranks: Sequence[float] = ()  # each rank's replicated part of it (DDP)
     extras: Mapping[str, list[list[float]]] = MappingProxyType({})  # each extra part, per rank
 
+    @classmethod
+    def of(cls, packing: Packing, rows: list[list[float]]) -> StepFigures:
+        """The host figures of a check from every rank's row of its gathered tensor: what the read stage hands on.
+
+        ``packing`` is how :meth:`~lightning_monitor.checks.OptimizerCheck.pack` laid the tensor out.
+        """
+        layout, held, ranks, amp, norms_of = packing.layout, packing.held, packing.ranks, packing.amp, packing.norms
+        first, where = rows[0], layout.slices
+        scale = first[1] if amp and ranks == 1 else first[where["scale"].start] if amp else 1.0
+        if ranks == 1 and not held and not packing.fused and not packing.extras:  # a plain check, the common one
+            loss_count, present = packing.counts
+            loss_sum, layer_sq = first[0], norms_of.layer_squares(first[where["norms"]])
+            total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
+            norm = math.sqrt(total_sq) if present else None
+            overflow_steps = (0 if math.isfinite(total_sq) else 1) if amp else 0
+            return cls(loss_sum / loss_count if loss_count else None, norm, norm, layer_sq, overflow_steps, 1,
+                               scale if amp else None, amp, [loss_sum], [total_sq], [], _NO_EXTRAS)  # fmt: skip
+        if ranks > 1:
+            per_rank = layout.read(rows)
+            norm_rows = per_rank["norms"]
+            layer_sq = combine_ranks(norm_rows)
+            rank_sq: list[float] | None = [fsum(row) for row in norm_rows]
+            layers = len(norms_of.names)
+            replicated = [fsum(row[:layers]) for row in norm_rows]
+            has_grads = any(v > 0 for v in per_rank.scalars("present"))
+            count = fsum(per_rank.scalars("loss_count"))
+            loss_total = fsum(per_rank.scalars("loss_sum"))
+        else:  # the same figures, without the loops over ranks; the counts from the host
+            layer_sq = norms_of.layer_squares(first[where["norms"]])
+            rank_sq, replicated = None, []  # the total below
+            count, present = packing.counts
+            has_grads = present > 0
+            loss_total = first[0]  # `loss_sum`, first in a one-process layout
+        if packing.fused:  # fused optimizers unscale inside `step()`, so their gradients are still scaled at this hook
+            unscale = scale**2
+            layer_sq = [v / unscale for v in layer_sq]
+        total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
+        overflow_steps = 0 if math.isfinite(total_sq) else 1
+        norm = math.sqrt(total_sq)
+        grad_norm = grad_peak = norm if has_grads else None
+        if held and has_grads:
+            held_norm = math.sqrt(combine_ranks([r[where["held_peak"]] for r in rows])[0])  # finite, unscaled
+            held_bad = int(max(r[where["held_overflows"].start] for r in rows))
+            overflow_steps += held_bad
+            if not amp:  # a non-finite gradient is an alert: it shows in the peak
+                worst = max(held_norm, norm, key=lambda v: math.inf if math.isnan(v) else v)
+                grad_peak = math.nan if held_bad and math.isfinite(worst) else worst
+            else:  # fp16 overflows are counted, not alerted: the peak is the worst finite norm
+                finite = [v for v in (held_norm, norm) if math.isfinite(v)]
+                grad_peak = max(finite) if finite else norm
+        return cls(
+            loss_total / count if count else None,
+            grad_norm,
+            grad_peak,
+            layer_sq,
+            overflow_steps if amp else 0,
+            held + 1,
+            scale if amp else None,
+            amp,
+            [first[where["loss_sum"].start]] if ranks == 1 else [r[where["loss_sum"].start] for r in rows],
+            [total_sq] if rank_sq is None else rank_sq,
+            replicated,
+            {name: [list(r[where[name]]) for r in rows] for name in packing.extras} if packing.extras else _NO_EXTRAS,
+        )
+
     @property
     def grad_nonfinite(self) -> bool:
         """Whether some gradient since the last check was NaN or infinite."""
@@ -39,8 +112,10 @@ class StepFigures(NamedTuple):
 
         Under fp16 AMP the GradScaler skips overflowing gradients itself.
         """
-        loss_bad = self.loss is not None and not math.isfinite(self.loss)
-        return loss_bad or (self.grad_nonfinite and not self.amp)
+        loss, peak = self.loss, self.grad_peak
+        if loss is not None and not math.isfinite(loss):
+            return True
+        return not self.amp and peak is not None and not math.isfinite(peak)  # `grad_nonfinite`, outside fp16 AMP
 
     def rank_for(self, kind: AlertKind) -> int | None:
         """The rank an alert of ``kind`` can be traced to (see :meth:`attribution`), or ``None``."""

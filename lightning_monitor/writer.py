@@ -7,10 +7,11 @@ decides anything and never reads a device.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lightning_monitor._compat import rank_zero_info
 from lightning_monitor._lightning import logging_step, mirror_callback_metrics
@@ -18,15 +19,54 @@ from lightning_monitor.alerts import Alert
 from lightning_monitor.histograms import Histogram, write_histograms
 from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolved
 from lightning_monitor.run_folder import run_folder, writes_files
-from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, write_settings
+from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, publish, write_settings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["RECENT_CHECKS", "RunWriter"]
+    from lightning_monitor.checks import OptimizerCheck
+    from lightning_monitor.step_figures import StepFigures
+
+__all__ = ["RECENT_CHECKS", "CheckRecord", "RunWriter"]
 
 #: How many checks the post-mortem bundle's history keeps.
 RECENT_CHECKS = 256
+
+
+class CheckRecord(NamedTuple):
+    """One check's host figures, made into the dictionaries that are logged and kept only when something reads them.
+
+    Most checks are neither logged nor alerted on: their record is only kept, for a post-mortem bundle's history
+    (:meth:`RunWriter.recent_records`) and ``TrainingMonitor.latest``, which build it when they read it.
+    """
+
+    check: OptimizerCheck
+    figures: StepFigures
+    layer_norms: bool  # per-layer norms are logged
+    skipped_steps: int  # the run's skipped steps at this check
+
+    def logged(self) -> dict[str, float]:
+        """The figures of the check to log: the total and per-layer norms, the loss scale."""
+        check, step = self.check, self.figures
+        out: dict[str, float] = {}
+        if step.grad_norm is not None:
+            out[check.total_key] = step.grad_norm
+            if self.layer_norms:
+                norms = zip(check.layer_keys, map(math.sqrt, step.layer_sq), strict=True)
+                frozen = check.norms.frozen  # layers that cannot have a gradient (PEFT's base model): not logged
+                out.update(norms if not frozen else (kv for i, kv in enumerate(norms) if i not in frozen))
+        if step.loss_scale is not None:
+            out["loss_scale"] = step.loss_scale
+        return out
+
+    def latest(self, logged: dict[str, float] | None = None) -> dict[str, float]:
+        """The check's record: its ``loss``, then ``logged`` (by default :meth:`logged` and ``skipped_steps``)."""
+        if logged is None:
+            logged = self.logged()
+            if self.skipped_steps:  # absent means none
+                logged["skipped_steps"] = float(self.skipped_steps)
+        loss = self.figures.loss
+        return {"loss": math.nan if loss is None else loss, **logged}
 
 
 class RunWriter:
@@ -108,6 +148,7 @@ class RunWriter:
         logs: bool,
         alerts: Sequence[Alert],
         run_alerts: Sequence[Alert],
+        halting: bool = False,
     ) -> None:
         """Write one training-step check: its alerts, its figures where it logs, and its record.
 
@@ -120,32 +161,36 @@ class RunWriter:
             logs: Whether the figures are written to the loggers at this step.
             alerts: The check's alerts, in order.
             run_alerts: Every alert of the run so far, these included (the counts per kind start from them).
+            halting: The check halts training: the W&B and MLflow runs' copies of the files are brought up to date.
         """
-        if alerts:
-            self.alerts(trainer, alerts, run_alerts)
-        if logs:
-            self.figures(trainer, logged or {}, at)
-        elif not trainer.loggers:  # no logging step without a logger: callback_metrics still get every check's
+        if logs or not trainer.loggers:
             mirror_callback_metrics(trainer, logged or {})
+        if trainer.is_global_zero and (alerts or (logs and logged)):
+            self._publish(alerts, run_alerts, logged if logs else None, at)
         self.recent.append((at, epoch, latest))
-        self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))
+        self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))  # `latest` holds `logged`
+        if halting:
+            self.sync(trainer)
 
     def alerts(self, trainer: pl.Trainer, alerts: Sequence[Alert], run_alerts: Sequence[Alert]) -> None:
         """On rank zero: write ``alerts`` to the console, every logger and the JSON-lines file.
 
         ``run_alerts`` holds every alert of the run so far, these the last: ``alerts/<kind>`` counts on from them.
         """
-        if not alerts or not trainer.is_global_zero:
-            return
+        if alerts and trainer.is_global_zero:
+            self._publish(alerts, run_alerts, None, 0)
+
+    def _publish(
+        self, alerts: Sequence[Alert], run_alerts: Sequence[Alert], figures: dict[str, float] | None, step: int
+    ) -> None:
+        """Hand a check's alerts (numbered on from ``run_alerts``) and figures to the sinks, once (rank zero)."""
         first = len(run_alerts) - len(alerts)
-        for index, alert in enumerate(alerts, start=first + 1):
-            self._console.write(alert)
-            count = sum(a.kind is alert.kind for a in run_alerts[:index])
-            self._loggers.write(alert, alert.step, count, index)
-            if self._jsonl is not None:
-                self._jsonl.write(alert)
-        if self._jsonl is not None:
-            self.add_files([self._jsonl.path])
+        counted = [
+            (alert, sum(a.kind is alert.kind for a in run_alerts[:index]), index)
+            for index, alert in enumerate(alerts, start=first + 1)
+        ]
+        files = [self._jsonl.path] if alerts and self._jsonl is not None and self._jsonl.path.is_file() else []
+        publish(counted, figures, step, self._console, self._loggers, self._jsonl, files)
 
     def recent_records(self) -> Iterator[dict[str, Any]]:
         """The last checks' figures, each with its step and epoch, oldest first (a bundle's history)."""
