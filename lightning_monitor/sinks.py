@@ -284,7 +284,6 @@ def publish(
     console: ConsoleSink,
     loggers: LoggerSink,
     jsonl: JsonlSink | None,
-    files: Sequence[Path] = (),
 ) -> None:
     """Write a check's alerts to the console, every logger and the alerts file, then its figures to every logger.
 
@@ -294,15 +293,14 @@ def publish(
         step: The step the figures are logged at (an alert is logged at its own).
         console: The console sink.
         loggers: The trainer's loggers.
-        jsonl: The alerts file, if there is one.
-        files: Files written for these alerts, to make part of every W&B and MLflow run.
+        jsonl: The alerts file, if there is one: once written, it is made part of every W&B and MLflow run.
     """
     for alert, count, index in alerts:
         console.write(alert)
         loggers.write(alert, alert.step, count, index)
         if jsonl is not None:
             jsonl.write(alert)
-    if files:
-        loggers.add_files(files)
+    if alerts and jsonl is not None and jsonl.path.is_file():
+        loggers.add_files([jsonl.path])
     if figures:
         loggers.log_figures(figures, step)

@@ -189,8 +189,7 @@ class RunWriter:
             (alert, sum(a.kind is alert.kind for a in run_alerts[:index]), index)
             for index, alert in enumerate(alerts, start=first + 1)
         ]
-        files = [self._jsonl.path] if alerts and self._jsonl is not None and self._jsonl.path.is_file() else []
-        publish(counted, figures, step, self._console, self._loggers, self._jsonl, files)
+        publish(counted, figures, step, self._console, self._loggers, self._jsonl)
 
     def recent_records(self) -> Iterator[dict[str, Any]]:
         """The last checks' figures, each with its step and epoch, oldest first (a bundle's history)."""
