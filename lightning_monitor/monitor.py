@@ -361,7 +361,11 @@ class TrainingMonitor(Callback):
 
     @property
     def log_dir(self) -> Path:
-        """This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``."""
+        """This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
+
+        Where Lightning writes nothing under ``default_root_dir`` (``logger=False, enable_checkpointing=False``), the
+        folder is made at the run's first alert, and a healthy run leaves none.
+        """
         return self._writer.log_dir
 
     @property
@@ -383,7 +387,9 @@ class TrainingMonitor(Callback):
         if self._fresh:
             self._start_afresh()
         self._fitted = weakref.ref(trainer)
-        self._writer.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
+        # The run's folder, on every rank. Recovery may write states into it from any rank: then it is made at once.
+        at_once = bool(self.config.recovery.recover_on)
+        self._writer.begin(trainer, self.settings(), carry_on=not self._fresh, at_once=at_once)
         self._state.begin()
         recovery_folder = self._writer.log_dir / "recovery" if writes_files(trainer) else None
         self._recovery.begin(recovery_folder, trainer.global_rank)
@@ -745,6 +751,7 @@ class TrainingMonitor(Callback):
         if not verdict.bundle:
             return None
         cause = verdict.halt or verdict.rulings[0]
+        self._writer.claim(trainer)  # a folder that waited for the first alert is made, on rank zero, before it
         return open_bundle(trainer, self._writer.log_dir, cause.detection.kind, at, self._warn)
 
     def _save_bundle(self, trainer: pl.Trainer, folder: Path, step: dict[str, Any], cause: list[Alert]) -> None:

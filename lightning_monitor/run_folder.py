@@ -10,7 +10,11 @@ Each run gets a folder of its own, and no run writes into another's. The folder 
   local path (a file store, or SQLite with local artifacts), so the files are artifacts as soon as written; else
   ``<default_root_dir>/lightning-monitor/mlflow_<run id>``, uploaded at the end of fit and at a halt;
 - else (no logger, or only others: Comet, Neptune...): ``<default_root_dir>/lightning-monitor/version_<n>``, the
-  first ``n`` free, created at once so that two runs started together never share one.
+  first ``n`` free, created at once so that two runs started together never share one. But where Lightning itself
+  writes nothing under ``default_root_dir`` (no logger and no checkpoint callback writing there: ``logger=False,
+  enable_checkpointing=False``), the folder is only named at the start (:func:`made_at_first_alert`) and made when
+  the run first has an alert to record: a healthy run then leaves nothing there, as Lightning leaves nothing, and
+  code that lists the folder (an HPC resume's ``hpc_ckpt_<n>.ckpt``) finds only what it put there.
 
 ``default_root_dir`` is the working directory unless set, and the working directory is on ``sys.path`` when a
 script runs: a folder named ``lightning_monitor`` there would be imported in place of this package (a namespace
@@ -42,7 +46,10 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCAL_FOLDER",
     "MONITOR_FOLDER",
+    "claim_version",
+    "free_version",
     "local_artifact_path",
+    "made_at_first_alert",
     "new_folder",
     "new_version",
     "run_folder",
@@ -56,8 +63,11 @@ MONITOR_FOLDER = "lightning_monitor"
 LOCAL_FOLDER = "lightning-monitor"
 
 
-def run_folder(trainer: pl.Trainer) -> Path:
+def run_folder(trainer: pl.Trainer, *, at_once: bool = True) -> Path:
     """The folder of this run's monitor files, the same on every rank. Every rank must call it (one broadcast).
+
+    Without ``at_once``, a folder :func:`made_at_first_alert` is named (the first free ``version_<n>``) but not
+    created: :func:`claim_version` makes it when there is something to write.
 
     Example:
         >>> import tempfile
@@ -72,7 +82,11 @@ def run_folder(trainer: pl.Trainer) -> Path:
     """
     if not writes_files(trainer):
         return Path(trainer.default_root_dir) / LOCAL_FOLDER / "fast_dev_run"
-    chosen = str(_choose(trainer)) if trainer.is_global_zero else ""
+    if trainer.is_global_zero:
+        later = not at_once and made_at_first_alert(trainer)
+        chosen = str(free_version(Path(trainer.default_root_dir) / LOCAL_FOLDER) if later else _choose(trainer))
+    else:
+        chosen = ""
     return Path(trainer.strategy.broadcast(chosen, src=0))
 
 
@@ -96,6 +110,70 @@ def writes_files(trainer: pl.Trainer) -> bool:
     root = Path(trainer.default_root_dir).resolve()
     dirpaths = (getattr(callback, "dirpath", None) for callback in getattr(trainer, "callbacks", []))
     return not any(isinstance(d, (str, os.PathLike)) and Path(d).resolve() == root for d in dirpaths)
+
+
+def made_at_first_alert(trainer: pl.Trainer) -> bool:
+    """Whether this run's folder waits for its first alert: Lightning itself writes nothing under ``default_root_dir``.
+
+    That is a run that writes files (:func:`writes_files`) with no logger and no checkpoint callback that writes
+    under ``default_root_dir`` (one with no ``dirpath`` writes ``<default_root_dir>/checkpoints``). Its folder would
+    be the only entry Lightning did not make there, and a healthy run has nothing to say in it.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> [made_at_first_alert(pl.Trainer(logger=False, enable_checkpointing=c, enable_progress_bar=False))
+        ...  for c in (False, True)]
+        [True, False]
+    """
+    if not writes_files(trainer) or trainer.loggers:
+        return False
+    root = Path(trainer.default_root_dir).resolve()
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        dirpath = getattr(callback, "dirpath", None)
+        if not isinstance(dirpath, (str, os.PathLike)):
+            return False  # Lightning's default: `<default_root_dir>/checkpoints`
+        if root in Path(dirpath).resolve().parents:
+            return False
+    return True
+
+
+def free_version(root: str | os.PathLike[str]) -> Path:
+    """``<root>/version_<n>`` for the first ``n`` not taken, not created (:func:`claim_version` makes it).
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "version_0").mkdir()
+        >>> free_version(root).name, free_version(root).exists()
+        ('version_1', False)
+    """
+    root, n = Path(root), 0
+    while (root / f"version_{n}").exists():
+        n += 1
+    return root / f"version_{n}"
+
+
+def claim_version(folder: str | os.PathLike[str]) -> Path:
+    """Create ``folder``, a ``version_<n>`` named by :func:`free_version`; if another run made it since, the next free.
+
+    If it cannot be created, ``folder``, uncreated: each write to it then warns once.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> named = free_version(root)
+        >>> (root / "version_0").mkdir()  # another run took it meanwhile
+        >>> claim_version(named).name
+        'version_1'
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return new_version(folder.parent)
+    except OSError:
+        pass
+    return folder
 
 
 def new_folder(path: str | os.PathLike[str]) -> Path:
