@@ -99,8 +99,13 @@ class StepDetectors:
             det.load_state_dict(state.get(name, {}))
 
 
-def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
+def judge(detectors: StepDetectors, step: StepFigures, *, inner: bool = False) -> Judgement:
     """Run every detector on the figures of one check; report causes, not their echoes.
+
+    With ``inner`` (a closure evaluation after the first of one ``step()``: ``LBFGS``'s line search and inner
+    iterations, at weights the step has already moved) only the non-finite checks run: a NaN there would reach the
+    weights, but the rules that learn or compare the run's scale (exploding and vanishing gradients, spikes, a
+    diverging loss) take one figure per step, its first evaluation's, as for any optimizer that evaluates once.
 
     Example:
         >>> from lightning_monitor import TrainingMonitor
@@ -111,6 +116,8 @@ def judge(detectors: StepDetectors, step: StepFigures) -> Judgement:
         >>> [d.kind.value for d in judged.detections], sorted(k.value for k in judged.beyond)
         (['nonfinite_loss'], ['nonfinite_loss'])
     """
+    if inner:
+        detectors = StepDetectors(detectors.nonfinite_loss, detectors.nonfinite_grad, detectors.amp)
     found: list[Detection | None] = []
     if step.loss is not None:
         found.append(detectors.nonfinite_loss.update(step.loss))

@@ -502,7 +502,10 @@ class TrainingMonitor(Callback):
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
-        started = PendingCheck(optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches)
+        inner = self._guard.evaluation(optimizer) > 1  # LBFGS's later evaluations in one step: not steps of their own
+        started = PendingCheck(
+            optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches, inner=inner
+        )
         # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
         for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
             self._step_check(trainer, pending, figures)
@@ -559,7 +562,7 @@ class TrainingMonitor(Callback):
         self.latest = latest = {"loss": math.nan if figures.loss is None else figures.loss, **logged}
 
         # Judge, then decide.
-        judged = judge(check.detectors, figures)
+        judged = judge(check.detectors, figures, inner=pending.inner)
         notice = getattr(check.detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self._warn("exploding_grad_scale", notice)
