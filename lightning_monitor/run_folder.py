@@ -22,6 +22,10 @@ package, with no ``TrainingMonitor``). ``lightning-monitor`` is no Python identi
 Under ``fast_dev_run``, where Lightning writes nothing (no logger, no checkpoint), the monitor writes nothing either
 (:func:`writes_files`): its alerts go to the console, the loggers and ``TrainingMonitor.alerts`` only.
 
+The monitor writes with local file calls: where the folder would be on another file system (a logger's or
+``default_root_dir``'s URL, ``s3://...``, ``memory://...``), it writes nothing, as under ``fast_dev_run``, and says so
+once; ``Path`` would have made that URL a local folder (``./s3:/bucket/...``) in the working directory.
+
 Nothing is written to the root of an MLflow file store (``mlruns/``), where MLflow reads each folder as an
 experiment. W&B and MLflow runs also get the files when the folder is another logger's
 (:mod:`~lightning_monitor.logger_sinks`). Global rank zero decides and every rank gets its answer (one broadcast, in
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_wandb_logger
 
 if TYPE_CHECKING:
@@ -48,6 +52,7 @@ __all__ = [
     "MONITOR_FOLDER",
     "claim_version",
     "free_version",
+    "is_remote",
     "local_artifact_path",
     "made_at_first_alert",
     "new_folder",
@@ -81,6 +86,12 @@ def run_folder(trainer: pl.Trainer, *, at_once: bool = True) -> Path:
     broadcast.
     """
     if not writes_files(trainer):
+        if _remote_folder(trainer):
+            rank_zero_info(
+                f"TrainingMonitor writes its files to local folders only, and this run's folder would be on another"
+                f" file system ({str(trainer.default_root_dir)!r} or its logger's): its alerts go to the console, the"
+                " loggers and `TrainingMonitor.alerts` only."
+            )
         return Path(trainer.default_root_dir) / LOCAL_FOLDER / "fast_dev_run"
     if trainer.is_global_zero:
         later = not at_once and made_at_first_alert(trainer)
@@ -93,23 +104,51 @@ def run_folder(trainer: pl.Trainer, *, at_once: bool = True) -> Path:
 def writes_files(trainer: pl.Trainer) -> bool:
     """Whether the monitor writes files for this run.
 
-    Not under ``fast_dev_run``, where Lightning writes none; and not in a run without a logger whose checkpoint
-    callback writes straight into ``default_root_dir`` (``ModelCheckpoint(dirpath=default_root_dir)``), where the
-    monitor's folder would be one more entry among the checkpoints: its alerts then go to the console, the trainer's
-    ``callback_metrics`` and ``TrainingMonitor.alerts`` only.
+    Not under ``fast_dev_run``, where Lightning writes none; not where the folder would be on another file
+    system (:func:`is_remote`), which the monitor's local writes cannot reach; and not in a run without a logger whose
+    checkpoint callback writes straight into ``default_root_dir`` (``ModelCheckpoint(dirpath=default_root_dir)``),
+    where the monitor's folder would be one more entry among the checkpoints: its alerts then go to the console, the
+    trainer's ``callback_metrics`` and ``TrainingMonitor.alerts`` only.
 
     Example:
         >>> import lightning.pytorch as pl
         >>> [writes_files(pl.Trainer(fast_dev_run=n, logger=False, enable_progress_bar=False)) for n in (0, 1)]
         [True, False]
     """
-    if getattr(trainer, "fast_dev_run", False):
+    if getattr(trainer, "fast_dev_run", False) or _remote_folder(trainer):
         return False
     if trainer.loggers:
         return True
     root = Path(trainer.default_root_dir).resolve()
     dirpaths = (getattr(callback, "dirpath", None) for callback in getattr(trainer, "callbacks", []))
     return not any(isinstance(d, (str, os.PathLike)) and Path(d).resolve() == root for d in dirpaths)
+
+
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is the URL of a file system other than the local one (``s3://``, ``gs://``, ``memory://``...).
+
+    Example:
+        >>> [is_remote(p) for p in ("s3://bucket/runs", "memory://runs", "/tmp/runs", "runs")]
+        [True, True, False, False]
+    """
+    from fsspec.utils import get_protocol  # a dependency of Lightning's
+
+    return get_protocol(str(path)) not in ("file", "local")
+
+
+def _remote_folder(trainer: pl.Trainer) -> bool:
+    """Whether the folder :func:`run_folder` would choose is on another file system.
+
+    That is the first TensorBoard or CSV logger's ``save_dir``, else (no W&B or MLflow logger: their folders are
+    local) ``default_root_dir``.
+    """
+    loggers = trainer.loggers
+    versioned = next((logger for logger in loggers if has_run_log_dir(logger)), None)
+    if versioned is not None:
+        return is_remote(versioned.save_dir or "")
+    if any(is_wandb_logger(logger) or is_mlflow_logger(logger) for logger in loggers):
+        return False
+    return is_remote(trainer.default_root_dir)
 
 
 def made_at_first_alert(trainer: pl.Trainer) -> bool:

@@ -249,3 +249,29 @@ def test_a_summary_asked_for_makes_the_folder_of_a_healthy_run(tmp_path, caplog)
     folder = tmp_path / "lightning-monitor" / "version_0"
     assert monitor.alerts == [] and (folder / "monitor_history.jsonl").is_file()
     assert f"lightning-monitor summary of {folder}" in caplog.text and "no summary" not in caplog.text
+
+
+@pytest.mark.parametrize("logger", [True, False], ids=["default-logger", "no-logger"])
+def test_a_folder_on_another_file_system_makes_no_local_folder(tmp_path, monkeypatch, caplog, logger):
+    """`default_root_dir="memory://..."`, as in Lightning's `test_ckpt_for_fsspec`: Lightning writes there through
+    fsspec. `Path` made the URL a local `memory:/...` folder in the working directory; now the monitor writes no file
+    (its writes are local), says so once, and still alerts and halts."""
+    monkeypatch.chdir(tmp_path)
+    monitor = TrainingMonitor(val_loss_key=None, halt_after=1)
+    trainer = pl.Trainer(
+        default_root_dir=f"memory://{tmp_path.name}",
+        logger=logger,
+        max_steps=10,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[monitor],
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(ScriptedModel(loss_factor={5: float("nan")}), train_dataloaders=loader())
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+    assert list(tmp_path.iterdir()) == []
+    assert "TrainingMonitor writes its files to local folders only" in caplog.text
