@@ -11,7 +11,7 @@ Each run gets a folder of its own, and no run writes into another's. The folder 
   ``<default_root_dir>/lightning-monitor/mlflow_<run id>``, uploaded at the end of fit and at a halt;
 - else (no logger, or only others: Comet, Neptune...): ``<default_root_dir>/lightning-monitor/version_<n>``, the
   first ``n`` free, created at once so that two runs started together never share one. But where Lightning itself
-  writes nothing under ``default_root_dir`` (no logger and no checkpoint callback writing there: ``logger=False,
+  writes nothing under ``default_root_dir`` (no checkpoint callback writing there: ``logger=False,
   enable_checkpointing=False``), the folder is only named at the start (:func:`made_at_first_alert`) and made when
   the run first has an alert to record: a healthy run then leaves nothing there, as Lightning leaves nothing, and
   code that lists the folder (an HPC resume's ``hpc_ckpt_<n>.ckpt``) finds only what it put there.
@@ -154,9 +154,10 @@ def _remote_folder(trainer: pl.Trainer) -> bool:
 def made_at_first_alert(trainer: pl.Trainer) -> bool:
     """Whether this run's folder waits for its first alert: Lightning itself writes nothing under ``default_root_dir``.
 
-    That is a run that writes files (:func:`writes_files`) with no logger and no checkpoint callback that writes
-    under ``default_root_dir`` (one with no ``dirpath`` writes ``<default_root_dir>/checkpoints``). Its folder would
-    be the only entry Lightning did not make there, and a healthy run has nothing to say in it.
+    That is a run that writes files (:func:`writes_files`) into ``<default_root_dir>/lightning-monitor`` (no logger,
+    or only others than TensorBoard, CSV, W&B and MLflow: Comet, Neptune...), with no checkpoint callback that
+    writes under ``default_root_dir`` (one with no ``dirpath`` writes ``<default_root_dir>/checkpoints``). Its folder
+    would be the only entry Lightning did not make there, and a healthy run has nothing to say in it.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -164,8 +165,10 @@ def made_at_first_alert(trainer: pl.Trainer) -> bool:
         ...  for c in (False, True)]
         [True, False]
     """
-    if not writes_files(trainer) or trainer.loggers:
+    if not writes_files(trainer):
         return False
+    if any(has_run_log_dir(lg) or is_wandb_logger(lg) or is_mlflow_logger(lg) for lg in trainer.loggers):
+        return False  # the folder is the logger's
     root = Path(trainer.default_root_dir).resolve()
     for callback in getattr(trainer, "checkpoint_callbacks", []):
         dirpath = getattr(callback, "dirpath", None)

@@ -22,6 +22,7 @@ import torch
 from helpers import ScriptedModel, loader, make_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import Logger
 
 import lightning_monitor
 from lightning_monitor import AlertKind, TrainingMonitor
@@ -193,6 +194,28 @@ def test_an_hpc_checkpoint_folder_holds_only_its_checkpoints(slurm_detect, tmp_p
     assert all(param.abs().sum() > 0 for param in model.parameters())
     assert os.listdir(tmp_path) == ["hpc_ckpt_3.ckpt"]
     assert first.alerts == second.alerts == []
+
+
+class ElsewhereLogger(Logger):
+    """A logger that keeps its figures elsewhere (as Comet or Neptune do): nothing under `default_root_dir`."""
+
+    name, version = "elsewhere", 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_hyperparams(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def test_a_logger_of_another_kind_without_checkpoints_leaves_nothing(tmp_path):
+    """With only such a logger the folder is `<default_root_dir>/lightning-monitor/version_<n>`, where Lightning
+    writes nothing without checkpoints: made at the first alert, as without a logger."""
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=4, logger=ElsewhereLogger())
+    trainer.fit(ScriptedModel(), train_dataloaders=loader())
+    assert monitor.alerts == [] and list(tmp_path.iterdir()) == []
+    assert monitor.log_dir == tmp_path / "lightning-monitor" / "version_0"
 
 
 def test_where_lightning_writes_nothing_the_folder_comes_with_the_first_alert(tmp_path):
