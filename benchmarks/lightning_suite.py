@@ -52,6 +52,36 @@ _EXTRA_FOLDER = (
     " itself writes nothing but the checkpoints (issue 32, case 6)"
 )
 TRIAGE: list[tuple[str, ...]] = [
+    # First: in default mode a test whose run a monitor stopped fails for the stop (observe mode shows the rest).
+    (
+        "default:*",
+        "halt",
+        "`diverging_loss` (or `exploding_grad`) halt of a model built on BoringModel with SGD at lr 0.1 on the MSE of"
+        " one N(0, 1) input a step (some with a StepLR that doubles the rate): it does diverge (without the monitor,"
+        " median of its last 5 losses over its first 5: 1.9x at 15 steps, 54x at 40, about 1,000x at 64, over 50"
+        " seeds; at lr 0.01 it falls to 0.35x), but the rule halts early, at the 3rd check in a row above 4x the"
+        " first step's loss (steps 9 to 42 over 6 seeds, the loss 2.6 to 187): the test did not make the blow-up on"
+        " purpose, and passes without the monitor because it checks no loss",
+    ),
+    (
+        "*:tests_pytorch/trainer/connectors/test_checkpoint_connector.py::test_hpc_restore_attempt",
+        "ours",
+        "Lightning saves `hpc_ckpt_3.ckpt` into `default_root_dir` itself and lists it; the logger-less run (no"
+        " checkpoint callback) had made `lightning-monitor/version_0` there at its start (issue 32, case 6). Fixed"
+        " on branch suite2: where Lightning writes nothing under `default_root_dir`, the folder comes with the first"
+        " alert (tests/test_run_folder.py::test_an_hpc_checkpoint_folder_holds_only_its_checkpoints)",
+    ),
+    (
+        "*:tests_pytorch/core/test_lightning_optimizer.py::test_lightning_optimizer_automatic_optimization_lbfgs_zero_grad",
+        "ours",
+        "LBFGS calls its closure up to 20 times in one `step()`, and Lightning calls `on_before_optimizer_step`, so the"
+        " monitor's check, at each: the learnt `exploding_grad` limit is taken from the first two evaluations of step"
+        ' 0 ("Gradient norm 245.5 > 20x the largest of its first 2 steps (7.143) at step 0"; the test mocks'
+        " `zero_grad`, so the gradients add up), the guard skips the step at the third evaluation and LBFGS stops:"
+        " 3 `zero_grad` calls instead of 20. Fixed on branch suite2: the evaluations after a step's first are judged"
+        " for non-finite values only (tests/test_step_guard.py::test_lbfgs_evaluations_after_the_first_are_not_steps_"
+        "of_their_own)",
+    ),
     (
         "*:tests_pytorch/callbacks/test_stochastic_weight_avg.py::test_swa_multiple_lrs",
         "ours",
@@ -143,14 +173,6 @@ TRIAGE: list[tuple[str, ...]] = [
         " `pytorch_lightning.utilities.rank_zero`, so Lightning's messages leave under that name and a handler or"
         " level set on `lightning.pytorch...` misses them (issue 32, case 5)",
         "LogCaptureFixture",
-    ),
-    (
-        "default:*",
-        "halt",
-        "`exploding_grad` halt: BoringModel (SGD lr=0.1 on MSE of 32 N(0,1) inputs, batch 1) really blows up in"
-        " its first epoch (loss 0.8 to about 5,000, gradient norm above 100 from step 38 on and in 129 of its first"
-        " 192 steps) before its StepLR cuts the rate; the test passes only because it checks no loss. Halted as"
-        " designed (recurring, not one isolated step), but the test did not make the blow-up on purpose",
     ),
 ]
 

@@ -86,6 +86,8 @@ class PendingCheck(NamedTuple):
         host: Every rank's figures, in host memory (pinned on CUDA), once copied there without blocking.
         ready: The CUDA event recorded after the copy, or ``None`` where the copy is complete already (CPU).
         on_device: What the device did with the step; ``None`` for a check read before its step.
+        inner: Whether it checks a closure evaluation after the first of one ``step()`` (``LBFGS``), which
+            :func:`~lightning_monitor.judging.judge` judges for non-finite values only.
     """
 
     optimizer: Optimizer
@@ -99,6 +101,7 @@ class PendingCheck(NamedTuple):
     host: Tensor | None = None
     ready: Any = None
     on_device: OnDevice | None = None
+    inner: bool = False
 
 
 class StepReads:

@@ -87,6 +87,8 @@ class _StepRun:
     saved: tuple[list[Tensor], dict[str, Any] | None] | None
     #: Whether the weights had changed since ``step`` entry when the closure evaluation under way began.
     moved: bool = False
+    #: The closure evaluations begun so far in this call (``LBFGS`` makes many).
+    evaluations: int = 0
     #: ``found_inf`` as the optimizer had it before the guard set its device flag, and whether the guard set one.
     had_found_inf: Any = None
     flagged: bool = False
@@ -230,6 +232,14 @@ class StepGuard:
         self._on_device.clear()
         self._runs.clear()
 
+    def evaluation(self, optimizer: Optimizer) -> int:
+        """Which closure evaluation the ``step()`` under way of ``optimizer`` is at: 1 for its first, 0 outside one.
+
+        An evaluation after the first (``LBFGS``'s line search and inner iterations) is not a step of its own.
+        """
+        run = self._runs.get(id(optimizer))
+        return 0 if run is None else run.evaluations
+
     def _guarded_step(
         self, optimizer: Optimizer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -279,6 +289,7 @@ class StepGuard:
     ) -> Any:
         """One evaluation of the closure, from inside the optimizer's ``step``; raises :class:`_SkipStep` to skip."""
         run.moved = run.versions is not None and run.versions != _versions(optimizer)
+        run.evaluations += 1
         loss = closure(*args, **kwargs)
         self._set_found_inf(optimizer, run)  # a device flag set inside the closure (deferred checks)
         if self._runs.get(id(optimizer)) is not run or not self._take(optimizer):

@@ -88,13 +88,30 @@ class RunHistory:
         self._loss_keys: dict[str, bool] = {}  # whether a logged key names a loss (`LOSS_KEY`), once per key
         self._broken = False
         self._file: JsonlSink | None = None  # the file, opened once at the first write: no open per flush
+        self._held: list[bytes] | None = None  # the lines written while the file waits for its folder
 
-    def begin(self, path: Path | None) -> None:
-        """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero)."""
+    def begin(self, path: Path | None, *, held: bool = False, carry_on: bool = False) -> None:
+        """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero).
+
+        With ``held`` the lines are kept in memory, as they would be written, until :meth:`write_held` writes them
+        (a run folder made at its first alert; a few MB for a million steps logged every 50). With ``carry_on``
+        (the same run fitted again) the lines held so far are kept.
+        """
         if self._file is not None:
             self._file.close()
+        earlier = self._held if carry_on and self._held is not None else []
         self.path, self._records, self._open, self._last, self._seen, self._broken = path, {}, None, None, {}, False
-        self._file = None if path is None else JsonlSink(path)
+        self._held = earlier if held and path is not None else None
+        self._file = None if path is None or held else JsonlSink(path)
+
+    def write_held(self, path: Path) -> None:
+        """Write the lines held so far to ``path`` (the folder is made now), and append there from now on."""
+        if self._held is None:
+            return
+        held, self._held = b"".join(self._held), None
+        self.path, self._file = path, JsonlSink(path)
+        if held:
+            self._append(held)
 
     def close(self) -> None:
         """Write the records kept so far and close the file (a later write opens it again)."""
@@ -181,15 +198,24 @@ class RunHistory:
 
     def flush(self) -> None:
         """Append the records kept so far; the tensor learning rates among them are read in one host read."""
-        if self._file is None or not self._records:
+        if (self._file is None and self._held is None) or not self._records:
             return
         records, self._records = list(self._records.values()), {}
         if self._broken:
             return
         _read_tensors(records)
         text = "".join(json.dumps({k: _json(v) for k, v in r.items()}) + "\n" for r in records)
+        if self._held is not None:
+            self._held.append(text.encode("utf-8"))
+        else:
+            self._append(text.encode("utf-8"))
+
+    def _append(self, data: bytes) -> None:
+        """Append ``data`` to the file; one warning if it cannot be written, and nothing more is written."""
+        if self._file is None or self._broken:
+            return
         try:
-            self._file.append(text.encode("utf-8"))
+            self._file.append(data)
         except OSError as err:
             self._broken = True
             rank_zero_warn(

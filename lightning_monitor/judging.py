@@ -99,12 +99,19 @@ class StepDetectors:
             det.load_state_dict(state.get(name, {}))
 
 
-def judge(detectors: StepDetectors, step: StepFigures, *, limits: bool = False, suffix: str = "") -> Judgement:
+def judge(
+    detectors: StepDetectors, step: StepFigures, *, limits: bool = False, suffix: str = "", inner: bool = False
+) -> Judgement:
     """Run every detector on the figures of one check; report causes, not their echoes.
 
     With ``limits`` (a check whose record keeps them), and whenever something was found or is beyond a limit, the
     judgement carries the limits the next check is judged against (:func:`limits_in_force`, ``suffix`` the
     optimizer's).
+
+    With ``inner`` (a closure evaluation after the first of one ``step()``: ``LBFGS``'s line search and inner
+    iterations, at weights the step has already moved) only the non-finite checks run: a NaN there would reach the
+    weights, but the rules that learn or compare the run's scale (exploding and vanishing gradients, spikes, a
+    diverging loss) take one figure per step, its first evaluation's, as for any optimizer that evaluates once.
 
     Example:
         >>> from lightning_monitor import TrainingMonitor
@@ -115,7 +122,9 @@ def judge(detectors: StepDetectors, step: StepFigures, *, limits: bool = False, 
         >>> [d.kind.value for d in judged.detections], sorted(k.value for k in judged.beyond)
         (['nonfinite_loss'], ['nonfinite_loss'])
     """
-    d, found = detectors, []
+    full = detectors
+    d = StepDetectors(detectors.nonfinite_loss, detectors.nonfinite_grad, detectors.amp) if inner else detectors
+    found = []
     loss = step.loss
     if loss is not None:
         if (x := d.nonfinite_loss.update(loss)) is not None:
@@ -141,7 +150,7 @@ def judge(detectors: StepDetectors, step: StepFigures, *, limits: bool = False, 
         if d.grad_spike is not None and (x := d.grad_spike.update(norm)) is not None:  # type: ignore[arg-type]
             found.append(x)
     if not found and not _any_beyond(d, measured, step.amp):  # the common check: nothing found, nothing beyond
-        return Judgement(limits=limits_in_force(d, suffix)) if limits else _CALM
+        return Judgement(limits=limits_in_force(full, suffix)) if limits else _CALM
     detections = found
     beyond = _beyond(d, step)
     if detections:
@@ -151,7 +160,7 @@ def judge(detectors: StepDetectors, step: StepFigures, *, limits: bool = False, 
             detections = [x for x in detections if x.kind is not AlertKind.NONFINITE_GRAD]
         if AlertKind.EXPLODING_GRAD in kinds:
             detections = [x for x in detections if x.kind is not AlertKind.GRAD_SPIKE]
-    return Judgement(tuple(detections), beyond, limits_in_force(d, suffix))
+    return Judgement(tuple(detections), beyond, limits_in_force(full, suffix))
 
 
 #: The judgement of a check with nothing found and nothing beyond a limit.

@@ -368,7 +368,11 @@ class TrainingMonitor(Callback):
 
     @property
     def log_dir(self) -> Path:
-        """This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``."""
+        """This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
+
+        Where Lightning writes nothing under ``default_root_dir`` (``logger=False, enable_checkpointing=False``), the
+        folder is made at the run's first alert, and a healthy run leaves none.
+        """
         return self._writer.log_dir
 
     @property
@@ -390,7 +394,9 @@ class TrainingMonitor(Callback):
         if self._fresh:
             self._start_afresh()
         self._fitted = weakref.ref(trainer)
-        self._writer.begin(trainer, self.settings(), carry_on=not self._fresh)  # the run's folder: every rank
+        # The run's folder, on every rank. Recovery may write states into it from any rank: then it is made at once.
+        at_once = bool(self.config.recovery.recover_on)
+        self._writer.begin(trainer, self.settings(), carry_on=not self._fresh, at_once=at_once)
         self._state.begin()
         recovery_folder = self._writer.log_dir / "recovery" if writes_files(trainer) else None
         self._recovery.begin(recovery_folder, trainer.global_rank)
@@ -508,7 +514,10 @@ class TrainingMonitor(Callback):
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
-        started = PendingCheck(optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches)
+        inner = self._guard.evaluation(optimizer) > 1  # LBFGS's later evaluations in one step: not steps of their own
+        started = PendingCheck(
+            optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches, inner=inner
+        )
         # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
         for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
             self._step_check(trainer, pending, figures)
@@ -549,7 +558,8 @@ class TrainingMonitor(Callback):
 
         # Judge, then decide.
         detectors = check.detectors
-        judged = judge(detectors, figures, limits=pending.logs or not self._every, suffix=check.suffix)
+        kept_limits = pending.logs or not self._every  # the history keeps this check's limits
+        judged = judge(detectors, figures, limits=kept_limits, suffix=check.suffix, inner=pending.inner)
         notice = getattr(detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self._warn("exploding_grad_scale", notice)
@@ -760,6 +770,7 @@ class TrainingMonitor(Callback):
         if not verdict.bundle:
             return None
         cause = verdict.halt or verdict.rulings[0]
+        self._writer.claim(trainer)  # a folder that waited for the first alert is made, on rank zero, before it
         return open_bundle(trainer, self._writer.log_dir, cause.detection.kind, at, self._warn)
 
     def _save_bundle(self, trainer: pl.Trainer, folder: Path, step: dict[str, Any], cause: list[Alert]) -> None:

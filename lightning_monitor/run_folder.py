@@ -10,13 +10,21 @@ Each run gets a folder of its own, and no run writes into another's. The folder 
   local path (a file store, or SQLite with local artifacts), so the files are artifacts as soon as written; else
   ``<default_root_dir>/lightning-monitor/mlflow_<run id>``, uploaded at the end of fit and at a halt;
 - else (no logger, or only others: Comet, Neptune...): ``<default_root_dir>/lightning-monitor/version_<n>``, the
-  first ``n`` free, created at once so that two runs started together never share one.
+  first ``n`` free, created at once so that two runs started together never share one. But where Lightning itself
+  writes nothing under ``default_root_dir`` (no checkpoint callback writing there: ``logger=False,
+  enable_checkpointing=False``), the folder is only named at the start (:func:`made_at_first_alert`) and made when
+  the run first has an alert to record: a healthy run then leaves nothing there, as Lightning leaves nothing, and
+  code that lists the folder (an HPC resume's ``hpc_ckpt_<n>.ckpt``) finds only what it put there.
 
 ``default_root_dir`` is the working directory unless set, and the working directory is on ``sys.path`` when a
 script runs: a folder named ``lightning_monitor`` there would be imported in place of this package (a namespace
 package, with no ``TrainingMonitor``). ``lightning-monitor`` is no Python identifier, so nothing can import it.
 Under ``fast_dev_run``, where Lightning writes nothing (no logger, no checkpoint), the monitor writes nothing either
 (:func:`writes_files`): its alerts go to the console, the loggers and ``TrainingMonitor.alerts`` only.
+
+The monitor writes with local file calls: where the folder would be on another file system (a logger's or
+``default_root_dir``'s URL, ``s3://...``, ``memory://...``), it writes nothing, as under ``fast_dev_run``, and says so
+once; ``Path`` would have made that URL a local folder (``./s3:/bucket/...``) in the working directory.
 
 Nothing is written to the root of an MLflow file store (``mlruns/``), where MLflow reads each folder as an
 experiment. W&B and MLflow runs also get the files when the folder is another logger's
@@ -32,7 +40,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_wandb_logger
 
 if TYPE_CHECKING:
@@ -42,7 +50,11 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCAL_FOLDER",
     "MONITOR_FOLDER",
+    "claim_version",
+    "free_version",
+    "is_remote",
     "local_artifact_path",
+    "made_at_first_alert",
     "new_folder",
     "new_version",
     "run_folder",
@@ -56,8 +68,11 @@ MONITOR_FOLDER = "lightning_monitor"
 LOCAL_FOLDER = "lightning-monitor"
 
 
-def run_folder(trainer: pl.Trainer) -> Path:
+def run_folder(trainer: pl.Trainer, *, at_once: bool = True) -> Path:
     """The folder of this run's monitor files, the same on every rank. Every rank must call it (one broadcast).
+
+    Without ``at_once``, a folder :func:`made_at_first_alert` is named (the first free ``version_<n>``) but not
+    created: :func:`claim_version` makes it when there is something to write.
 
     Example:
         >>> import tempfile
@@ -71,31 +86,136 @@ def run_folder(trainer: pl.Trainer) -> Path:
     broadcast.
     """
     if not writes_files(trainer):
+        if _remote_folder(trainer):
+            rank_zero_info(
+                f"TrainingMonitor writes its files to local folders only, and this run's folder would be on another"
+                f" file system ({str(trainer.default_root_dir)!r} or its logger's): its alerts go to the console, the"
+                " loggers and `TrainingMonitor.alerts` only."
+            )
         return Path(trainer.default_root_dir) / LOCAL_FOLDER / "fast_dev_run"
-    chosen = str(_choose(trainer)) if trainer.is_global_zero else ""
+    if trainer.is_global_zero:
+        later = not at_once and made_at_first_alert(trainer)
+        chosen = str(free_version(Path(trainer.default_root_dir) / LOCAL_FOLDER) if later else _choose(trainer))
+    else:
+        chosen = ""
     return Path(trainer.strategy.broadcast(chosen, src=0))
 
 
 def writes_files(trainer: pl.Trainer) -> bool:
     """Whether the monitor writes files for this run.
 
-    Not under ``fast_dev_run``, where Lightning writes none; and not in a run without a logger whose checkpoint
-    callback writes straight into ``default_root_dir`` (``ModelCheckpoint(dirpath=default_root_dir)``), where the
-    monitor's folder would be one more entry among the checkpoints: its alerts then go to the console, the trainer's
-    ``callback_metrics`` and ``TrainingMonitor.alerts`` only.
+    Not under ``fast_dev_run``, where Lightning writes none; not where the folder would be on another file
+    system (:func:`is_remote`), which the monitor's local writes cannot reach; and not in a run without a logger whose
+    checkpoint callback writes straight into ``default_root_dir`` (``ModelCheckpoint(dirpath=default_root_dir)``),
+    where the monitor's folder would be one more entry among the checkpoints: its alerts then go to the console, the
+    trainer's ``callback_metrics`` and ``TrainingMonitor.alerts`` only.
 
     Example:
         >>> import lightning.pytorch as pl
         >>> [writes_files(pl.Trainer(fast_dev_run=n, logger=False, enable_progress_bar=False)) for n in (0, 1)]
         [True, False]
     """
-    if getattr(trainer, "fast_dev_run", False):
+    if getattr(trainer, "fast_dev_run", False) or _remote_folder(trainer):
         return False
     if trainer.loggers:
         return True
     root = Path(trainer.default_root_dir).resolve()
     dirpaths = (getattr(callback, "dirpath", None) for callback in getattr(trainer, "callbacks", []))
     return not any(isinstance(d, (str, os.PathLike)) and Path(d).resolve() == root for d in dirpaths)
+
+
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is the URL of a file system other than the local one (``s3://``, ``gs://``, ``memory://``...).
+
+    Example:
+        >>> [is_remote(p) for p in ("s3://bucket/runs", "memory://runs", "/tmp/runs", "runs")]
+        [True, True, False, False]
+    """
+    from fsspec.utils import get_protocol  # a dependency of Lightning's
+
+    return get_protocol(str(path)) not in ("file", "local")
+
+
+def _remote_folder(trainer: pl.Trainer) -> bool:
+    """Whether the folder :func:`run_folder` would choose is on another file system.
+
+    That is the first TensorBoard or CSV logger's ``save_dir``, else (no W&B or MLflow logger: their folders are
+    local) ``default_root_dir``.
+    """
+    loggers = trainer.loggers
+    versioned = next((logger for logger in loggers if has_run_log_dir(logger)), None)
+    if versioned is not None:
+        return is_remote(versioned.save_dir or "")
+    if any(is_wandb_logger(logger) or is_mlflow_logger(logger) for logger in loggers):
+        return False
+    return is_remote(trainer.default_root_dir)
+
+
+def made_at_first_alert(trainer: pl.Trainer) -> bool:
+    """Whether this run's folder waits for its first alert: Lightning itself writes nothing under ``default_root_dir``.
+
+    That is a run that writes files (:func:`writes_files`) into ``<default_root_dir>/lightning-monitor`` (no logger,
+    or only others than TensorBoard, CSV, W&B and MLflow: Comet, Neptune...), with no checkpoint callback that
+    writes under ``default_root_dir`` (one with no ``dirpath`` writes ``<default_root_dir>/checkpoints``). Its folder
+    would be the only entry Lightning did not make there, and a healthy run has nothing to say in it.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> [made_at_first_alert(pl.Trainer(logger=False, enable_checkpointing=c, enable_progress_bar=False))
+        ...  for c in (False, True)]
+        [True, False]
+    """
+    if not writes_files(trainer):
+        return False
+    if any(has_run_log_dir(lg) or is_wandb_logger(lg) or is_mlflow_logger(lg) for lg in trainer.loggers):
+        return False  # the folder is the logger's
+    root = Path(trainer.default_root_dir).resolve()
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        dirpath = getattr(callback, "dirpath", None)
+        if not isinstance(dirpath, (str, os.PathLike)):
+            return False  # Lightning's default: `<default_root_dir>/checkpoints`
+        if root in Path(dirpath).resolve().parents:
+            return False
+    return True
+
+
+def free_version(root: str | os.PathLike[str]) -> Path:
+    """``<root>/version_<n>`` for the first ``n`` not taken, not created (:func:`claim_version` makes it).
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "version_0").mkdir()
+        >>> free_version(root).name, free_version(root).exists()
+        ('version_1', False)
+    """
+    root, n = Path(root), 0
+    while (root / f"version_{n}").exists():
+        n += 1
+    return root / f"version_{n}"
+
+
+def claim_version(folder: str | os.PathLike[str]) -> Path:
+    """Create ``folder``, a ``version_<n>`` named by :func:`free_version`; if another run made it since, the next free.
+
+    If it cannot be created, ``folder``, uncreated: each write to it then warns once.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> named = free_version(root)
+        >>> (root / "version_0").mkdir()  # another run took it meanwhile
+        >>> claim_version(named).name
+        'version_1'
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return new_version(folder.parent)
+    except OSError:
+        pass
+    return folder
 
 
 def new_folder(path: str | os.PathLike[str]) -> Path:

@@ -18,7 +18,7 @@ from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import Alert
 from lightning_monitor.histograms import Histogram, write_histograms
 from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolved
-from lightning_monitor.run_folder import run_folder, writes_files
+from lightning_monitor.run_folder import claim_version, made_at_first_alert, run_folder, writes_files
 from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, publish, write_settings
 
 if TYPE_CHECKING:
@@ -76,7 +76,9 @@ class RunWriter:
         alerts_file: File name of the JSON-lines alert log in the run's folder, or ``None``.
 
     Attributes:
-        log_dir: The run's folder (every rank knows it).
+        log_dir: The run's folder (every rank knows it). A folder made at the run's first alert
+            (:func:`~lightning_monitor.run_folder.made_at_first_alert`) is named at the start and made then; if
+            another run made one of that name meanwhile, rank zero's becomes the next free one.
         history: The run's compact history (``monitor_history.jsonl``), for the report.
         recent: ``(step, epoch, figures)`` of the last checks, for a post-mortem bundle.
     """
@@ -89,24 +91,50 @@ class RunWriter:
         self._console = ConsoleSink()
         self._loggers = LoggerSink([])
         self._jsonl: JsonlSink | None = None
+        self._settings: dict[str, Any] = {}
+        self._unmade = False  # the run's folder waits for its first alert (rank zero)
 
-    def begin(self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False) -> None:
+    def begin(
+        self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False, *, at_once: bool = True
+    ) -> None:
         """Start a run: its folder (joined by every rank), its sinks, a fresh history; rank zero writes the settings.
 
-        With ``carry_on`` (the same trainer fitted again) the folder is the one it had.
+        With ``carry_on`` (the same trainer fitted again) the folder is the one it had. Without ``at_once``, a run
+        where Lightning writes nothing under ``default_root_dir`` gets its folder at its first alert (:meth:`claim`):
+        until then the settings and the history wait in memory.
         """
-        if not carry_on:
-            self.log_dir = run_folder(trainer)
-        log_dir = self.log_dir
         zero = trainer.is_global_zero and writes_files(trainer)  # no file under fast_dev_run: Lightning writes none
+        if not carry_on:
+            self.log_dir = run_folder(trainer, at_once=at_once)
+            self._unmade = zero and not at_once and made_at_first_alert(trainer)
+        log_dir = self.log_dir
+        self._settings = dict(settings)
         self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
-        self.history.begin(log_dir / HISTORY_FILE if zero else None)
+        self.history.begin(log_dir / HISTORY_FILE if zero else None, held=self._unmade, carry_on=carry_on)
         if zero:
-            write_settings(log_dir / SETTINGS_FILE, settings)
             self._loggers.add_layout()
-            self.add_files([log_dir / SETTINGS_FILE])
+            if not self._unmade:
+                self._write_settings()
+
+    def claim(self, trainer: pl.Trainer) -> None:
+        """Make the run's folder if it waits for its first alert, with the settings and the history so far (rank zero).
+
+        Called before anything is written to the folder: an alert, a post-mortem bundle, the end-of-fit summary.
+        """
+        if not self._unmade or not trainer.is_global_zero:
+            return
+        self._unmade = False
+        self.log_dir = claim_version(self.log_dir)
+        if self._jsonl is not None and self.alerts_file:
+            self._jsonl = JsonlSink(self.log_dir / self.alerts_file)
+        self._write_settings()
+        self.history.write_held(self.log_dir / HISTORY_FILE)
+
+    def _write_settings(self) -> None:
+        write_settings(self.log_dir / SETTINGS_FILE, self._settings)
+        self.add_files([self.log_dir / SETTINGS_FILE])
 
     def restore_alerts(self, alerts: Sequence[Alert]) -> None:
         """On a resume: make the alerts file hold exactly the alerts the checkpoint restored (rank zero)."""
@@ -166,7 +194,7 @@ class RunWriter:
         if logs or not trainer.loggers:
             mirror_callback_metrics(trainer, logged or {})
         if trainer.is_global_zero and (alerts or (logs and logged)):
-            self._publish(alerts, run_alerts, logged if logs else None, at)
+            self._publish(trainer, alerts, run_alerts, logged if logs else None, at)
         self.recent.append((at, epoch, latest))
         self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))  # `latest` holds `logged`
         if halting:
@@ -178,12 +206,22 @@ class RunWriter:
         ``run_alerts`` holds every alert of the run so far, these the last: ``alerts/<kind>`` counts on from them.
         """
         if alerts and trainer.is_global_zero:
-            self._publish(alerts, run_alerts, None, 0)
+            self._publish(trainer, alerts, run_alerts, None, 0)
 
     def _publish(
-        self, alerts: Sequence[Alert], run_alerts: Sequence[Alert], figures: dict[str, float] | None, step: int
+        self,
+        trainer: pl.Trainer,
+        alerts: Sequence[Alert],
+        run_alerts: Sequence[Alert],
+        figures: dict[str, float] | None,
+        step: int,
     ) -> None:
-        """Hand a check's alerts (numbered on from ``run_alerts``) and figures to the sinks, once (rank zero)."""
+        """Hand a check's alerts (numbered on from ``run_alerts``) and figures to the sinks, once (rank zero).
+
+        A run's folder that waits for its first alert is made first (:meth:`claim`).
+        """
+        if alerts:
+            self.claim(trainer)
         first = len(run_alerts) - len(alerts)
         counted = [
             (alert, sum(a.kind is alert.kind for a in run_alerts[:index]), index)
@@ -216,6 +254,7 @@ class RunWriter:
             return
         from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
 
+        self.claim(trainer)  # the report reads the run's files: asked for, they are written
         for logger in trainer.loggers:  # Lightning finalizes loggers only after `on_fit_end`: flush what they hold
             logger.save()
         try:

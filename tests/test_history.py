@@ -159,7 +159,7 @@ def test_parameter_groups_with_different_rates_each_get_a_key(tmp_path: Path) ->
             return torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters(), "lr": 0.5}], 0.25)
 
     monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=3)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=3, enable_checkpointing=True)  # the folder at once
     trainer.fit(TwoGroups(), train_dataloaders=loader())
     (last, *_) = history_lines(Path(monitor.log_dir))[-1:]
     assert (last["lr"], last["lr/pg1"], last["lr/pg2"]) == (0.25, 0.25, 0.5)
@@ -219,7 +219,8 @@ def test_tensor_learning_rates_are_read_when_written(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("check_every", "log_every", "recorded"), [(1, 4, [0, 3, 7]), (4, 3, [0, 4, 8])])
 def test_without_a_logger_the_history_keeps_lightnings_interval(tmp_path, check_every, log_every, recorded) -> None:
     monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=check_every)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=log_every)
+    # With checkpoints under `default_root_dir` the folder is made at once (else at the first alert, which never comes)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=log_every, enable_checkpointing=True)
     trainer.fit(ScriptedModel(), train_dataloaders=loader())
     assert [line["step"] for line in history_lines(monitor.log_dir)] == recorded
 

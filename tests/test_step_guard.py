@@ -9,12 +9,14 @@ from __future__ import annotations
 import copy
 import math
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import ScriptedModel, all_finite, loader, make_trainer, same_weights
 from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from test_faults import same_state
 
@@ -315,6 +317,51 @@ class NanAtEvaluation(ScriptedModel):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4, history_size=3)
+
+
+class LBFGSModel(BoringModel):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_lbfgs_evaluations_after_the_first_are_not_steps_of_their_own(tmp_path):
+    """Lightning's `test_lightning_optimizer_automatic_optimization_lbfgs_zero_grad`: LBFGS evaluates its closure
+    `max_iter` times in one step (here with `zero_grad` mocked, so the gradients add up). The learnt exploding limit
+    took the first two evaluations of step 0 for two steps ("Gradient norm 245.5 > 20x the largest of its first 2
+    steps"), and the guard ended the step at the third: 3 `zero_grad` calls instead of 20."""
+    pl.seed_everything(0)
+    model, monitor = LBFGSModel(), TrainingMonitor()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        limit_train_batches=1,
+        limit_val_batches=1,
+        max_epochs=1,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[monitor],
+    )
+    with mock.patch("torch.optim.LBFGS.zero_grad") as zero_grad:
+        trainer.fit(model)
+    assert zero_grad.call_count == model.optimizers().param_groups[0]["max_iter"] == 20
+    assert monitor.alerts == [] and monitor.skipped_steps == 0
+
+
+def test_lbfgs_counts_steps_in_a_row_not_evaluations(tmp_path):
+    """`diverging_loss` fires at the 3rd check in a row above 4x the first loss. This LBFGS run (lr 1) begins its step
+    7 at a loss of 8,252 (1.13 at step 0) and evaluates its closure 10 times in it: one step above the limit, not
+    three steps in a row. It was a halt ("... for 3 steps in a row at step 7"); now the run takes the same steps as
+    without the monitor."""
+    runs = []
+    for monitor in (None, TrainingMonitor(val_loss_key=None)):
+        pl.seed_everything(3)
+        model = LBFGSModel()
+        trainer = fit(tmp_path, model, [monitor] if monitor else [], max_steps=8)
+        assert trainer.global_step == 8
+        assert monitor is None or (monitor.stopping_reason is None and monitor.skipped_steps == 0)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @pytest.mark.parametrize("evaluation", [1, 3])
