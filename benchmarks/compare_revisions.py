@@ -33,9 +33,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import median_ci
+from _common import SIZES, add_monitor_option, fit, median_ci, monitor_args, monitor_call
 from lightning.pytorch.callbacks import Callback
-from overhead import SIZES, add_monitor_option, fit, monitor_args, monitor_call
 
 import lightning_monitor
 from lightning_monitor._lightning import STEP_HOOKS

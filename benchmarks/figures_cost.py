@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from overhead import GPT, SIZES
+from _common import GPT, SIZES
 
 from lightning_monitor.checks import OptimizerCheck
 from lightning_monitor.grad_norms import LayerGradNorms

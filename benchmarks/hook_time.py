@@ -174,7 +174,7 @@ def build(model: str) -> tuple[pl.LightningModule, Any]:
     if model == "boring":
         module = CalmBoringModel()
         return module, module.train_dataloader()
-    from overhead import SIZES, LanguageModel, RandomTokens  # the 1M model as overhead.py builds it
+    from _common import SIZES, LanguageModel, RandomTokens  # the 1M model as overhead.py builds it
 
     size = SIZES["1M"]
     return LanguageModel(size), torch.utils.data.DataLoader(RandomTokens(size), batch_size=size.batch)

@@ -69,7 +69,7 @@ TRIAGE: list[tuple[str, ...]] = [
         "Lightning saves `hpc_ckpt_3.ckpt` into `default_root_dir` itself and lists it; the logger-less run (no"
         " checkpoint callback) had made `lightning-monitor/version_0` there at its start (issue 32, case 6). Fixed"
         " on branch suite2: where Lightning writes nothing under `default_root_dir`, the folder comes with the first"
-        " alert (tests/test_run_folder.py::test_an_hpc_checkpoint_folder_holds_only_its_checkpoints)",
+        " alert (tests/test_e2e_files.py::test_an_hpc_checkpoint_folder_holds_only_its_checkpoints)",
     ),
     (
         "*:tests_pytorch/core/test_lightning_optimizer.py::test_lightning_optimizer_automatic_optimization_lbfgs_zero_grad",
@@ -79,8 +79,8 @@ TRIAGE: list[tuple[str, ...]] = [
         ' 0 ("Gradient norm 245.5 > 20x the largest of its first 2 steps (7.143) at step 0"; the test mocks'
         " `zero_grad`, so the gradients add up), the guard skips the step at the third evaluation and LBFGS stops:"
         " 3 `zero_grad` calls instead of 20. Fixed on branch suite2: the evaluations after a step's first are judged"
-        " for non-finite values only (tests/test_step_guard.py::test_lbfgs_evaluations_after_the_first_are_not_steps_"
-        "of_their_own)",
+        " for non-finite values only"
+        " (tests/test_e2e_step_guard.py::test_lbfgs_evaluations_after_the_first_are_not_steps_of_their_own)",
     ),
     (
         "*:tests_pytorch/callbacks/test_stochastic_weight_avg.py::test_swa_multiple_lrs",

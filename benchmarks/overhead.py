@@ -94,7 +94,6 @@ there.
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import itertools
 import logging
@@ -119,22 +118,26 @@ import torch
 import torch.nn.functional as F
 from _common import (
     CUDA_SYNC_WARNING,
-    QUIET_TRAINER,
+    GPT,
+    SIZES,
+    ModelSize,
+    OpCounter,
+    RandomTokens,
+    add_monitor_option,
     cpu_model,
     cuda_syncs,
+    fit,
     iqr,
-    load_example,
     median_ci,
+    monitor_args,
+    monitor_call,
     proc_status,
     reset_peak_rss,
 )
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
 from sync_count import HostSyncCounter
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
@@ -163,101 +166,8 @@ SYNC_TARGET = 1  # host syncs per optimizer step the monitor may make
 KERNEL_TARGET = 1.3  # LayerGradNorms.per_tensor() time over the read-once floor
 
 
-@dataclass(frozen=True)
-class ModelSize:
-    """A GPT-style decoder, its batch, and the defaults of the benchmark at that size."""
-
-    name: str
-    vocab: int
-    seq: int
-    d_model: int
-    layers: int
-    heads: int
-    batch: int
-    target: float  # the monitor's allowed step-time overhead, as a fraction
-    rounds: int  # default timed rounds (each runs every configuration once)
-    warmup: int  # default untimed rounds before them
-    steady: int  # default steps each configuration then runs back to back, alone
-
-
-SIZES = {
-    "25M": ModelSize("25M", vocab=8192, seq=128, d_model=512, layers=6, heads=8, batch=8, target=0.01, rounds=12,
-                     warmup=2, steady=12),
-    "1M": ModelSize("1M", vocab=1024, seq=64, d_model=128, layers=4, heads=4, batch=4, target=0.03, rounds=150,
-                    warmup=10, steady=200),
-    # GPT-2 small's shape with an untied head, at the issue's token-accuracy size (V = 50,257, B*T = 2,048): a step of
-    # tens of ms on a GPU, and of a minute on two CPU cores, so it runs only when asked for (`--sizes 163M`).
-    "163M": ModelSize("163M", vocab=50257, seq=512, d_model=768, layers=12, heads=12, batch=4, target=0.01,
-                      rounds=20, warmup=2, steady=30),
-}  # fmt: skip
 #: The sizes run when ``--sizes`` is not given: those whose targets the issue sets, each a few minutes on a CPU.
 DEFAULT_SIZES = ("25M", "1M")
-
-
-# ---------------------------------------------------------------------------------------------------- the model
-
-
-def GPT(size: ModelSize) -> nn.Module:
-    """The example's GPT (a ``ModuleList`` of blocks, so the monitor's layers read ``blocks.<i>``) at ``size``."""
-    return load_example().TinyGPT(size.vocab, size.seq, size.d_model, size.layers, size.heads)
-
-
-class LanguageModel(pl.LightningModule):
-    """Next-token prediction; ``training_step`` returns the logits and labels for the monitor's token accuracy."""
-
-    def __init__(self, size: ModelSize) -> None:
-        super().__init__()
-        self.model = GPT(size)
-
-    def training_step(self, batch: Tensor, batch_idx: int) -> dict[str, Tensor]:
-        inputs, labels = batch[:, :-1], batch[:, 1:]
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        self.log("train_loss", loss, prog_bar=True)  # what most modules do; the progress bar itself is off
-        return {"loss": loss, "logits": logits.detach(), "labels": labels}
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-4)
-
-
-class RandomTokens(Dataset):
-    """Endless random token windows (64 distinct ones, repeated), so no epoch ends during a run."""
-
-    def __init__(self, size: ModelSize, rows: int = 64) -> None:
-        self.data = torch.randint(size.vocab, (rows, size.seq + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return 10**9
-
-    def __getitem__(self, index: int) -> Tensor:
-        return self.data[index % len(self.data)]
-
-
-def fit(
-    size: ModelSize,
-    callbacks: list[Callback],
-    root: str,
-    name: str,
-    log_every: int,
-    max_steps: int,
-    device: str = "cpu",
-) -> pl.Trainer:
-    """Train the model of ``size`` on :class:`RandomTokens` for ``max_steps``, logging to TensorBoard under ``root``.
-
-    Nothing else of Lightning's runs: no progress bar, summary, checkpointing or validation.
-    """
-    trainer = pl.Trainer(
-        accelerator=device,
-        devices=1,
-        max_steps=max_steps,
-        callbacks=callbacks,
-        logger=TensorBoardLogger(root, name=name),
-        log_every_n_steps=log_every,
-        **QUIET_TRAINER,
-        default_root_dir=root,
-    )
-    trainer.fit(LanguageModel(size), DataLoader(RandomTokens(size), batch_size=size.batch))
-    return trainer
 
 
 # ---------------------------------------------------------------------------------------------------- baselines
@@ -374,20 +284,6 @@ class Plan:
             if step < end:
                 return phase
         return "dropped"
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the dispatcher ops run while it is active (kernels launched, tensors made)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Probe(Callback):
@@ -966,44 +862,6 @@ def print_kernel_table(kernels: dict[str, dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
-
-
-def add_monitor_option(parser: argparse.ArgumentParser, which: str) -> None:
-    """``--monitor KEY=VALUE ...``: ``TrainingMonitor`` arguments for ``which``, read by :func:`monitor_args`."""
-    parser.add_argument(
-        "--monitor",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"TrainingMonitor arguments for {which}, values as Python literals (e.g. --monitor"
-        " check_every_n_steps=10 token_accuracy=False; default: its defaults)",
-    )
-
-
-def monitor_args(parser: argparse.ArgumentParser, items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
-    """``["check_every_n_steps=10"]`` to ``(("check_every_n_steps", 10),)``, checked by building the monitor once.
-
-    A wrong name or value stops the command with ``parser``'s usage, before any process starts.
-    """
-    pairs = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            parser.error(f"--monitor takes KEY=VALUE, but got {item!r}")
-        try:
-            pairs.append((key, ast.literal_eval(value)))
-        except (ValueError, SyntaxError):
-            pairs.append((key, value))  # a bare word, such as halt_mode=stop, is a string
-    try:
-        TrainingMonitor(**dict(pairs))
-    except (ValueError, TypeError) as err:  # TypeError: a name TrainingMonitor does not take
-        parser.error(str(err))
-    return tuple(pairs)
-
-
-def monitor_call(pairs: Sequence[tuple[str, Any]]) -> str:
-    """How the monitor is built, for a report's header: ``TrainingMonitor(check_every_n_steps=10)``."""
-    return f"TrainingMonitor({', '.join(f'{key}={value!r}' for key, value in pairs)})"
 
 
 def main() -> None:

@@ -32,8 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import QUIET_TRAINER, cpu_model, iqr, median_ci, proc_status
-from overhead import SIZES, LanguageModel, RandomTokens
+from _common import QUIET_TRAINER, SIZES, LanguageModel, RandomTokens, cpu_model, iqr, median_ci, proc_status
 from torch.utils.data import DataLoader
 
 from lightning_monitor.recovery import Recovery, StateSources

@@ -13,6 +13,8 @@ import json
 import math
 import os
 import socket
+import struct
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from sync_count import HostSyncCounter
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor._lightning import STEP_HOOKS
+from lightning_monitor.history import HISTORY_FILE
 
 #: The monitor's folder, under ``default_root_dir``, of the first run without a logger there.
 NO_LOGGER_RUN = Path("lightning-monitor", "version_0")
@@ -269,3 +274,126 @@ class TinyLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def make_monitor():
+    return TrainingMonitor(
+        halt_after=1,
+        loss_divergence_factor=None,
+        halt_on=["diverging_val_loss"],
+        divergence_patience=4,
+        exploding_grad_threshold=100.0,
+    )
+
+
+def words(path: Path) -> str:
+    """A text file's words, one space apart (the README wraps its sentences)."""
+    return " ".join(path.read_text().split())
+
+
+def history_lines(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / HISTORY_FILE).read_text().splitlines()]
+
+
+OWN_FILES = {"alerts.jsonl", "monitor_settings.json", "postmortem"}
+
+
+def own_files_in(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()} & OWN_FILES
+
+
+def wandb_records(run_dir: Path) -> list[Any]:
+    """The records of an offline run's transaction log, ``run-<id>.wandb``.
+
+    The log is W&B's LevelDB-style record log: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of
+    chunks, each a 7-byte header (CRC, length, type: full, first, middle, last) and its bytes; a record is a
+    ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    records, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding to the end of the block
+            pos += block - pos % block
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+class TwoOptimizers(ScriptedModel):
+    """Manual optimization: one optimizer per linear layer, each with its own backward. Logs ``train_loss``."""
+
+    def __init__(self, nan_at_batch: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.nan_at_batch = nan_at_batch
+
+    def training_step(self, batch, batch_idx):
+        self.weights_before[batch_idx] = [p.detach().clone() for p in self.parameters()]
+        first, second = self.optimizers()
+        loss = self.loss(self(batch)) * (float("nan") if batch_idx == self.nan_at_batch else 1.0)
+        self.log("train_loss", loss)
+        first.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.zero_grad()
+        self.manual_backward(self.loss(self(batch)))
+        second.step()
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.SGD(self.layer[0].parameters(), lr=0.1),
+            torch.optim.SGD(self.layer[2].parameters(), lr=0.1),
+        ]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Nested dicts, lists and tensors equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def count_syncs(callback: pl.Callback, counter: HostSyncCounter, per_step: Counter, hooks=STEP_HOOKS) -> None:
+    """Wrap the callback's hooks so that only what they do is counted, per global step."""
+    for name in hooks:
+        hook = getattr(callback, name)
+
+        def counted(trainer, *args, _hook=hook, **kwargs):
+            before = counter.count
+            with counter:
+                result = _hook(trainer, *args, **kwargs)
+            per_step[trainer.fit_loop.total_batch_idx] += counter.count - before
+            return result
+
+        setattr(callback, name, counted)
+
+
+class ProgressBarLoss(ScriptedModel):
+    """Logs its loss to the progress bar, as most modules do (Lightning reads such values on the host)."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], prog_bar=True)
+        return out

@@ -1,13 +1,13 @@
-"""The detectors as plain state machines, without a Trainer."""
+"""judge (``detectors.py``, ``spikes.py``, ``learned_rules.py``): the detectors as plain state machines, without a
+Trainer, re-arming after an episode included."""
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
 
-from lightning_monitor.alerts import Alert, AlertKind
+from lightning_monitor.alerts import AlertKind
 from lightning_monitor.detectors import (
     AccuracyStallDetector,
     AmpOverflowDetector,
@@ -190,14 +190,6 @@ def test_amp_state_round_trip():
 def test_patience_below_one_is_rejected(make):
     with pytest.raises(ValueError, match="`patience` to be at least 1, but got 0"):
         make()
-
-
-def test_alert_json_round_trip_with_nonfinite_values():
-    alert = Alert(AlertKind.NONFINITE_GRAD, 3, 1, INF, None, "m", halted=True, rank=1)
-    data = alert.to_dict()
-    assert data["value"] == "inf" and data["rank"] == 1
-    back = Alert.from_dict(data)
-    assert back == alert and math.isinf(back.value)
 
 
 def test_spike_warmup_statistics_and_robustness():
@@ -467,26 +459,6 @@ def test_loss_divergence_rejects_bad_arguments(arguments, message):
         LossDivergenceDetector(**arguments)
 
 
-def test_the_new_detector_settings_have_defaults_and_are_checked():
-    from dataclasses import replace
-
-    from lightning_monitor import TrainingMonitor
-
-    config = TrainingMonitor().config
-    assert (config.spikes.loss_divergence_factor, config.validation.divergence_margin) == (4.0, 0.1)
-    assert replace(config.spikes, loss_divergence_factor=None).loss_divergence_factor is None  # off
-    assert replace(config.validation, divergence_margin=None).divergence_margin is None  # rises in a row alone
-    assert replace(config.validation, divergence_margin=1).divergence_margin == 1.0
-    for group, name, value, expected in (
-        (config.spikes, "loss_divergence_factor", 1.0, "a finite number > 1, but got 1.0 (or None, off)"),
-        (config.spikes, "loss_divergence_factor", "4", "a finite number > 1, but got '4' (or None, off)"),
-        (config.validation, "divergence_margin", -0.1, "a finite number >= 0, but got -0.1 (or None, off)"),
-        (config.validation, "divergence_margin", INF, "a finite number >= 0, but got inf (or None, off)"),
-    ):
-        with pytest.raises(ValueError, match=re.escape(f"Expected argument `{name}` to be {expected}")):
-            replace(group, **{name: value})
-
-
 def test_the_former_attributes_still_give_the_limit_in_force():
     # What `deferred.halting_limit` reads until it reads `limit_now`: the fixed limit while it is in force as is, then
     # `factor` times the tail. In the first checks with the limit raised to the run's own scale it finds none (inf).
@@ -505,3 +477,106 @@ def test_the_former_attributes_still_give_the_limit_in_force():
     raised = ExplodingDetector("gradient norm", early=20)
     fired(raised, [40.0, 70.0])
     assert raised.limit_now == 1400.0 and former(raised) == INF
+
+
+# ---------------------------------------------------------------------------------------------------- re-arming
+
+
+def _episodes():
+    """Each detector, the figures that put it in an alert episode, and a figure beyond its limit that follows.
+
+    Each entry: (make, feed, episode, again, what the state keeps). ``feed(det, x)`` gives one figure.
+    """
+    nan = float("nan")
+    return [
+        (
+            lambda: NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
+            lambda det, x: det.update(x),
+            [1.0, nan],
+            float("inf"),
+            {},
+        ),
+        (
+            lambda: ThresholdDetector(AlertKind.EXPLODING_GRAD, "gradient norm", 100.0, "above", patience=2),
+            lambda det, x: det.update(x),
+            [500.0, 500.0, 500.0],  # fires at the second; the third carries on the episode
+            500.0,
+            {},
+        ),
+        (
+            lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=2),
+            lambda det, x: det.update(x),
+            [1.0, 1.1, 1.2],  # the second rise fires
+            1.3,
+            {"previous": 1.2, "history": [1.0, 1.1, 1.2]},
+        ),
+        (
+            lambda: AmpOverflowDetector(patience=2, min_scale=1.0),
+            lambda det, x: det.update(x, 1024.0),
+            [True, True, True],  # the first overflow is the scaler's to calibrate; the next two are a streak
+            True,
+            {"consecutive": 2},
+        ),
+        (
+            lambda: SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", window=8, warmup=4),
+            lambda det, x: det.update(x),
+            [2.0, 2.1, 1.9, 2.05, 1.95, 50.0],  # the spike fires (patience 1)
+            50.0,
+            {},
+        ),
+        (
+            lambda: AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, patience=1),
+            lambda det, x: det.update(*x),
+            [(3.0, 0.5), (2.5, 0.4)],  # the loss fell, the accuracy did not beat 0.5
+            (2.0, 0.4),
+            {"best_acc": 0.5, "loss_at_best": 3.0},
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("make", "feed", "episode", "again", "kept"),
+    _episodes(),
+    ids=["nonfinite", "threshold", "rising", "amp_overflow", "spike", "accuracy_stall"],
+)
+def test_rearm_keeps_statistics_and_the_next_bad_figure_fires_again(make, feed, episode, again, kept):
+    """What a resumed run does to every detector restored from a checkpoint (a post-mortem one is mid-episode)."""
+    det, control = make(), make()
+    fired = [feed(det, x) is not None for x in episode]
+    assert [feed(control, x) is not None for x in episode] == fired
+    assert fired.count(True) == 1
+    before = det.state_dict()
+    assert feed(control, again) is None  # without re-arming: the same episode, no second alert
+
+    det.rearm()
+    after = det.state_dict()
+    for key, value in kept.items():  # the statistics
+        assert before[key] == after[key] == value
+    if isinstance(det, SpikeDetector):  # the level, spread and count of values seen
+        assert {k: after[k] for k in ("seen", "level", "var", "previous")} == {
+            k: before[k] for k in ("seen", "level", "var", "previous")
+        }
+    detection = feed(det, again)
+    assert detection is not None and detection.kind is det.kind
+    if isinstance(det, RisingDetector):  # the history is the one from before the resume
+        assert detection.reason == "val_loss rose 2 times in a row (1.1 -> 1.2 -> 1.3)"
+    assert feed(det, again) is None  # and that starts a new episode, reported once
+
+
+def test_rearm_keeps_a_streak_short_of_patience():
+    """Re-arming forgets a finished episode only: a streak not yet long enough still needs the rest of its patience."""
+    det = ThresholdDetector(AlertKind.VANISHING_GRAD, "gradient norm", 0.1, "below", patience=3)
+    assert [det.update(0.01) is not None for _ in range(2)] == [False, False]
+    det.rearm()
+    assert det.count == 2
+    assert det.update(0.01) is not None  # the third in a row, as without the resume
+
+    with pytest.raises(ValueError, match="`window` to be at least 8, but got 4"):  # the level needs two values
+        SpikeDetector(AlertKind.GRAD_SPIKE, "gradient norm", window=4)
+    spike = SpikeDetector(AlertKind.GRAD_SPIKE, "gradient norm", window=8, warmup=4, patience=2)
+    for value in (1.0, 1.1, 0.9, 1.05, 0.95):
+        assert spike.update(value) is None
+    assert spike.update(40.0) is None and spike.count == 1
+    spike.rearm()
+    assert spike.count == 1
+    assert spike.update(40.0) is not None

@@ -7,28 +7,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from helpers import ScriptedModel, loader, make_trainer
+from helpers import ProgressBarLoss, ScriptedModel, count_syncs, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
 from sync_count import HostSyncCounter
 
 from lightning_monitor import TrainingMonitor
-from lightning_monitor._lightning import STEP_HOOKS
-
-
-def count_syncs(callback: pl.Callback, counter: HostSyncCounter, per_step: Counter, hooks=STEP_HOOKS) -> None:
-    """Wrap the callback's hooks so that only what they do is counted, per global step."""
-    for name in hooks:
-        hook = getattr(callback, name)
-
-        def counted(trainer, *args, _hook=hook, **kwargs):
-            before = counter.count
-            with counter:
-                result = _hook(trainer, *args, **kwargs)
-            per_step[trainer.fit_loop.total_batch_idx] += counter.count - before
-            return result
-
-        setattr(callback, name, counted)
 
 
 class LightningRecipe(pl.Callback):
@@ -36,15 +20,6 @@ class LightningRecipe(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         pl_module.log_dict(grad_norm(pl_module, norm_type=2))
-
-
-class ProgressBarLoss(ScriptedModel):
-    """Logs its loss to the progress bar, as most modules do (Lightning reads such values on the host)."""
-
-    def training_step(self, batch, batch_idx):
-        out = super().training_step(batch, batch_idx)
-        self.log("train_loss", out["loss"], prog_bar=True)
-        return out
 
 
 def run(tmp_path, callback, **kwargs: Any) -> Counter:

@@ -1,8 +1,8 @@
-"""Two CPU processes under DDP: the same figures as one process, one decision for all ranks, output from rank 0.
+"""Distributed end to end: two CPU processes under DDP give the same figures as one process, one decision for all ranks,
+output from rank 0; under DeepSpeed what the monitor is told, from the real strategy classes.
 
 Each run uses ``ddp_spawn`` with gloo, so the monitor in the test process is a copy that saw nothing; every rank
-writes what it saw (its monitor's alerts, where it stopped) to a file that the test reads back.
-"""
+writes what it saw (its monitor's alerts, where it stopped) to a file that the test reads back."""
 
 from __future__ import annotations
 
@@ -10,24 +10,26 @@ import atexit
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ScriptedModel, close, csv_column, jsonl
+import torch.multiprocessing as mp
+from helpers import (
+    ScriptedModel,
+    close,
+    csv_column,
+    jsonl,
+)
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from lightning_monitor import TrainingMonitor
-
-pytestmark = [
-    pytest.mark.timeout(180),
-    # Lightning's advice about DDP on CPU and tiny data, not about this package.
-    pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-]
+from lightning_monitor._lightning import gradients_unreadable
 
 
 def destroy_process_group() -> None:
@@ -121,6 +123,9 @@ def reports(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
     torch.manual_seed(0)
     fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2)
@@ -140,6 +145,9 @@ def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
     assert [(r["step"], r["lr"]) for r in history if "grad_norm" in r] == [(s, 0.1) for s in range(4)]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 def test_without_a_logger_every_rank_writes_to_the_one_folder_rank_zero_chose(tmp_path):
     torch.manual_seed(0)
     fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, logger=False)
@@ -153,6 +161,9 @@ def test_without_a_logger_every_rank_writes_to_the_one_folder_rank_zero_chose(tm
     assert line["rank"] == 1
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 def test_exploding_gradients_on_one_rank_stop_both_ranks(tmp_path):
     torch.manual_seed(0)
     fit(tmp_path, TensorBatchModel(explode_grads_at=2), devices=2)
@@ -164,6 +175,9 @@ def test_exploding_gradients_on_one_rank_stop_both_ranks(tmp_path):
     assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_ddp_norm_equals_single_process_norm_on_the_global_batch(tmp_path, accumulate):
     torch.manual_seed(0)
@@ -210,6 +224,9 @@ class SameFaultEverywhere(TensorBatchModel):
         return out
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 def test_faults_every_rank_shares_are_alerts_without_a_rank_and_no_crash(tmp_path):
     torch.manual_seed(0)
     fit(
@@ -235,6 +252,9 @@ class NoGradientsOnRankOne(TensorBatchModel):
                 p.grad = None
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 def test_a_rank_without_gradients_checks_with_the_others(tmp_path):
     # Every rank must pack the same layout and dtype for the check's all_gather, whichever gradients it has: a rank
     # packing float64 zeros against float32 norms aborted the run.
@@ -245,3 +265,141 @@ def test_a_rank_without_gradients_checks_with_the_others(tmp_path):
     assert rank0["latest"] == rank1["latest"] and math.isfinite(rank0["latest"]["grad_norm"])
     norms = csv_column(tmp_path / "csv" / "version_0" / "metrics.csv", "grad_norm")
     assert [step for step, _ in norms] == list(range(8)) and all(math.isfinite(v) for _, v in norms)
+
+
+def ddp(test: Any) -> Any:
+    """The marks of a two-process ``ddp_spawn`` test (as in ``tests/test_distributed.py``)."""
+    for mark in (
+        pytest.mark.timeout(180),
+        # Lightning's advice about DDP on CPU and tiny data, not about this package.
+        pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning"),
+        pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    ):
+        test = mark(test)
+    return test
+
+
+@ddp
+def test_a_skipped_step_with_clipping_by_value_under_ddp(tmp_path):
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
+    fit(
+        tmp_path,
+        TensorBatchModel(nan_loss_at=3),
+        devices=2,
+        monitor=monitor,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm="value",
+    )
+    for report in reports(tmp_path):
+        assert report["global_step"] == 8 and report["finite"]  # both ranks ran on, the NaN step skipped
+        assert [(a["kind"], a["step"]) for a in report["alerts"]] == [("nonfinite_loss", 3)]
+
+
+# -------------------------------------------------------------------------------- 7. halt_mode="raise" and DDP
+
+
+@ddp
+def test_raise_mode_under_ddp_spawn_raises_process_raised_exception(tmp_path):
+    """Under ``ddp_spawn`` the ``TrainingHalted`` is raised in the workers; ``trainer.fit`` in the launching process
+    raises ``torch.multiprocessing.ProcessRaisedException``, whose message contains
+    ``TrainingHalted: nonfinite_loss at step``."""
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_mode="raise")
+    with pytest.raises(mp.ProcessRaisedException, match="TrainingHalted: nonfinite_loss at step 3"):
+        fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, monitor=monitor)
+
+
+class LossStandsOutOnRankOne(TensorBatchModel):
+    """Step 2: rank 1's batch gives a loss 10,000 times larger; DDP all-reduces the exploding gradients it makes."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 2:
+            out["loss"] = out["loss"] * 1e4
+        return out
+
+
+@ddp
+def test_an_explosion_names_the_rank_whose_loss_stood_out(tmp_path):
+    """All-reduced gradients are the same on every rank: the alert names the rank whose loss stood out, not "first
+    seen", which the gradient cannot tell."""
+    torch.manual_seed(0)
+    fit(tmp_path, LossStandsOutOnRankOne(), devices=2)
+    rank0, rank1 = reports(tmp_path)
+    assert rank0["global_step"] == rank1["global_step"] == 3
+    for report in (rank0, rank1):
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["rank"]) == ("exploding_grad", 2, 1)
+        assert "the loss stood out on rank 1" in alert["message"]
+        assert "first seen" not in alert["message"]
+    assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
+
+
+@pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+@pytest.mark.parametrize(
+    ("fault", "kind", "at"), [("nan_loss_at", "nonfinite_loss", 3), ("explode_grads_at", "exploding_grad", 2)]
+)
+def test_two_ranks_alert_at_the_step_once_and_halt_one_step_later(tmp_path, fault, kind, at):
+    """A fault on rank 1 only: both ranks decide alike on the gathered figures, their device guards act alike."""
+    torch.manual_seed(0)
+    fit(
+        tmp_path,
+        TensorBatchModel(**{fault: at}),
+        devices=2,
+        monitor=TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, host_sync="deferred"),
+    )
+    rank0, rank1 = reports(tmp_path)
+    for report in (rank0, rank1):
+        assert report["global_step"] == at + 2  # one step later than with host_sync="step"
+        assert report["stopping_reason"] == kind
+        assert report["finite"]
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["rank"]) == (kind, at, 1)
+        assert "zeros on the device" in alert["message"]
+    assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
+    (line,) = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
+    assert (line["step"], line["rank"]) == (at, 1)
+
+
+def _without_deepspeed(stage: int | None) -> DeepSpeedStrategy:
+    """Lightning's own class, without its constructor (which needs `deepspeed` installed), holding a ZeRO config."""
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    strategy.config = {} if stage is None else {"zero_optimization": {"stage": stage}}
+    return strategy
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, None])
+def test_deepspeed_strategy_class_is_told_once_what_is_not_checked(stage):
+    message = gradients_unreadable(SimpleNamespace(strategy=_without_deepspeed(stage)))
+    where = "DeepSpeed" if stage is None else f"ZeRO stage {stage}"
+    assert message.startswith(f"TrainingMonitor runs under DeepSpeedStrategy ({where}): ")
+    for said in (
+        "not in `p.grad`",
+        "logs no gradient norm",
+        "`exploding_grad`",
+        "cannot skip a step",
+        "`nonfinite_loss`",
+    ):
+        assert said in message
+
+
+def test_a_subclass_is_deepspeed_too_and_other_strategies_are_not():
+    class Mine(DeepSpeedStrategy):
+        pass
+
+    mine = Mine.__new__(Mine)
+    mine.config = {"zero_optimization": {"stage": 2}}
+    assert "ZeRO stage 2" in gradients_unreadable(SimpleNamespace(strategy=mine))
+    assert gradients_unreadable(SimpleNamespace(strategy=DDPStrategy())) is None
+    assert gradients_unreadable(pl.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu")) is None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trainer_with_the_real_deepspeed_strategy(stage):
+    pytest.importorskip("deepspeed")  # not in the test extra: a heavy install; run where it is installed
+    trainer = pl.Trainer(strategy=DeepSpeedStrategy(stage=stage), logger=False, enable_progress_bar=False)
+    assert f"(ZeRO stage {stage})" in gradients_unreadable(trainer)

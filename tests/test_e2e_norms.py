@@ -1,4 +1,5 @@
-"""The gradient norm the monitor reports equals the one the optimizer steps with, under every training set-up."""
+"""Gradient norms end to end: the norm the monitor reports equals the one the optimizer steps with, under every
+training set-up."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The monitor with every Lightning logger it treats apart, through the real packages: W&B offline, MLflow with a
-file store and with SQLite, TensorBoard, and no logger.
+file store and with SQLite, TensorBoard, Comet, and no logger; each logger's run reportable on its own; the figures
+in ``trainer.callback_metrics`` (issue 32, item 13).
 
 What each logger got is read back the way its package keeps it: the W&B offline run's ``files/`` folder and its
-transaction log (``run-<id>.wandb``, records of W&B's own protobuf schema); MLflow through ``MlflowClient``.
-"""
+transaction log (``run-<id>.wandb``, records of W&B's own protobuf schema); MLflow through ``MlflowClient``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ScriptedModel, jsonl, loader, make_trainer, tb_texts
+from helpers import OWN_FILES, ScriptedModel, close, jsonl, loader, make_trainer, own_files_in, tb_texts, wandb_records
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -29,14 +29,11 @@ from lightning_monitor import TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.keys import path_prefix_clashes
 from lightning_monitor.logger_sinks import WANDB_ALERT_WAIT_S
-from lightning_monitor.report import detect_keys, load_run
+from lightning_monitor.report import detect_keys, find_runs, load_run, plan_run
 from lightning_monitor.sinks import TENSORBOARD_LAYOUT
-
-pytestmark = pytest.mark.timeout(180)
 
 #: The characters Lightning's MLFlowLogger keeps in a metric name (it strips the others, with a warning).
 MLFLOW_SAFE = re.compile(r"[a-zA-Z0-9_/. -]+")
-OWN_FILES = {"alerts.jsonl", "monitor_settings.json", "postmortem"}
 
 
 class EveryFeature(pl.LightningModule):
@@ -81,10 +78,6 @@ def fp16() -> list[MixedPrecision]:
     return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
 
 
-def own_files_in(folder: Path) -> set[str]:
-    return {p.name for p in folder.iterdir()} & OWN_FILES
-
-
 # ------------------------------------------------------------------------------------------------ MLflow
 
 
@@ -103,6 +96,7 @@ def artifacts(logger: MLFlowLogger, path: str = "lightning_monitor") -> set[str]
     return found
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.usefixtures("mlflow_file_store")
 def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
     """The issue's crash: `grad_norm` and `grad_norm/<layer>` were a file and a folder of one name in the store."""
@@ -164,6 +158,7 @@ def test_mlflow_file_store_takes_every_key_alert_and_file(tmp_path, caplog):
     assert not [r for r in caplog.records if "Malformed" in r.getMessage()]
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated:DeprecationWarning")  # MLflow's
 def test_mlflow_sqlite_halt_keeps_its_files_in_the_runs_artifacts(tmp_path, monkeypatch):
     """SQLite keeps artifacts in `./mlruns/<experiment>/<run>/artifacts`: the run's own, not the working directory."""
@@ -187,6 +182,7 @@ def test_mlflow_sqlite_halt_keeps_its_files_in_the_runs_artifacts(tmp_path, monk
     assert not own_files_in(tmp_path) and not (tmp_path / "root" / "lightning-monitor").exists()
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.usefixtures("mlflow_file_store")
 def test_mlflow_beside_a_csv_logger_gets_the_files_uploaded(tmp_path):
     """The folder is the CSV logger's; MLflow gets copies at the bundle, the halt and the end of fit."""
@@ -207,53 +203,7 @@ def test_mlflow_beside_a_csv_logger_gets_the_files_uploaded(tmp_path):
     assert jsonl(local) == jsonl(monitor.log_dir / "alerts.jsonl")
 
 
-# ------------------------------------------------------------------------------------------------ W&B
-
-
-@pytest.fixture
-def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """W&B offline, every folder it writes under ``tmp_path``; the run finished at the end."""
-    wandb = pytest.importorskip("wandb")
-    for name, folder in {"DIR": "wandb", "CACHE_DIR": "cache", "CONFIG_DIR": "config", "DATA_DIR": "data"}.items():
-        monkeypatch.setenv(f"WANDB_{name}", str(tmp_path / folder))
-    monkeypatch.setenv("WANDB_MODE", "offline")  # restored after the test (WandbLogger sets it to "dryrun")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    yield wandb
-    wandb.finish()
-    wandb.teardown()
-
-
-def wandb_records(run_dir: Path) -> list[Any]:
-    """The records of an offline run's transaction log, ``run-<id>.wandb``.
-
-    The log is W&B's LevelDB-style record log: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of
-    chunks, each a 7-byte header (CRC, length, type: full, first, middle, last) and its bytes; a record is a
-    ``wandb_internal_pb2.Record``.
-    """
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = run_dir.glob("run-*.wandb")
-    data, block = path.read_bytes(), 32768
-    assert data[:4] == b":W&B"
-    records, pos, pending = [], 7, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:  # zero padding to the end of the block
-            pos += block - pos % block
-            continue
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
+@pytest.mark.timeout(180)
 def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offline):
     logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
     monitor = TrainingMonitor(
@@ -298,48 +248,7 @@ def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offlin
     assert {"grad_norm", "grad_norm_layers/layer.0", "grad_norm_layers/layer.2", "alerts/nonfinite_loss"} <= logged
 
 
-# ------------------------------------------------------------------------------------ no logger, TensorBoard
-
-
-def test_two_runs_without_a_logger_in_one_folder_keep_both_bundles(tmp_path):
-    """The issue's overwrite: the second run halting at the same step wrote over the first one's bundle."""
-    folders = []
-    for _ in range(2):
-        monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
-        make_trainer(tmp_path, [monitor], max_steps=10).fit(
-            ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
-        )
-        (alert,) = monitor.alerts
-        assert alert.halted
-        folders.append(monitor.log_dir)
-        assert f"Post-mortem bundle: {monitor.log_dir / 'postmortem' / 'step0000003_nonfinite_loss'}" in alert.message
-    assert folders == [tmp_path / "lightning-monitor" / f"version_{n}" for n in (0, 1)]
-    for folder in folders:
-        assert own_files_in(folder) == OWN_FILES
-        assert (folder / "postmortem" / "step0000003_nonfinite_loss" / "last_good.ckpt").is_file()
-        (line,) = jsonl(folder / "alerts.jsonl")
-        assert line["step"] == 3
-    assert not own_files_in(tmp_path)
-
-
-def test_a_bundle_never_overwrites_an_earlier_one_in_a_shared_folder(tmp_path):
-    """A logger with a fixed version shares its folder between runs: the second bundle gets a folder of its own."""
-    messages = []
-    for _ in range(2):
-        monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
-        logger = TensorBoardLogger(tmp_path, name="tb", version="fixed")
-        make_trainer(tmp_path, [monitor], logger=logger, max_steps=10).fit(
-            ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader()
-        )
-        messages.append(monitor.alerts[0].message)
-    postmortem = tmp_path / "tb" / "fixed" / "postmortem"
-    names = ["step0000003_nonfinite_loss", "step0000003_nonfinite_loss_2"]
-    assert sorted(p.name for p in postmortem.iterdir()) == names
-    for message, name in zip(messages, names, strict=True):
-        assert message.endswith(f"Post-mortem bundle: {postmortem / name}")
-        assert (postmortem / name / "last_good.ckpt").is_file()
-
-
+@pytest.mark.timeout(180)
 def test_tensorboard_run_is_unchanged(tmp_path):
     tb = TensorBoardLogger(tmp_path, name="tb")
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
@@ -358,6 +267,7 @@ def test_tensorboard_run_is_unchanged(tmp_path):
 # ------------------------------------------------------------------------------------------------ key names
 
 
+@pytest.mark.timeout(180)
 def test_the_report_reads_runs_logged_with_the_earlier_layer_keys(tmp_path, capsys):
     """Runs logged `grad_norm/<layer>` before the per-layer norms moved: the total is read, the layers are not."""
     run_dir = tmp_path / "version_0"
@@ -372,6 +282,7 @@ def test_the_report_reads_runs_logged_with_the_earlier_layer_keys(tmp_path, caps
     assert "logged keys: grad_norm_opt0, train_loss\n" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(180)
 def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
     code = (
         "import sys, lightning.pytorch as pl\n"
@@ -387,6 +298,7 @@ def test_neither_wandb_nor_mlflow_is_imported_without_their_logger():
 # ---------------------------------------------------------------- loggers the README names as not run (issue 34, 11)
 
 
+@pytest.mark.timeout(180)
 def test_neptune_is_refused_by_lightning_itself():
     # What the README says of Neptune: Lightning 2.6 refuses its logger, so there is nothing to run.
     from lightning.pytorch.loggers.neptune import NeptuneLogger
@@ -395,6 +307,7 @@ def test_neptune_is_refused_by_lightning_itself():
         NeptuneLogger()
 
 
+@pytest.mark.timeout(180)
 def test_comet_offline_runs_to_the_end_with_the_monitor(tmp_path):
     # Not in the test extra (comet_ml tries its telemetry server even offline); run where comet_ml is installed.
     pytest.importorskip("comet_ml")
@@ -407,3 +320,110 @@ def test_comet_offline_runs_to_the_end_with_the_monitor(tmp_path):
     assert [a.kind.value for a in monitor.alerts] == ["nonfinite_loss"]
     assert monitor.alerts[0].step == 8 and trainer.should_stop and (monitor.log_dir / "alerts.jsonl").is_file()
     assert monitor.log_dir.is_relative_to(tmp_path)
+
+
+NAN_AT = 6
+
+
+@pytest.fixture
+def three_loggers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A run logged to TensorBoard, W&B offline and an MLflow file store, with a NaN loss at step 6."""
+    wandb = pytest.importorskip("wandb")
+    for name, folder in {"DIR": "wandb", "CACHE_DIR": "cache", "CONFIG_DIR": "config", "DATA_DIR": "data"}.items():
+        monkeypatch.setenv(f"WANDB_{name}", str(tmp_path / folder))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    wandb_logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
+    mlflow = MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    monitor = TrainingMonitor(val_loss_key=None, halt_on=[])
+    trainer = make_trainer(tmp_path, [monitor], logger=[tensorboard, wandb_logger, mlflow], max_steps=20)
+    try:
+        trainer.fit(ScriptedModel(loss_factor={NAN_AT: float("nan")}), train_dataloaders=loader())
+        wandb_files = Path(wandb_logger.experiment.dir)
+    finally:
+        wandb.finish()
+        wandb.teardown()
+    mlflow_run = tmp_path / "mlruns" / mlflow.experiment_id / mlflow.run_id
+    return {"monitor": monitor, "tb": Path(tensorboard.log_dir), "wandb": wandb_files.parent, "mlflow": mlflow_run}
+
+
+@pytest.mark.timeout(240)
+def test_each_loggers_run_is_reportable_on_its_own(
+    three_loggers: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    monitor, tb = three_loggers["monitor"], three_loggers["tb"]
+    assert monitor.log_dir == tb  # the monitor's folder is TensorBoard's
+    history = (tb / "monitor_history.jsonl").read_text()
+    reference = plan_run(load_run(tb))
+    (tb_norm,) = reference.panel("grad_norm").lines
+
+    for name, expected in (("wandb", "files"), ("mlflow", "artifacts/lightning_monitor")):
+        run_dir = three_loggers[name]
+        # One run per real run: the W&B run folder holds logs, a transaction log and `files/`.
+        (found,) = find_runs(run_dir)
+        assert found == run_dir / expected
+        assert (found / "monitor_history.jsonl").read_text() == history  # the copy is the monitor's own history
+        assert {p.name for p in found.iterdir()} >= {"alerts.jsonl", "monitor_settings.json", "monitor_history.jsonl"}
+
+        assert main(["report", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert "nothing to draw" not in out
+        assert "WARNINGS: 1 nonfinite_loss alert" in out
+        assert (run_dir / "health_report.png").is_file()
+
+        run = load_run(found)
+        plot = plan_run(run)
+        (norm,) = plot.panel("grad_norm").lines
+        # The figures are the history's; TensorBoard keeps float32: equal to its precision.
+        assert norm.steps == tb_norm.steps == tuple(range(20))
+        assert norm.nonfinite_steps == (NAN_AT,) == tb_norm.nonfinite_steps
+        for ours, theirs in zip(norm.values, tb_norm.values, strict=True):
+            assert math.isnan(ours) or ours == pytest.approx(theirs, rel=1e-6)
+        assert [(a.kind, a.step) for a in run.alerts] == [("nonfinite_loss", NAN_AT)]
+        assert run.settings == json.loads((tb / "monitor_settings.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_a_monitor_folder_inside_a_run_is_part_of_it(tmp_path: Path) -> None:
+    """A W&B run's `files/` with the monitor's files on top and in `lightning_monitor/` is one run, read whole."""
+    files = tmp_path / "wandb" / "offline-run-1" / "files"
+    (files / "lightning_monitor").mkdir(parents=True)
+    alert = {"kind": "loss_spike", "step": 2, "epoch": 0, "value": 9.0, "message": "spike"}
+    (files / "alerts.jsonl").write_text(json.dumps(alert) + "\n")
+    records = [{"step": s, "epoch": 0, "grad_norm": 1.0 + s, "loss": 2.0} for s in range(4)]
+    (files / "lightning_monitor" / "monitor_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (files / "lightning_monitor" / "monitor_settings.json").write_text('{"exploding_grad_threshold": 10.0}')
+    assert find_runs(tmp_path) == [files]
+    run = load_run(files)
+    assert [a.kind for a in run.alerts] == ["loss_spike"]  # its own
+    assert run.scalars["grad_norm"].values == (1.0, 2.0, 3.0, 4.0)  # from lightning_monitor/
+    assert run.settings == {"exploding_grad_threshold": 10.0}
+    # A lightning_monitor folder that is not inside a run is a run (a W&B run whose folder the monitor wrote into).
+    assert find_runs(files / "lightning_monitor") == [files / "lightning_monitor"]
+
+
+@pytest.mark.parametrize(
+    "logger",
+    [
+        pytest.param(False, id="no_logger"),
+        pytest.param(True, id="csv_logger"),
+    ],
+)
+def test_early_stopping_watches_grad_norm(tmp_path, logger):
+    """`EarlyStopping(monitor="grad_norm")` finds the figure at each epoch's end, as the README promises."""
+    model = ScriptedModel()
+    stopper = EarlyStopping(monitor="grad_norm", mode="min", patience=100, check_on_train_epoch_end=True)
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(
+        tmp_path,
+        [monitor, stopper],
+        max_steps=-1,
+        max_epochs=2,
+        limit_train_batches=3,
+        logger=CSVLogger(tmp_path) if logger else False,
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 6
+    assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])

@@ -1,4 +1,4 @@
-"""Token accuracy inside a real run: found without changes to the model, exact, free of host syncs, no leaks."""
+"""Token accuracy end to end: found without changes to the model, exact, free of host syncs, no leaks."""
 
 from __future__ import annotations
 

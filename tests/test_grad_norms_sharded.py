@@ -31,6 +31,9 @@ from torch import nn
 from lightning_monitor._host import gather_ranks
 from lightning_monitor.grad_norms import LayerGradNorms, combine_ranks, layer_name
 
+pytestmark = pytest.mark.timeout(120)
+
+
 WORLD = 2
 RTOL = 1e-5
 SPAWN_DEADLINE_S = 100
@@ -294,11 +297,6 @@ def _assert_matches_reference(per_rank: list[dict], layers: list[str]) -> float:
     assert got == pytest.approx(want, rel=RTOL), f"per-layer and total norms {got} != reference {want}"
     assert all(r["syncs"] == 0 for r in per_rank), "squared() read a device value on the host"
     return max(abs(g - w) / w for g, w in zip(got, want, strict=True) if w)
-
-
-# ------------------------------------------------------------------------------------------------------ tests
-
-pytestmark = pytest.mark.timeout(120)
 
 
 def test_fsdp2_fully_shard_matches_unsharded(ranks):

@@ -1,8 +1,8 @@
-"""``host_sync="deferred"`` on a CPU: the same alerts at the same steps, no host read in a steady step, finite weights.
+"""``host_sync="deferred"`` end to end on a CPU: the same alerts at the same steps, no host read in a steady step,
+finite weights.
 
 The deferred path is the one CUDA takes by default (``"auto"``); on a CPU it runs the same code, its host copy a plain
-clone, so these tests pin on a CPU what a GPU does, except for the timing.
-"""
+clone, so these tests pin on a CPU what a GPU does, except for the timing."""
 
 from __future__ import annotations
 
@@ -13,17 +13,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ScriptedModel, all_finite, csv_column, jsonl, loader, make_trainer
+from helpers import ProgressBarLoss, ScriptedModel, all_finite, count_syncs, csv_column, jsonl, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from sync_count import HostSyncCounter
-from test_distributed import TensorBatchModel, fit, reports
-from test_syncs import ProgressBarLoss, count_syncs
 
 from lightning_monitor import TrainingMonitor
-from lightning_monitor.halting import StepGuard
 
-# Weights a test made non-finite validate to NaN logits: the one warning that says so is not these tests' subject.
 pytestmark = pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
+
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
@@ -178,72 +175,6 @@ def test_a_deferred_check_covering_held_steps_alerts_at_the_check(tmp_path):
     assert steps["deferred"] == steps["step"] + 1 == 10
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
-@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
-@pytest.mark.parametrize(
-    ("fault", "kind", "at"), [("nan_loss_at", "nonfinite_loss", 3), ("explode_grads_at", "exploding_grad", 2)]
-)
-def test_two_ranks_alert_at_the_step_once_and_halt_one_step_later(tmp_path, fault, kind, at):
-    """A fault on rank 1 only: both ranks decide alike on the gathered figures, their device guards act alike."""
-    torch.manual_seed(0)
-    fit(
-        tmp_path,
-        TensorBatchModel(**{fault: at}),
-        devices=2,
-        monitor=TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, host_sync="deferred"),
-    )
-    rank0, rank1 = reports(tmp_path)
-    for report in (rank0, rank1):
-        assert report["global_step"] == at + 2  # one step later than with host_sync="step"
-        assert report["stopping_reason"] == kind
-        assert report["finite"]
-        (alert,) = report["alerts"]
-        assert (alert["kind"], alert["step"], alert["rank"]) == (kind, at, 1)
-        assert "zeros on the device" in alert["message"]
-    assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
-    (line,) = jsonl(tmp_path / "csv" / "version_0" / "alerts.jsonl")
-    assert (line["step"], line["rank"]) == (at, 1)
-
-
-@pytest.mark.parametrize("flag", [True, False])
-def test_the_device_guard_adds_to_a_grad_scalers_found_inf(flag):
-    """Under a real GradScaler, which sets `found_inf` itself: the guard's flag is added for that call, then gone."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    reference = torch.nn.Linear(4, 2)
-    reference.load_state_dict(model.state_dict())
-    initial, outputs = model.weight.detach().clone(), []
-    for m, guarded in ((model, True), (reference, False)):
-        opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-        guard = StepGuard()
-        guard.install(opt)
-        scaler.scale(m(torch.ones(3, 4)).sum()).backward()
-        if guarded:
-            assert guard.skip_on_device(opt, torch.tensor(flag)) == "fused"
-        scaler.step(opt)
-        scaler.update()
-        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
-        outputs.append((m.weight.detach().clone(), scaler.get_scale(), opt.state[m.weight]["step"].item()))
-        guard.remove()
-    (weight, scale, step), (ref_weight, ref_scale, ref_step) = outputs
-    assert scale == ref_scale == 1024.0  # the GradScaler found nothing itself: the guard's flag is not its own
-    if flag:
-        assert torch.equal(weight, initial) and step == 0  # skipped exactly: the step count too
-        assert not torch.equal(weight, ref_weight)
-    else:
-        assert torch.equal(weight, ref_weight) and step == ref_step == 1
-
-
-def test_host_sync_is_checked():
-    with pytest.raises(ValueError, match=r"`host_sync` to be 'auto', 'step' or 'deferred', but got 'sometimes'"):
-        TrainingMonitor(halt_after=1, loss_divergence_factor=None, host_sync="sometimes")
-    with pytest.raises(ValueError, match=r"`host_sync` to be 'auto' or 'step' with `watch_activations=True`"):
-        TrainingMonitor(halt_after=1, loss_divergence_factor=None, host_sync="deferred", watch_activations=True)
-    assert TrainingMonitor(halt_after=1, loss_divergence_factor=None).host_sync == "auto"
-
-
 @pytest.mark.parametrize(("nan_at", "epoch"), [(3, 0), (7, 1)], ids=["epoch_end", "end_of_training"])
 def test_the_last_check_of_an_epoch_or_run_is_read_later_for_its_own_step(tmp_path, nan_at, epoch):
     """The last step of an epoch is read at the next epoch's first step; that of the run, at the end of training."""
@@ -274,7 +205,7 @@ def test_the_bundle_of_a_deferred_check_holds_good_weights_and_the_bad_steps_bat
 
 
 def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
-    from test_monitor_alerts import TwoOptimizers
+    from helpers import TwoOptimizers
 
     model = TwoOptimizers(nan_at_batch=3)
     monitor = TrainingMonitor(
@@ -289,20 +220,3 @@ def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
     assert monitor.skipped_steps == 2
     assert all_finite(model)
     assert [s for s, _ in csv_column(f"{trainer.log_dir}/metrics.csv", "grad_norm_opt1")] == [0, 1, 2, 3, 4]
-
-
-def test_a_device_flag_whose_step_never_came_is_dropped():
-    """A flag set for a step that was not taken (a closure that returned None) must not skip a later step."""
-    model = torch.nn.Linear(3, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
-    guard = StepGuard()
-    guard.install(opt)
-    assert guard.skip_on_device(opt, torch.tensor(True)) == "fused"
-    assert guard.armed  # so the monitor's next hook disarms it
-    guard.disarm()
-    assert not guard.armed
-    before = model.weight.detach().clone()
-    model(torch.ones(2, 3)).sum().backward()
-    opt.step()
-    assert not torch.equal(model.weight, before) and not hasattr(opt, "found_inf")
-    guard.remove()

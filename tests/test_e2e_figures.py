@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ScriptedModel, close, csv_column, loader, make_trainer, tb_scalars
+from helpers import ScriptedModel, close, csv_column, loader, make_trainer, tb_scalars, wandb_records
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
-from test_loggers import wandb_offline, wandb_records  # noqa: F401 (a fixture)
 
 from lightning_monitor import TrainingMonitor
 from lightning_monitor.histograms import BINS
@@ -179,7 +178,7 @@ def test_histograms_reach_tensorboard_with_the_nonfinite_values_counted(tmp_path
     assert scalars["weight_nonfinite_values"] == [(1, 0.0), (5, 0.0), (9, 0.0)]
 
 
-def test_histograms_reach_wandb_offline(tmp_path, wandb_offline):  # noqa: F811 (the fixture)
+def test_histograms_reach_wandb_offline(tmp_path, wandb_offline):
     model = GradRecorder()
     monitor = TrainingMonitor(val_loss_key=None, histogram_every_n_steps=3)
     logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
@@ -212,8 +211,8 @@ def test_histograms_reach_wandb_offline(tmp_path, wandb_offline):  # noqa: F811 
 
 
 def test_every_opt_in_figure_rides_in_the_checks_one_read(tmp_path):
+    from helpers import ProgressBarLoss, count_syncs
     from sync_count import HostSyncCounter
-    from test_syncs import ProgressBarLoss, count_syncs
 
     monitor = TrainingMonitor(weight_norms=True, progress_bar=True, histogram_every_n_steps=2)
     counter, per_step = HostSyncCounter(), Counter()

@@ -1,4 +1,5 @@
-"""OptimizerCheck on its own: the figures of a check that covers held steps, against the norms of each step."""
+"""measure (``checks.py``): OptimizerCheck on its own, the figures of a check that covers held steps, against the
+norms of each step."""
 
 from __future__ import annotations
 

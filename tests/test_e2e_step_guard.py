@@ -1,8 +1,8 @@
-"""The step guard never breaks a run that works without the monitor (issue 32, items 1-4).
+"""Skipped steps end to end: the step guard never breaks a run that works without the monitor (issue 32, items 1-4).
 
 Each run is compared with the same run without the monitor (weights bit for bit), or with the weights and optimizer
-state the step began with, when the step must be skipped.
-"""
+state the step began with, when the step must be skipped; a skipped step leaves the gradients for clipping and the
+callbacks after the monitor; after a halt no step is applied."""
 
 from __future__ import annotations
 
@@ -14,18 +14,26 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ScriptedModel, all_finite, loader, make_trainer, same_weights
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from helpers import (
+    ScriptedModel,
+    TinyLM,
+    TokenData,
+    V,
+    all_finite,
+    csv_column,
+    loader,
+    make_trainer,
+    same_weights,
+    weights,
+)
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from test_faults import same_state
+from torch.utils.data import DataLoader
 
 from lightning_monitor import AlertKind, TrainingMonitor
 from lightning_monitor.halting import SkipKind, StepGuard
-
-
-def weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 class Snapshots(pl.Callback):
@@ -138,31 +146,6 @@ def test_a_callbacks_own_scheduler_made_during_fit_skips_with_its_step(tmp_path)
     assert same_weights(snapshots.weights[k + 1], snapshots.weights[k])  # the scheduler's lr changed, nothing else
     assert not same_weights(snapshots.weights[k + 2], snapshots.weights[k + 1])
     assert scheduler.lrs == [0.1 * 0.5**i for i in range(1, 7)]
-
-
-def test_remove_leaves_a_schedulers_wrapper_that_steps_the_optimizer():
-    model = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = StepGuard()
-    guard.install(opt)
-    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps the guard's bound `step`
-    assert getattr(opt.step, "_wrapped_by_lr_sched", False)
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = model(torch.ones(1, 2)).sum()
-        loss.backward()
-        return loss
-
-    before = weights(model)
-    assert guard.skip(opt) is SkipKind.EXACT
-    opt.step(closure)
-    assert same_weights(weights(model), before) and opt._opt_called
-    guard.remove()
-    assert guard.skip(opt) is SkipKind.NOT_WRAPPED and not guard.armed
-    opt.step(closure)
-    scheduler.step()
-    assert not same_weights(weights(model), before)
 
 
 # --------------------------------------------------------------------------- 2. a keyword-only closure
@@ -380,3 +363,151 @@ def test_lbfgs_keeps_a_nan_at_an_inner_evaluation_from_the_weights(tmp_path, eva
     assert same_weights(snapshots.weights[k + 1], snapshots.weights[k])
     assert same_state(snapshots.state[k + 1], snapshots.state[k])
     assert not same_weights(snapshots.weights[k + 2], snapshots.weights[k + 1])
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Two optimizer state dicts are equal bit for bit (tensors by ``torch.equal``)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+# ------------------------------------------------------------------------ 1. a skipped step leaves the gradients
+
+
+class ClippedModel(ScriptedModel):
+    """An optimizer of choice, and a ``configure_gradient_clipping`` that reads every gradient before clipping."""
+
+    def __init__(self, optimizer: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+        self.grads_at_clip: dict[int, bool] = {}  # step -> every p.grad was a tensor when clipping
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
+        self.grads_at_clip[self.global_step] = all(isinstance(p.grad, torch.Tensor) for p in self.parameters())
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, **kwargs)
+
+
+class GradSnapshots(Callback):
+    """Placed after the monitor: the weights and optimizer state as each batch starts, and the gradients it sees."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, list[torch.Tensor]] = {}
+        self.state: dict[int, dict[str, Any]] = {}
+        self.grads: dict[int, list[Any]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.weights[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+        self.state[trainer.global_step] = copy.deepcopy(trainer.optimizers[0].state_dict())  # tensors cloned
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.grads[trainer.global_step] = [p.grad for p in pl_module.parameters()]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_a_skipped_step_leaves_gradients_for_clipping_and_callbacks(tmp_path, optimizer, algorithm):
+    k = 2
+    model = ClippedModel(optimizer, loss_factor={k: float("nan")})
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_on=[])
+    snapshots = GradSnapshots()
+    trainer = make_trainer(
+        tmp_path, [monitor, snapshots], max_steps=6, gradient_clip_val=0.5, gradient_clip_algorithm=algorithm
+    )
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 6 and all_finite(model)
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, k)]
+    assert monitor.skipped_steps == 1
+    # Step k changed no weight and no optimizer state (momentum buffers, Adam's moments and step count).
+    assert same_weights(snapshots.weights[k + 1], snapshots.weights[k])
+    assert same_state(snapshots.state[k + 1], snapshots.state[k])
+    # Step k + 1 did update both.
+    assert not same_weights(snapshots.weights[k + 2], snapshots.weights[k + 1])
+    assert not same_state(snapshots.state[k + 2], snapshots.state[k + 1])
+    # What runs after the monitor found every gradient at the skipped step: a callback, then the module's clipping.
+    assert all(isinstance(g, torch.Tensor) for g in snapshots.grads[k])
+    assert model.grads_at_clip == dict.fromkeys(range(6), True)
+
+
+# ---------------------------------------------------------------------------------------------------- what is applied
+
+
+class MeanLossLM(TinyLM):
+    """The usual mean cross-entropy: NaN (0 / 0) on a batch whose labels are all ignored, with finite gradients.
+
+    SGD with momentum, so that even a step with zero gradients would move the weights if it were applied.
+    """
+
+    def __init__(self, loss_factor: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.loss_factor = loss_factor or {}
+        self.weights_before: dict[int, list[torch.Tensor]] = {}
+        self.grads: dict[int, list[torch.Tensor]] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.weights_before[self.global_step] = [p.detach().clone() for p in self.parameters()]
+        logits = self(batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1), ignore_index=-100)
+        return {"loss": loss * self.loss_factor.get(self.global_step, 1.0), "logits": logits.detach()}
+
+    def on_after_backward(self):
+        self.grads[self.global_step] = [p.grad.clone() for p in self.parameters()]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_nan_loss_with_finite_gradients_is_skipped_even_when_nothing_halts(tmp_path):
+    # Batch 3 (rows 6 and 7) has every label ignored; step 5 explodes. Nothing halts.
+    model = MeanLossLM(loss_factor={5: 1e4})
+    monitor = TrainingMonitor(
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        halt_on=[],
+        loss_spike_threshold=None,
+        grad_spike_threshold=None,
+    )
+    trainer = make_trainer(tmp_path, [monitor], max_steps=8)
+    data = DataLoader(TokenData(64, ignore_all={6, 7}), batch_size=2)
+    trainer.fit(model, train_dataloaders=data, val_dataloaders=DataLoader(TokenData(4), batch_size=2))
+    assert trainer.global_step == 8
+    nan_loss, exploding = monitor.alerts
+    assert (nan_loss.kind, nan_loss.step, nan_loss.halted) == (AlertKind.NONFINITE_LOSS, 3, False)
+    assert (exploding.kind, exploding.step, exploding.halted) == (AlertKind.EXPLODING_GRAD, 5, False)
+    assert all(torch.isfinite(g).all() for g in model.grads[3])  # only the loss was NaN: no nonfinite_grad
+    assert any(g.abs().sum() > 0 for g in model.grads[2])  # and the momentum would have moved the weights
+
+    # The NaN-loss step was not applied, and its alert says so; the explosion was applied, and its alert says not.
+    assert same_weights(model.weights_before[4], model.weights_before[3])
+    assert "The optimizer step was skipped, so the weights are unchanged." in nan_loss.message
+    assert not same_weights(model.weights_before[6], model.weights_before[5])
+    assert "skipped" not in exploding.message
+    assert monitor.skipped_steps == 1
+    assert all_finite(model)
+
+
+def test_after_a_halt_no_step_is_applied_while_min_steps_keeps_lightning_training(tmp_path):
+    model = ScriptedModel(loss_factor={5: 1e5})
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, min_steps=10, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader(24))  # 12 batches: min_steps=10 (and min_epochs=1) are met at 12
+    (alert,) = monitor.alerts  # the steps after it are healthy: no other alert
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.EXPLODING_GRAD, 5, True)
+    assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD
+    assert trainer.global_step == 12  # Lightning trained on, to the end of the epoch
+    assert sorted(model.weights_before) == list(range(12))
+    # Steps 5 to 11 ran, but none was applied: the weights are those from before the halting step.
+    assert same_weights(list(model.parameters()), model.weights_before[5])
+    assert monitor.skipped_steps == 7
+    # Every step after the halt logs (`should_stop` is set): the count goes up by one at each.
+    assert csv_column(f"{trainer.log_dir}/metrics.csv", "skipped_steps") == [(s, s - 4.0) for s in range(5, 12)]

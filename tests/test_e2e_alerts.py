@@ -1,0 +1,641 @@
+"""Faults and halts end to end: each pathology, injected into a real training run, gives the right alert at the right
+step and the right action.
+
+Non-finite loss and gradients, exploding and vanishing gradients, a diverging validation loss, AMP overflow, spikes
+(``SpikyLM``); the escalation ladder (an isolated bad step is skipped and training goes on, one that recurs halts
+within 4 checks of its start); which validation loss is watched; where alerts go (console, loggers,
+``alerts.jsonl``); ``halt_mode``; a run without an optimizer. See ``docs/fault_matrix.md``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    NO_LOGGER_RUN,
+    ScriptedModel,
+    TinyLM,
+    TokenData,
+    TwoOptimizers,
+    all_finite,
+    csv_column,
+    jsonl,
+    loader,
+    make_trainer,
+    same_weights,
+    tb_scalars,
+    tb_texts,
+    words,
+)
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins import MixedPrecision
+from torch.utils.data import DataLoader
+
+from lightning_monitor import AlertKind, TrainingHalted, TrainingMonitor
+
+
+def fit(tmp_path, model, monitor, **kwargs):
+    trainer = make_trainer(tmp_path, [monitor], **kwargs)
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8) if model.val_losses else None)
+    return trainer
+
+
+def test_nonfinite_loss_skips_the_step_and_halts(tmp_path):
+    model = ScriptedModel(loss_factor={4: float("nan")})
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
+    trainer = fit(tmp_path, model, monitor, max_steps=20)
+    (alert,) = monitor.alerts  # the NaN gradients it causes are not reported a second time
+    assert alert.kind is AlertKind.NONFINITE_LOSS
+    assert (alert.step, alert.epoch, alert.halted) == (4, 0, True)
+    assert math.isnan(alert.value) and alert.threshold is None
+    assert alert.message.startswith("Training loss is nan at step 4 (epoch 0), learning rate 0.1.")
+    assert alert.lr == 0.1
+    assert "skipped" in alert.message and "halting" in alert.message
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+    assert monitor.stopping_reason_message == alert.message
+    assert trainer.global_step == 5  # stopped after the bad batch
+    assert all_finite(model)
+    assert same_weights(list(model.parameters()), model.weights_before[4])  # the bad update never happened
+    assert monitor.skipped_steps == 1
+
+
+def test_nonfinite_gradient_names_the_layer(tmp_path):
+    model = ScriptedModel(grad_poison={3: 2})
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
+    fit(tmp_path, model, monitor, max_steps=20)
+    (alert,) = monitor.alerts
+    assert alert.kind is AlertKind.NONFINITE_GRAD
+    assert alert.step == 3 and alert.halted
+    assert "Non-finite gradients in 1 layer(s), in forward order: layer.2." in alert.message
+    assert all_finite(model)
+    assert same_weights(list(model.parameters()), model.weights_before[3])
+
+
+def test_exploding_gradient_halts_before_the_update(tmp_path):
+    model = ScriptedModel(loss_factor={6: 1e5})
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, exploding_grad_threshold=100.0
+    )
+    trainer = fit(tmp_path, model, monitor, max_steps=20)
+    (alert,) = monitor.alerts
+    assert alert.kind is AlertKind.EXPLODING_GRAD
+    assert alert.step == 6 and alert.halted
+    assert alert.value == pytest.approx(model.after_backward[6], rel=1e-5) and alert.value > 100.0
+    # The module's own hook, after the monitor's, still sees the gradients: the skip leaves them in place.
+    assert model.reference[6] == pytest.approx(alert.value, rel=1e-6)
+    assert alert.threshold == 100.0
+    assert "> exploding_grad_threshold=100" in alert.message
+    assert "Largest layers" in alert.message
+    assert trainer.global_step == 7
+    assert same_weights(list(model.parameters()), model.weights_before[6])
+
+
+def test_vanishing_gradient_needs_patience_and_does_not_halt_by_default(tmp_path):
+    model = ScriptedModel(default_factor=1e-6)
+    monitor = TrainingMonitor(
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        vanishing_grad_threshold=0.1,
+        vanishing_grad_patience=5,
+    )
+    trainer = fit(tmp_path, model, monitor, max_steps=12)
+    (alert,) = monitor.alerts  # one alert for the whole episode
+    assert alert.kind is AlertKind.VANISHING_GRAD
+    assert alert.step == 4  # the fifth consecutive step below the threshold
+    assert not alert.halted
+    assert "for 5 consecutive steps" in alert.message
+    assert trainer.global_step == 12  # training went on
+    assert monitor.stopping_reason is None
+
+
+def test_a_single_small_step_is_not_vanishing(tmp_path):
+    factors = {k: 1e-6 for k in range(0, 12) if k != 3}
+    monitor = TrainingMonitor(
+        halt_after=1,
+        loss_divergence_factor=None,
+        val_loss_key=None,
+        vanishing_grad_threshold=0.1,
+        vanishing_grad_patience=10,
+    )
+    fit(tmp_path, ScriptedModel(loss_factor=factors), monitor, max_steps=12)
+    assert monitor.alerts == []
+
+
+@pytest.mark.parametrize(
+    ("val_losses", "patience", "expected_run"),
+    [
+        ([1.0, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4], 4, 6),  # five rising values: 0.9 -> 1.0 -> ... -> 1.3
+        ([1.0, 1.1, 1.0, 1.1, 1.2], 2, 5),
+        ([1.0, 0.9, 0.8, 0.7, 0.6], 2, None),
+        ([1.0, float("nan")], 4, 2),
+    ],
+)
+def test_diverging_validation_loss(tmp_path, val_losses, patience, expected_run):
+    model = ScriptedModel(val_losses=val_losses)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=patience)
+    trainer = fit(tmp_path, model, monitor, max_steps=4 * len(val_losses), val_check_interval=4, num_sanity_val_steps=2)
+    alerts = [a for a in monitor.alerts if a.kind is AlertKind.DIVERGING_VAL_LOSS]
+    if expected_run is None:
+        assert alerts == []
+        assert trainer.global_step == 4 * len(val_losses)
+        return
+    (alert,) = alerts
+    assert model.val_runs == expected_run  # the sanity check was not counted
+    assert alert.halted and trainer.should_stop
+    # Where Lightning logs that validation's val_loss: validation runs after batch 4k - 1, before the logging step
+    # moves on (global_step has, already).
+    assert alert.step == 4 * expected_run - 1
+    assert monitor.stopping_reason is AlertKind.DIVERGING_VAL_LOSS
+
+
+def test_observe_only_keeps_training_and_still_skips_bad_steps(tmp_path):
+    model = ScriptedModel(loss_factor={2: float("nan"), 5: 1e5, 6: float("nan")})
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])
+    trainer = fit(tmp_path, model, monitor, max_steps=10)
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts] == [
+        ("nonfinite_loss", 2, False),
+        ("exploding_grad", 5, False),
+        ("nonfinite_loss", 6, False),
+    ]
+    assert trainer.global_step == 10
+    assert monitor.skipped_steps == 2  # both NaN steps; the finite explosion was applied, as asked
+    assert all_finite(model)
+
+
+def test_raise_mode_raises_training_halted(tmp_path):
+    model = ScriptedModel(loss_factor={3: float("inf")})
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_mode="raise")
+    with pytest.raises(TrainingHalted, match="nonfinite_loss at step 3") as err:
+        fit(tmp_path, model, monitor, max_steps=10)
+    assert err.value.alert is monitor.alerts[0]
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+    assert all_finite(model)
+
+
+def test_halt_on_selects_what_stops(tmp_path):
+    model = ScriptedModel(loss_factor={2: 1e5, 5: float("nan")})
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=["nonfinite_loss"])
+    trainer = fit(tmp_path, model, monitor, max_steps=10)
+    assert [(a.kind.value, a.halted) for a in monitor.alerts] == [("exploding_grad", False), ("nonfinite_loss", True)]
+    assert trainer.global_step == 6
+
+
+def test_amp_calibration_is_quiet_but_a_collapsing_scale_halts(tmp_path):
+    def amp():
+        return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+
+    # The finite norms of this run reach 16 to 71, and at times 100, whatever the seed: the exploding threshold is
+    # set well above them, since an explosion is not what this run is about.
+    quiet = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, exploding_grad_threshold=1e4)
+    fit(tmp_path, ScriptedModel(default_factor=5.0), quiet, max_steps=12, plugins=amp())
+    assert quiet.skipped_steps >= 1 and quiet.alerts == []
+
+    # Gradients that are NaN whatever the scale, from the first step: the scaler halves it at every step, which is
+    # what calibration looks like too, until it falls below `min_loss_scale` (2**16 halved 17 times is 0.5).
+    broken = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, amp_overflow_patience=6)
+    model = ScriptedModel(grad_poison=dict.fromkeys(range(100), 0))
+    trainer = fit(tmp_path, model, broken, max_steps=50, plugins=amp())
+    (alert,) = broken.alerts
+    assert alert.kind is AlertKind.NONFINITE_GRAD and alert.halted
+    assert alert.step == 17
+    assert "loss scale collapsed to 0.5 < min_loss_scale=1" in alert.message
+    assert trainer.global_step == 18
+    assert all_finite(model)
+
+
+def test_alerts_reach_console_loggers_and_jsonl(tmp_path, caplog):
+    model = ScriptedModel(loss_factor={3: 1e5})
+    tb, csv = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])
+    with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
+        fit(tmp_path, model, monitor, max_steps=6, logger=[tb, csv])
+    (alert,) = monitor.alerts
+    # Console: one WARNING record.
+    records = [r for r in caplog.records if r.name == "lightning_monitor"]
+    assert [r.levelno for r in records] == [logging.WARNING]
+    assert alert.message in records[0].getMessage()
+    # Every logger: the scalar at the alert's step, and the text in TensorBoard.
+    assert tb_scalars(tb.log_dir)["alerts/exploding_grad"] == [(3, 1.0)]
+    assert csv_column(csv.log_dir + "/metrics.csv", "alerts/exploding_grad") == [(3, 1.0)]
+    ((step, text),) = tb_texts(tb.log_dir)
+    assert step == 3 and alert.message in text
+    # The JSON-lines file in the trainer's log directory (the first logger's).
+    (line,) = jsonl(f"{tb.log_dir}/alerts.jsonl")
+    assert line["kind"] == "exploding_grad" and line["step"] == 3 and line["message"] == alert.message
+    assert line["value"] == pytest.approx(alert.value)
+
+
+def test_without_logger_alerts_reach_console_and_jsonl(tmp_path, caplog):
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
+    with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
+        fit(tmp_path, ScriptedModel(loss_factor={2: float("nan")}), monitor, logger=False)
+    assert len(monitor.alerts) == 1
+    assert any("Training loss is nan" in r.getMessage() for r in caplog.records)
+    # Without a logger, a folder of the run's own under `default_root_dir`.
+    assert monitor.log_dir == tmp_path / "lightning-monitor" / "version_0"
+    (line,) = jsonl(monitor.log_dir / "alerts.jsonl")
+    assert line["value"] == "nan" and line["halted"] is True
+
+
+def test_unwritable_log_dir_warns_once_and_monitoring_goes_on(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the log directory should be")
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])
+    model = ScriptedModel(loss_factor={2: float("nan"), 4: 1e5})
+    with pytest.warns(RuntimeWarning, match="could not write") as record:
+        fit(blocker / "logs", model, monitor, max_steps=6)
+    assert len([w for w in record if "alerts" in str(w.message)]) == 1
+    assert [a.kind.value for a in monitor.alerts] == ["nonfinite_loss", "exploding_grad"]
+
+
+def test_missing_validation_key_warns_once(tmp_path):
+    model = ScriptedModel(val_losses=[1.0, 1.0, 1.0])
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key="val_acc")
+    with pytest.warns(RuntimeWarning, match="val_loss_key='val_acc'") as record:
+        fit(tmp_path, model, monitor, max_steps=12, val_check_interval=4)
+    assert len([w for w in record if "val_loss_key" in str(w.message)]) == 1
+
+
+def test_summary_on_fit_end(tmp_path, caplog):
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, summary_on_fit_end=True)
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, ScriptedModel(loss_factor={4: float("nan")}), monitor, logger=CSVLogger(tmp_path), max_steps=10)
+    (text,) = [r.getMessage() for r in caplog.records if "lightning-monitor summary" in r.getMessage()]
+    assert "HALTED: nonfinite_loss at step 4" in text
+
+
+def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
+    model = TwoOptimizers(nan_at_batch=3)
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 8  # two optimizer steps per batch: global_step runs twice as fast as the logs
+    metrics = f"{trainer.log_dir}/metrics.csv"
+    (nan_step,) = [s for s, v in csv_column(metrics, "train_loss") if math.isnan(v)]
+    assert nan_step == 3
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.NONFINITE_LOSS, nan_step, True)
+    assert alert.message.startswith("Training loss is nan at step 3 (epoch 0) for optimizer 0, learning rate 0.1.")
+    assert csv_column(metrics, "alerts/nonfinite_loss") == [(3, 1.0)]
+    assert [s for s, _ in csv_column(metrics, "grad_norm_opt0")] == [0, 1, 2, 3]
+    folder = tmp_path / "lightning_logs" / "version_0" / "postmortem" / "step0000003_nonfinite_loss"
+    assert f"Post-mortem bundle: {folder}" in alert.message
+    assert (folder / "last_good.ckpt").exists()
+    # The halt skips the second optimizer's (finite) step of that batch too: no weight moved.
+    assert monitor.skipped_steps == 2
+    assert same_weights(list(model.parameters()), model.weights_before[3])
+    assert all_finite(model)
+
+
+def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tmp_path):
+    # Checks at steps 0, 4, 8 (and the logging steps 4, 9, ...): the explosion at step 5 is caught at step 8.
+    torch.manual_seed(0)
+    model = ScriptedModel(loss_factor={5: 1e3})
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, check_every_n_steps=4, postmortem=None
+    )
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=5, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.EXPLODING_GRAD, 8, True)
+    assert alert.value == pytest.approx(max(model.after_backward[5:9]), rel=1e-5)  # the worst of the held steps
+    # Step 8 was skipped, but not the held steps 5 to 7 (their weights stayed finite): the message says just that.
+    assert (
+        "This optimizer step was skipped, but the 3 before it since the last check (check_every_n_steps=4) were"
+        " applied unchecked. Training is halting."
+    ) in alert.message
+    assert "the weights are unchanged" not in alert.message
+    # The worst norm is held step 5's, whose layers are not kept; step 8's are not named in their place.
+    assert max(model.after_backward[5:8]) > model.after_backward[8]
+    assert "It came from a step between checks, whose per-layer norms are not kept." in alert.message
+    assert "Largest layers" not in alert.message
+    assert trainer.global_step == 9
+    assert not same_weights(model.weights_before[6], model.weights_before[5])  # step 5 was applied, unchecked
+    assert same_weights(list(model.parameters()), model.weights_before[8])  # the checked step 8 was not
+    # The halting step 8 is no logging step (4, 9, ...), yet its figures are logged, where Lightning logs as it stops.
+    metrics = f"{trainer.log_dir}/metrics.csv"
+    grad_norm = csv_column(metrics, "grad_norm")
+    assert [s for s, _ in grad_norm] == [4, 8]
+    assert grad_norm[1][1] == pytest.approx(model.after_backward[8], rel=1e-5)  # the step's own norm
+    assert csv_column(metrics, "skipped_steps") == [(8, 1.0)]
+
+
+NAN = float("nan")
+
+
+def fit_ladder(tmp_path, model, monitor, max_steps=20, **kwargs):
+    trainer = make_trainer(tmp_path, [monitor], max_steps=max_steps, **kwargs)
+    trainer.fit(model, loader(), loader(8))
+    return trainer
+
+
+def test_an_isolated_nan_is_skipped_alerted_and_training_goes_on(tmp_path):
+    model = ScriptedModel(loss_factor={4: NAN})
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = fit_ladder(tmp_path, model, monitor)
+
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.NONFINITE_LOSS, 4, False)
+    assert "The optimizer step was skipped, so the weights are unchanged. Training goes on" in alert.message
+    assert (monitor.stopping_reason, trainer.global_step, monitor.skipped_steps) == (None, 20, 1)
+    assert same_weights(model.weights_before[4], model.weights_before[5])  # the NaN step changed nothing
+    assert all_finite(model)
+    assert not (monitor.log_dir / "postmortem").exists()  # a bundle comes with a halt, not with a skipped step
+
+
+def test_a_nan_at_every_step_halts_at_its_third_check_with_the_bundle(tmp_path):
+    model = ScriptedModel(loss_factor=dict.fromkeys(range(6, 20), NAN))
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = fit_ladder(tmp_path, model, monitor)
+
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
+        (AlertKind.NONFINITE_LOSS, 6, False),
+        (AlertKind.NONFINITE_LOSS, 8, True),
+    ]
+    halt = monitor.alerts[1]
+    assert "It came back at 3 of the last 16 checks (halt_after=3): Training is halting." in halt.message
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+    assert trainer.global_step == 9  # steps 6, 7 and 8 skipped, then the halt
+    assert monitor.skipped_steps == 3
+    assert same_weights(model.weights_before[6], [p.detach() for p in model.parameters()])
+    (bundle,) = (monitor.log_dir / "postmortem").iterdir()
+    assert bundle.name == "step0000008_nonfinite_loss"
+
+
+def test_a_recurring_problem_with_healthy_steps_between_halts_at_its_third_occurrence(tmp_path):
+    model = ScriptedModel(loss_factor={3: NAN, 7: NAN, 11: NAN})
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    fit_ladder(tmp_path, model, monitor)
+
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(3, False), (7, False), (11, True)]
+    assert "It came back at 3 of the last 16 checks" in monitor.alerts[2].message
+
+
+def test_bad_steps_further_apart_than_the_window_never_halt(tmp_path):
+    model = ScriptedModel(loss_factor={2: NAN, 20: NAN, 38: NAN})
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = fit_ladder(tmp_path, model, monitor, max_steps=45)
+
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(2, False), (20, False), (38, False)]
+    assert (monitor.stopping_reason, trainer.global_step, monitor.skipped_steps) == (None, 45, 3)
+
+
+def test_an_exploding_gradient_that_stays_up_halts_at_its_third_check(tmp_path):
+    model = ScriptedModel(loss_factor=dict.fromkeys(range(5, 20), 1e4))
+    monitor = TrainingMonitor(
+        val_loss_key=None, exploding_grad_threshold=50.0, loss_spike_threshold=None, loss_divergence_factor=None
+    )
+    fit_ladder(tmp_path, model, monitor)
+
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
+        (AlertKind.EXPLODING_GRAD, 5, False),
+        (AlertKind.EXPLODING_GRAD, 7, True),
+    ]
+    assert monitor.alerts[1].message.startswith("Gradient norm ")
+    assert math.isclose(monitor.alerts[1].threshold, 50.0)
+    assert same_weights(model.weights_before[5], [p.detach() for p in model.parameters()])
+
+
+def test_halt_after_one_halts_at_the_first_bad_step(tmp_path):
+    model = ScriptedModel(loss_factor={4: NAN})
+    monitor = TrainingMonitor(val_loss_key=None, halt_after=1)
+    trainer = fit_ladder(tmp_path, model, monitor)
+
+    (alert,) = monitor.alerts
+    assert (alert.step, alert.halted, trainer.global_step) == (4, True, 5)
+    assert "Training goes on" not in alert.message and "came back" not in alert.message
+
+
+def test_deferred_reads_climb_the_same_ladder(tmp_path):
+    model = ScriptedModel(loss_factor=dict.fromkeys(range(6, 20), NAN))
+    monitor = TrainingMonitor(val_loss_key=None, host_sync="deferred", postmortem=None)
+    trainer = fit_ladder(tmp_path, model, monitor)
+
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(6, False), (8, True)]
+    assert trainer.global_step == 10  # read a step later: the halt stops training after step 9, kept out too
+    assert all_finite(model)
+
+
+class SpikyLM(TinyLM):
+    """A tiny LM whose loss is multiplied by ``factor`` at the given steps (and can be NaN)."""
+
+    def __init__(self, factors: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.factors = factors or {}
+        self.weights_before: dict[int, list[torch.Tensor]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = self.step(batch, "train")
+        self.weights_before[self.global_step] = [p.detach().clone() for p in self.parameters()]
+        out["loss"] = out["loss"] * self.factors.get(self.global_step, 1.0)
+        return out
+
+
+def fit_spiky(tmp_path, model, **monitor_kwargs):
+    options = {"val_loss_key": None, "spike_warmup": 30, "postmortem": None, **monitor_kwargs}
+    monitor = TrainingMonitor(**options)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=240, limit_val_batches=0)
+    data, unused = DataLoader(TokenData(240 * 32), batch_size=32), DataLoader(TokenData(4), batch_size=4)
+    trainer.fit(model, train_dataloaders=data, val_dataloaders=unused)
+    return monitor, trainer
+
+
+def spikes(monitor):
+    return [(a.kind.value, a.step) for a in monitor.alerts if a.kind in (AlertKind.LOSS_SPIKE, AlertKind.GRAD_SPIKE)]
+
+
+def test_healthy_run_raises_no_spike_alert(tmp_path):
+    monitor, _ = fit_spiky(tmp_path, SpikyLM())
+    assert monitor.alerts == []
+
+
+def test_a_loss_spike_is_caught_at_its_step_and_named(tmp_path):
+    monitor, trainer = fit_spiky(tmp_path, SpikyLM({150: 4.0}))
+    assert spikes(monitor) == [("loss_spike", 150), ("grad_spike", 150)]
+    loss_alert = monitor.alerts[0]
+    # Judged against the level the falling curve predicts for the step, a little below the last one: about 4x.
+    assert "Training loss" in loss_alert.message and re.search(r"\(4(\.\d)?x\)", loss_alert.message)
+    assert "Largest layers" in monitor.alerts[1].message
+    assert not loss_alert.halted and trainer.global_step == 240  # spikes only alert unless asked
+
+
+@pytest.mark.parametrize(("length", "fires"), [(2, False), (3, True)])
+def test_patience_counts_consecutive_outliers(tmp_path, length, fires):
+    monitor, _ = fit_spiky(
+        tmp_path, SpikyLM(dict.fromkeys(range(150, 150 + length), 4.0)), spike_patience=3, grad_spike_threshold=None
+    )
+    assert spikes(monitor) == ([("loss_spike", 152)] if fires else [])
+
+
+def test_skip_on_spikes_leaves_the_weights_untouched(tmp_path):
+    model = SpikyLM({150: 4.0})
+    monitor, trainer = fit_spiky(tmp_path, model, skip_on=["loss_spike"])
+    assert same_weights(model.weights_before[150], model.weights_before[151])  # the spiking step was not applied
+    assert not same_weights(model.weights_before[149], model.weights_before[150])
+    assert monitor.skipped_steps == 1 and trainer.global_step == 240
+    assert "The optimizer step was skipped" in monitor.alerts[0].message
+
+
+def test_halt_on_spikes(tmp_path):
+    monitor, trainer = fit_spiky(tmp_path, SpikyLM({150: 4.0}), halt_on=["loss_spike"])
+    assert monitor.stopping_reason is AlertKind.LOSS_SPIKE and trainer.global_step == 151
+
+
+def test_statistics_survive_a_nan_and_a_huge_spike(tmp_path):
+    # The huge spike is skipped, so the weights never see it; only the statistics could carry it forward.
+    model = SpikyLM({100: float("nan"), 120: 1e4, 200: 4.0})
+    monitor, _ = fit_spiky(tmp_path, model, halt_on=[], exploding_grad_threshold=None, skip_on=["loss_spike"])
+    assert spikes(monitor) == [("loss_spike", 120), ("grad_spike", 120), ("loss_spike", 200), ("grad_spike", 200)]
+    assert [a.kind.value for a in monitor.alerts if a.step == 100] == ["nonfinite_loss"]
+
+
+RISING = [1.0, 0.9, 1.1, 1.3, 1.6]  # rises three times in a row after the second run
+
+
+class LoggedAs(ScriptedModel):
+    """Logs its scripted validation losses under each of ``names`` (step-wise too with ``on_step``)."""
+
+    def __init__(self, names: tuple[str, ...], on_step: bool = False) -> None:
+        super().__init__(val_losses=RISING)
+        self.names, self.on_step = names, on_step
+
+    def validation_step(self, batch, batch_idx):
+        out = super().validation_step(batch, batch_idx)
+        if self.on_step:  # Lightning then keeps `<name>_step` and `<name>_epoch`
+            value = self.val_losses[min(self.val_runs, len(self.val_losses) - 1)]
+            for name in self.names:
+                self.log(name, value, on_step=True, on_epoch=True)
+        return out
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        if not self.on_step:
+            for name in self.names:
+                self.log(name, self.val_losses[min(self.val_runs, len(self.val_losses) - 1)])
+        self.val_runs += 1
+
+
+def run(tmp_path, model, caplog, **monitor_args):
+    monitor = TrainingMonitor(halt_on=[], divergence_patience=3, **monitor_args)
+    with caplog.at_level(logging.INFO):
+        trainer = make_trainer(tmp_path, [monitor], max_steps=20, val_check_interval=4)
+        trainer.fit(model, loader(40), loader(4))
+    told = [r.getMessage() for r in caplog.records if "TrainingMonitor" in r.getMessage() and "val" in r.getMessage()]
+    return monitor, told
+
+
+@pytest.mark.parametrize(
+    ("names", "on_step", "watched"),
+    [
+        (("val/loss",), False, "val/loss"),
+        (("valid_loss",), False, "valid_loss"),
+        (("val_loss",), False, "val_loss"),
+        (("eval_loss",), True, "eval_loss"),  # not the per-batch `eval_loss_step`, nor its copy `eval_loss_epoch`
+    ],
+)
+def test_the_one_validation_loss_logged_is_watched_and_said_once(tmp_path, caplog, names, on_step, watched):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no warning: there is nothing for the user to do
+        monitor, told = run(tmp_path, LoggedAs(names, on_step), caplog)
+    assert told == [
+        f"TrainingMonitor watches {watched!r} for `diverging_val_loss` (the logged metric named like a validation"
+        " loss); pass `val_loss_key` to watch another, or `val_loss_key=None` for none."
+    ]
+    (alert,) = [a for a in monitor.alerts if a.kind == AlertKind.DIVERGING_VAL_LOSS]
+    assert watched in alert.message.lower() and alert.value == pytest.approx(RISING[4])
+
+
+def test_several_candidates_warn_once_naming_them_and_none_is_watched(tmp_path, caplog):
+    with pytest.warns(RuntimeWarning, match="several metrics named like a validation loss") as record:
+        monitor, told = run(tmp_path, LoggedAs(("val/loss", "valid_loss")), caplog)
+    (message,) = [str(w.message) for w in record if "val" in str(w.message)]  # five validation runs, one warning
+    assert "['val/loss', 'valid_loss']" in message and "`val_loss_key`" in message
+    assert told == []  # the warning, and no line of info
+    assert not monitor.alerts
+
+
+def test_no_validation_loss_is_one_line_of_info_not_a_warning(tmp_path, caplog):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        monitor, told = run(tmp_path, LoggedAs(("val_accuracy",)), caplog)
+    assert told == [
+        "TrainingMonitor found no logged validation loss (a metric named like `val_loss`), so `diverging_val_loss`"
+        " is off: log one, or pass the key you log as `val_loss_key`."
+    ]
+    assert not monitor.alerts
+
+
+def test_a_key_the_user_named_and_never_logged_warns_once_with_the_candidates(tmp_path, caplog):
+    with pytest.warns(RuntimeWarning, match=r"`val_loss_key='val_loss'`, but validation logged no such") as record:
+        monitor, _ = run(tmp_path, LoggedAs(("val/loss",)), caplog, val_loss_key="val_loss")
+    (message,) = [str(w.message) for w in record if "val_loss_key" in str(w.message)]
+    assert "Metrics named like a validation loss: ['val/loss']." in message
+    assert not monitor.alerts
+
+
+def test_a_key_the_user_named_is_watched_without_a_word(tmp_path, caplog):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        monitor, told = run(tmp_path, LoggedAs(("val/loss", "valid_loss")), caplog, val_loss_key="valid_loss")
+    assert told == []
+    assert [a.kind for a in monitor.alerts] == [AlertKind.DIVERGING_VAL_LOSS]
+
+
+# ----------------------------------------------------------- 5. a NaN at a step between checks, caught at the next
+
+
+def test_a_nan_between_checks_is_reported_as_applied_and_no_bad_checkpoint_is_kept(tmp_path):
+    # Checks at steps 0, 5, 10: the NaN loss of step 2 reached the weights unchecked; step 5 finds them NaN.
+    model = ScriptedModel(loss_factor={2: float("nan")})
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, check_every_n_steps=5)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20)
+    with pytest.warns(RuntimeWarning, match=r"position\(s\) out of val_acc: their logits hold a NaN"):
+        trainer.fit(model, train_dataloaders=loader())  # the NaN weights validate to NaN logits: said once
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.NONFINITE_LOSS, 5, True)
+    assert trainer.global_step == 6 and not all_finite(model)
+    assert "the weights are unchanged" not in alert.message
+    assert "were applied unchecked" in alert.message
+    assert "The weights are not finite" in alert.message
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000005_nonfinite_loss"
+    assert f"Post-mortem bundle: {folder}" in alert.message
+    names = {p.name for p in folder.iterdir()}
+    assert "last_good.ckpt" not in names and "README.md" in names
+    readme = words(folder / "README.md")
+    assert (
+        "## Not in this bundle - `last_good.ckpt`: the weights were no longer finite when the alert came, so none is"
+        " kept." in readme
+    )
+
+
+def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_mode="raise")
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10)
+    with pytest.raises(TrainingHalted, match="nonfinite_loss at step 3") as err:
+        trainer.fit(ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader())
+    assert err.value.alert is monitor.alerts[0]
+
+
+class NoOptimizer(ScriptedModel):
+    def configure_optimizers(self) -> None:
+        return None
+
+
+@pytest.mark.filterwarnings("ignore:.*configure_optimizers` returned `None`.*:UserWarning")
+def test_no_optimizer_trains_with_the_loss_checked(tmp_path):
+    """`configure_optimizers` returning None: Lightning trains with a stand-in optimizer that holds no parameter."""
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6)
+    with pytest.warns(RuntimeWarning, match="found no parameter in optimizer") as record:
+        trainer.fit(NoOptimizer(loss_factor={3: float("nan")}), train_dataloaders=loader())
+    assert len([w for w in record if "found no parameter" in str(w.message)]) == 1
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 3)]  # the loss is still checked
+    assert "grad_norm" not in monitor.latest  # nothing to measure
+    assert trainer.global_step == 4 and monitor.stopping_reason is AlertKind.NONFINITE_LOSS
