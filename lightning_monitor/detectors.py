@@ -11,6 +11,8 @@ after the figure has been healthy once. A run that stays NaN therefore gives one
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -24,6 +26,10 @@ DIVERGENCE_MARGIN = 0.1
 LOSS_DIVERGENCE_FACTOR = 4.0
 #: Consecutive checks above that level that make ``diverging_loss``.
 LOSS_DIVERGENCE_PATIENCE = 3
+#: :class:`LossDivergenceDetector` judges a loss against its start times ``exp(NOISE_MARGIN * s)``, ``s`` the run's
+#: step-to-step noise in log space over the last ``NOISE_WINDOW`` checks.
+NOISE_MARGIN = 3.0
+NOISE_WINDOW = 64
 
 # The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
 # detectors all the same, re-exported here.
@@ -35,6 +41,8 @@ __all__ = [
     "EARLY_CHECKS",
     "LOSS_DIVERGENCE_FACTOR",
     "LOSS_DIVERGENCE_PATIENCE",
+    "NOISE_MARGIN",
+    "NOISE_WINDOW",
     "MIN_SPIKE_WINDOW",
     "AccuracyStallDetector",
     "AmpOverflowDetector",
@@ -364,6 +372,14 @@ class LossDivergenceDetector:
     where it starts; one several times above its start has diverged. A loss that starts at or below zero (a
     likelihood) has no such ratio, and the rule stays off for it.
 
+    A loss read from one small batch can start far below its own level by chance (a regression on one sample), and
+    then sit above ``factor`` times it for checks in a row while it is healthy. So a check counts only where the
+    loss is also above the run's own step-to-step noise: ``factor`` times the start, times ``exp(3 s)``, with ``s``
+    the median absolute deviation of the steps ``log(loss_t / loss_t-1)`` over the last 64 checks after the first
+    two (the jump away from the start is not noise), once there are 3 of them. A loss that blows up and stays there,
+    or climbs steadily, moves alike from step to step, and is judged against ``factor`` times its start as before;
+    one that jumps up and down between batches by several times must go that much further.
+
     Args:
         factor: How many times its starting level the loss must be.
         patience: Consecutive checks above it that make an alert.
@@ -397,6 +413,16 @@ class LossDivergenceDetector:
         self.name = name
         self.reference: float | None = None
         self.count = 0
+        self.steps: deque[float] = deque(maxlen=NOISE_WINDOW)  # log(loss_t / loss_t-1), after the first two
+        self._last_log: float | None = None  # the log of the last positive loss after the start
+
+    @property
+    def noise(self) -> float:
+        """The run's step-to-step noise in log space: the median absolute deviation of :attr:`steps` (0 before 3)."""
+        if len(self.steps) < 3:
+            return 0.0
+        middle = statistics.median(self.steps)
+        return statistics.median(abs(step - middle) for step in self.steps)
 
     def update(self, value: float) -> Detection | None:
         """Take one training loss; return a detection on the ``patience``-th check in a row far above the start."""
@@ -405,7 +431,13 @@ class LossDivergenceDetector:
         if self.reference is None:
             self.reference = value if value > 0 else math.nan
             return None
-        if not value > self.factor * self.reference:  # never true for a NaN reference
+        if value > 0:
+            log = math.log(value)
+            if self._last_log is not None:
+                self.steps.append(log - self._last_log)
+            self._last_log = log
+        limit = self.factor * self.reference
+        if not value > limit or not value > limit * math.exp(NOISE_MARGIN * self.noise):  # never for a NaN start
             self.count = 0
             return None
         self.count += 1
@@ -417,7 +449,10 @@ class LossDivergenceDetector:
         )
         if self.patience > 1:
             reason += f" for {self.patience} steps in a row"
-        return Detection(self.kind, value, self.factor * self.reference, reason)
+        margin = math.exp(NOISE_MARGIN * self.noise)
+        if margin > 1.5:  # the noise asked for more than the factor alone: say how much
+            reason += f", and above {format_value(limit * margin)}, its start beyond its step-to-step noise"
+        return Detection(self.kind, value, limit, reason)
 
     @property
     def beyond(self) -> bool:
@@ -426,13 +461,16 @@ class LossDivergenceDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"reference": self.reference, "count": self.count}
+        return {"reference": self.reference, "count": self.count, "steps": list(self.steps), "last": self._last_log}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict`."""
+        """Restore the state saved by :meth:`state_dict` (one saved without the noise starts it afresh)."""
         reference = state.get("reference")
         self.reference = None if reference is None else float(reference)
         self.count = int(state.get("count", 0))
+        self.steps = deque((float(v) for v in state.get("steps", [])), maxlen=NOISE_WINDOW)
+        last = state.get("last")
+        self._last_log = None if last is None else float(last)
 
     def rearm(self) -> None:
         """Forget the alert episode under way, keeping the statistics: the next figure beyond the limit fires again.
