@@ -34,6 +34,7 @@ __all__ = [
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
+    "progress_bar_values",
     "show_on_progress_bar",
     "state_under_another_key",
 ]
@@ -161,14 +162,20 @@ def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
 
 
+def progress_bar_values(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The dict behind ``trainer.progress_bar_metrics`` (whose public property rebuilds every value), or ``None``."""
+    values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
+    return values if isinstance(values, dict) else None
+
+
 def show_on_progress_bar(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:
     """Show host figures on Lightning's progress bar, as ``self.log(..., prog_bar=True)`` values are shown.
 
     The bar reads ``trainer.progress_bar_metrics``, whose public property updates the dict behind it from the logged
     results and returns it: figures put in that dict stay there until replaced, like Lightning's own.
     """
-    values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
-    if isinstance(values, dict):
+    values = progress_bar_values(trainer)
+    if values is not None:
         values.update(figures)
 
 
@@ -177,9 +184,7 @@ def host_logged_values(trainer: pl.Trainer) -> dict[str, float]:
 
     The dict behind ``trainer.progress_bar_metrics``, whose public property would rebuild every value first.
     """
-    values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
-    if not isinstance(values, dict):
-        return {}
+    values = progress_bar_values(trainer) or {}
     return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 

@@ -68,10 +68,6 @@ class Packing(NamedTuple):
     fused: bool = False  # the gradients are still scaled by the loss scale (a fused optimizer under fp16 AMP)
 
 
-#: The layout key of a plain check: one process, no held steps, no fp16 scaler, no extras.
-_PLAIN = (False, False, False)
-
-
 class OptimizerCheck:
     """The checks of one optimizer: its layer norms, its detectors, and the figures kept on the device in between.
 
@@ -187,12 +183,6 @@ class OptimizerCheck:
         present = self.norms.present if self.norms.present > self._present else self._present
         fills = self._fills if self._fills is not None and self._fills[0] == device else self._new_fills(device)
         _, zero, one = fills
-        if ranks == 1 and not held and not extras and scaler is None:  # a plain check, the common one
-            layout = self._layouts.get(_PLAIN) or self._layout(False, False, False)
-            plain = [zero if loss_sum is None else loss_sum, *norms]
-            packed = torch.stack(plain) if layout.single_stack else layout.pack(plain)
-            self._present = 0
-            return packed, Packing(layout, 0, 1, False, (), self.norms, (loss_count, present), self.fused)
         amp = scaler is not None
         scale_now = scale_tensor(scaler, device) if amp else None
         if ranks > 1:  # host-known counts travel with the rest, so every rank decides on the same numbers

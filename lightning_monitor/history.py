@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor._compat import FITTING, rank_zero_warn
 from lightning_monitor._host import host_dtype
-from lightning_monitor._lightning import host_logged_values, logging_step
+from lightning_monitor._lightning import host_logged_values, logging_step, progress_bar_values
 from lightning_monitor.alerts import json_float
 from lightning_monitor.sinks import JsonlSink
 
@@ -164,9 +164,7 @@ class RunHistory:
             return
         seen = self._seen
         if step is None and self._open is None:  # no record open (the common batch): what is there now is stale
-            values = getattr(trainer._logger_connector, "_progress_bar_metrics", None)
-            if isinstance(values, dict):
-                seen.update(values)
+            seen.update(progress_bar_values(trainer) or {})
             return
         fresh = {k: v for k, v in host_logged_values(trainer).items() if seen.get(k) is not v and self._is_loss(k)}
         seen.update(fresh)

@@ -45,14 +45,6 @@ class StepFigures(NamedTuple):
         layout, held, ranks, amp, norms_of = packing.layout, packing.held, packing.ranks, packing.amp, packing.norms
         first, where = rows[0], layout.slices
         scale = first[1] if amp and ranks == 1 else first[where["scale"].start] if amp else 1.0
-        if ranks == 1 and not held and not packing.fused and not packing.extras:  # a plain check, the common one
-            loss_count, present = packing.counts
-            loss_sum, layer_sq = first[0], norms_of.layer_squares(first[where["norms"]])
-            total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
-            norm = math.sqrt(total_sq) if present else None
-            overflow_steps = (0 if math.isfinite(total_sq) else 1) if amp else 0
-            return cls(loss_sum / loss_count if loss_count else None, norm, norm, layer_sq, overflow_steps, 1,
-                               scale if amp else None, amp, [loss_sum], [total_sq], [], _NO_EXTRAS)  # fmt: skip
         if ranks > 1:
             per_rank = layout.read(rows)
             norm_rows = per_rank["norms"]

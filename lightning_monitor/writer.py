@@ -191,7 +191,7 @@ class RunWriter:
             run_alerts: Every alert of the run so far, these included (the counts per kind start from them).
             halting: The check halts training: the W&B and MLflow runs' copies of the files are brought up to date.
         """
-        if logs or not trainer.loggers:
+        if logs or not trainer.loggers:  # no logging step without a logger: callback_metrics get every check's
             mirror_callback_metrics(trainer, logged or {})
         if trainer.is_global_zero and (alerts or (logs and logged)):
             self._publish(trainer, alerts, run_alerts, logged if logs else None, at)
