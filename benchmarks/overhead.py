@@ -49,7 +49,7 @@ step's time does not depend on the process's allocation history.
   round-robin ones, where each step follows a step of five other processes (at 1M, 23 to 32 ms against 31 to 36 in two
   runs), so the same hooks take a larger share of them. For the monitor the table also gives its parts in the
   round-robin steps: the gradient-norm kernel (``LayerGradNorms.norm_list``, the norms the check stacks with its other
-  figures), the token-accuracy update (``TokenAccuracy._hits`` and ``_add_hits``: ``update`` without torchmetrics'
+  figures), the token-accuracy update (``TokenAccuracy.hits`` and ``add_hits``: ``update`` without torchmetrics'
   wrapper, as each batch's masks and one sum of several batches' masks), the logger writes
   (``LoggerSink.log_figures``) and the rest (Python, the one stack and read, the detectors). The ``floor`` row is
   what reading the same data once costs inside a training step, where the gradients and logits are no longer in the

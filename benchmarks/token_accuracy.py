@@ -94,8 +94,8 @@ def make_cases(vocab: int, device: str = "cpu") -> dict[str, Case]:
 
     def add_held(logits: torch.Tensor, labels: torch.Tensor) -> None:
         if not held:  # the first call holds one batch's masks HOLD_AT_MOST times (they are only read)
-            held.extend([in_monitor._hits(logits, labels)] * HOLD_AT_MOST)
-        in_monitor._add_hits(held)
+            held.extend([in_monitor.hits(logits, labels)] * HOLD_AT_MOST)
+        in_monitor.add_hits(held)
 
     return {
         "amax (floor)": Case(lambda logits, labels: logits.amax(-1)),
@@ -107,7 +107,7 @@ def make_cases(vocab: int, device: str = "cpu") -> dict[str, Case]:
         "TokenAccuracy top-1, validate_args=True": metric_case(TokenAccuracy().to(device)),
         "TokenAccuracy top-1, shift=True": metric_case(TokenAccuracy(shift=True, validate_args=False).to(device)),
         "TokenAccuracy top_k=5": metric_case(TokenAccuracy(top_k=5, validate_args=False).to(device)),
-        MONITOR_HITS: Case(lambda logits, labels: in_monitor._hits(logits, labels)),
+        MONITOR_HITS: Case(lambda logits, labels: in_monitor.hits(logits, labels)),
         MONITOR_SUM: Case(add_held),
     }
 

@@ -13,11 +13,12 @@ import contextlib
 import functools
 import os
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, BinaryIO
 
-__all__ = ["SymlinkError", "append_bytes", "open_for_append", "write_atomic"]
+__all__ = ["AppendFile", "SymlinkError", "append_bytes", "open_for_append", "write_atomic"]
 
 #: ``O_NOFOLLOW`` where the system has it (not on Windows, where links need privileges to make).
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -124,3 +125,70 @@ def open_for_append(path: str | os.PathLike[str]) -> BinaryIO:
         f.close()
         raise
     return f
+
+
+class AppendFile:
+    r"""A file appended to in whole lines, opened once at the first append and kept open; never a symbolic link.
+
+    The folder is made and the file opened (:func:`open_for_append`) at the first append, so a later append costs one
+    write: no folder made, no file opened. :meth:`close` (or the object going away) closes it; the next append opens it
+    again. The alerts file and the history are appended to this way.
+
+    Args:
+        path: The file. Its folder is made at the first append when missing.
+
+    Example:
+        >>> path = Path(tempfile.mkdtemp()) / "run" / "log.jsonl"
+        >>> log = AppendFile(path)
+        >>> log.append(b'{"step": 1}\n'), log.append(b'{"step": 2}\n'), log.close()
+        (None, None, None)
+        >>> path.read_bytes()
+        b'{"step": 1}\n{"step": 2}\n'
+        >>> log.set_aside().name, path.exists()
+        ('log.jsonl.1', False)
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._file: BinaryIO | None = None
+        self._closer: weakref.finalize | None = None  # closes it when the object goes, if `close` was not called
+
+    def append(self, data: bytes) -> None:
+        """Append ``data`` (whole lines) and flush it; the first call makes the folder and opens the file, once.
+
+        Raises:
+            SymlinkError: If the file is a symbolic link (nothing is written).
+            OSError: When the folder cannot be made or the file cannot be opened or written.
+        """
+        f = self._file
+        if f is None:  # a run killed mid-write left a line without its newline: it is ended first
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open_for_append(self.path)  # never through a symbolic link
+            self._file, self._closer = f, weakref.finalize(self, f.close)
+        f.write(data)
+        f.flush()
+
+    def close(self) -> None:
+        """Close the file (the next append opens it again)."""
+        if self._closer is not None:
+            self._closer()
+        self._file = self._closer = None
+
+    def set_aside(self) -> Path | None:
+        """Move the file an earlier run left out of the way, to the first free ``<name>.<n>``; return where, if moved.
+
+        For a run that starts afresh in a folder an earlier run wrote to (``logger=False``, or a fixed logger
+        ``version``), as Lightning's CSV logger starts its ``metrics.csv`` afresh. A symbolic link stays where it is
+        (the first append then raises :class:`SymlinkError`); a file that cannot be moved stays too, and is appended to.
+        """
+        self.close()
+        if self.path.is_symlink() or not self.path.is_file():
+            return None
+        n = 1
+        while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
+            n += 1
+        try:
+            self.path.rename(aside)
+        except OSError:
+            return None
+        return aside

@@ -24,10 +24,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_monitor._compat import FITTING, rank_zero_warn
+from lightning_monitor._files import AppendFile
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step, progress_bar_values
 from lightning_monitor.alerts import json_float
-from lightning_monitor.sinks import JsonlSink
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -87,31 +87,31 @@ class RunHistory:
         self._seen: dict[str, object] = {}  # the host value last taken per logged key (a stale one is not re-taken)
         self._loss_keys: dict[str, bool] = {}  # whether a logged key names a loss (`LOSS_KEY`), once per key
         self._broken = False
-        self._file: JsonlSink | None = None  # the file, opened once at the first write: no open per flush
-        self._held: list[bytes] | None = None  # the lines written while the file waits for its folder
+        self._file: AppendFile | None = None  # the file, opened once at the first write: no open per flush
+        self._held: list[bytes] | None = None  # lines not written yet: the file waits for its folder, or just got it
+        self._holding = False  # the lines go to `_held` until the folder is made (`claim`)
 
     def begin(self, path: Path | None, *, held: bool = False, carry_on: bool = False) -> None:
         """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero).
 
-        With ``held`` the lines are kept in memory, as they would be written, until :meth:`write_held` writes them
+        With ``held`` the lines are kept in memory, as they would be written, until :meth:`claim` names their file
         (a run folder made at its first alert; a few MB for a million steps logged every 50). With ``carry_on``
         (the same run fitted again) the lines held so far are kept.
         """
+        if self._held is not None and not self._holding:
+            self.flush()  # the lines held until the folder was made, not written yet
         if self._file is not None:
             self._file.close()
         earlier = self._held if carry_on and self._held is not None else []
         self.path, self._records, self._open, self._last, self._seen, self._broken = path, {}, None, None, {}, False
-        self._held = earlier if held and path is not None else None
-        self._file = None if path is None or held else JsonlSink(path)
+        self._holding = held and path is not None
+        self._held = earlier if self._holding else None
+        self._file = None if path is None or held else AppendFile(path)
 
-    def write_held(self, path: Path) -> None:
-        """Write the lines held so far to ``path`` (the folder is made now), and append there from now on."""
-        if self._held is None:
-            return
-        held, self._held = b"".join(self._held), None
-        self.path, self._file = path, JsonlSink(path)
-        if held:
-            self._append(held)
+    def claim(self, path: Path) -> None:
+        """The run's folder is made: the lines held so far go to ``path`` with the next write, and every line after."""
+        if self._holding:
+            self.path, self._holding = path, False
 
     def close(self) -> None:
         """Write the records kept so far and close the file (a later write opens it again)."""
@@ -195,23 +195,29 @@ class RunHistory:
         self.flush()
 
     def flush(self) -> None:
-        """Append the records kept so far; the tensor learning rates among them are read in one host read."""
-        if (self._file is None and self._held is None) or not self._records:
-            return
+        """Append the records kept so far, after the lines held until the folder was made (:meth:`claim`).
+
+        The tensor learning rates among them are read in one host read.
+        """
         records, self._records = list(self._records.values()), {}
-        if self._broken:
-            return
-        _read_tensors(records)
-        text = "".join(json.dumps({k: _json(v) for k, v in r.items()}) + "\n" for r in records)
-        if self._held is not None:
-            self._held.append(text.encode("utf-8"))
-        else:
-            self._append(text.encode("utf-8"))
+        if records and not self._broken:
+            _read_tensors(records)
+            text = "".join(json.dumps({k: _json(v) for k, v in r.items()}) + "\n" for r in records).encode("utf-8")
+            if self._held is None:
+                self._append(text)
+            else:
+                self._held.append(text)
+        if self._held is not None and not self._holding:  # the folder was made: what was held goes there now
+            held, self._held = b"".join(self._held), None
+            if held:
+                self._append(held)
 
     def _append(self, data: bytes) -> None:
         """Append ``data`` to the file; one warning if it cannot be written, and nothing more is written."""
-        if self._file is None or self._broken:
+        if self.path is None or self._broken:
             return
+        if self._file is None:  # the folder made at the first alert (`claim`)
+            self._file = AppendFile(self.path)
         try:
             self._file.append(data)
         except OSError as err:

@@ -58,7 +58,7 @@ from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, AlertKindName, MonitorSettings, StepKindName
-from lightning_monitor.token_tracker import TokenAccuracyTracker, token_accuracy
+from lightning_monitor.token_tracker import Stage, TokenAccuracyTracker
 from lightning_monitor.validation import ValidationCheck
 from lightning_monitor.weights import WeightWatch
 from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
@@ -552,9 +552,7 @@ class TrainingMonitor(Callback):
             self._checks.order.close()
             self._order_closed = True
         if pending.counted_at is not None:
-            counts = extras["train_token_counts"]
-            self._accuracy(trainer, self._tokens.key("train"), counts, pending.counted_at)
-            self._tokens.warn_counts("train", counts)
+            self._accuracy(trainer, "train", extras["train_token_counts"], pending.counted_at)
 
         # Judge, then decide.
         detectors = check.detectors
@@ -671,10 +669,13 @@ class TrainingMonitor(Callback):
         # keeps its counts for the next check if it logs, and marks the next step if that one may log: in automatic
         # optimization its batches share one logging step; in manual optimization each batch has its own, and the
         # optimizer may step after several, so every step is marked.
-        self._tokens.count_train(outputs, batch)
-        if self._step_closed:
-            next_logs = is_logging_step(trainer, logging_step(trainer) + 1, self._every)
-            self._tokens.close_step(bool(self._every) and (next_logs or not pl_module.automatic_optimization))
+        if not self._step_closed:  # the batch's optimizer step is not complete
+            self._tokens.end_batch(outputs, batch)
+            return
+        next_logs = is_logging_step(trainer, logging_step(trainer) + 1, self._every)
+        self._tokens.end_batch(
+            outputs, batch, bool(self._every) and (next_logs or not pl_module.automatic_optimization)
+        )
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -687,18 +688,30 @@ class TrainingMonitor(Callback):
             return
         # Read: the epoch's token counts and any step figure still waiting, in one read; then write.
         step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
-        key = self._tokens.key("train")  # train_token_acc, or a classifier's train_acc
-        self._accuracy(trainer, key, step, counted_at)
+        self._accuracy(trainer, "train", step, counted_at, warn=False)  # gather_epoch warned
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
-            self._accuracy(trainer, f"{key}_epoch", epoch, logging_step(trainer) - 1)
+            self._accuracy(trainer, "train", epoch, logging_step(trainer) - 1, epoch=True)
 
     def _accuracy(
-        self, trainer: pl.Trainer, key: str, per_rank: Sequence[Sequence[float]], step: int | None
+        self,
+        trainer: pl.Trainer,
+        stage: Stage,
+        per_rank: Sequence[Sequence[float]],
+        step: int | None,
+        *,
+        warn: bool = True,
+        epoch: bool = False,
     ) -> float | None:
-        """Write ``correct / total`` summed over ranks at ``step``; nothing when no token was counted."""
-        value = None if step is None else token_accuracy(per_rank)
+        """Write ``correct / total`` of ``stage`` summed over ranks at ``step``; nothing when no token was counted.
+
+        ``train_token_acc`` (a classifier's ``train_acc``), ``train_token_acc_epoch`` with ``epoch``, or the ``val_``
+        one. With ``warn``, the positions left out are warned about first (once per stage and cause).
+        """
+        if step is None:
+            return None
+        key, value = self._tokens.accuracy(stage, per_rank, warn=warn)
         if value is not None:
-            self._writer.figures(trainer, {key: value}, step)
+            self._writer.figures(trainer, {f"{key}_epoch" if epoch else key: value}, step)
         return value
 
     # ------------------------------------------------------------------------------------------------ validation
@@ -734,8 +747,7 @@ class TrainingMonitor(Callback):
         device = pl_module.device
         counts = self._tokens.epoch_counts("val", device) if watch_acc else None
         found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
-        val_acc = self._accuracy(trainer, self._tokens.key("val"), found.token_counts, logging_step(trainer))
-        self._tokens.warn_counts("val", found.token_counts)
+        val_acc = self._accuracy(trainer, "val", found.token_counts, logging_step(trainer))
         self._writer.history.end_validation(trainer, found.key, found.val_loss)  # and write the history
 
         # Judge, decide, then act, word and write.

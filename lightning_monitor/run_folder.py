@@ -34,13 +34,16 @@ experiment. W&B and MLflow runs also get the files when the folder is another lo
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from lightning_monitor._compat import rank_zero_info, rank_zero_warn
+from lightning_monitor._files import write_atomic
 from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_wandb_logger
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCAL_FOLDER",
     "MONITOR_FOLDER",
+    "SETTINGS_FILE",
     "claim_version",
     "free_version",
     "is_remote",
@@ -59,11 +63,16 @@ __all__ = [
     "new_version",
     "run_folder",
     "wandb_files_dir",
+    "write_settings",
     "writes_files",
 ]
 
 #: The name of the monitor's folder inside a W&B run's files or an MLflow run's artifacts.
 MONITOR_FOLDER = "lightning_monitor"
+#: File name, in the run's folder, of the monitor's settings for the run (read by the report, which finds the folder
+#: by it).
+SETTINGS_FILE = "monitor_settings.json"
+
 #: The name of the monitor's folder in ``default_root_dir``: no Python identifier, so no package can be shadowed.
 LOCAL_FOLDER = "lightning-monitor"
 
@@ -329,3 +338,28 @@ def _tracked_run_folder(trainer: pl.Trainer, logger: Logger) -> Path | None:
     if artifacts is not None:
         return artifacts / MONITOR_FOLDER
     return Path(trainer.default_root_dir) / LOCAL_FOLDER / f"mlflow_{run_id}"
+
+
+def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
+    """Write the monitor's settings as JSON, so a report can draw the thresholds the run was checked against.
+
+    The file is written at once (a full disk leaves the earlier file or none, never half of one), and replaces a
+    symbolic link in its place rather than writing through it. A failure gets one ``RuntimeWarning``; nothing
+    else depends on this file.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / SETTINGS_FILE
+        >>> write_settings(path, {"halt_on": ["nonfinite_loss"]})
+        >>> json.loads(path.read_text())
+        {'halt_on': ['nonfinite_loss']}
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(dict(settings), indent=2) + "\n")
+    except Exception as err:  # a full disk, a folder that is a file, a setting JSON cannot hold: never a crash
+        rank_zero_warn(
+            f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).",
+            category=RuntimeWarning,
+        )

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from lightning_monitor._compat import rank_zero_warn
-from lightning_monitor._files import open_for_append, write_atomic
+from lightning_monitor._files import AppendFile, write_atomic
 from lightning_monitor._lightning import is_csv_logger, is_tensorboard_logger
 from lightning_monitor.alerts import Alert
 from lightning_monitor.csv_rows import CsvRows
@@ -25,10 +24,7 @@ from lightning_monitor.logger_sinks import TrackedRun, tracked_runs
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
 
-__all__ = ["SETTINGS_FILE", "TENSORBOARD_LAYOUT", "ConsoleSink", "JsonlSink", "LoggerSink", "write_settings"]
-
-#: File name, in the trainer's log directory, of the monitor's settings for the run (read by the report).
-SETTINGS_FILE = "monitor_settings.json"
+__all__ = ["TENSORBOARD_LAYOUT", "ConsoleSink", "JsonlSink", "LoggerSink", "publish"]
 
 #: TensorBoard's custom-scalars layout: each chart overlays every tag its regular expressions match.
 TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
@@ -81,8 +77,10 @@ class LoggerSink:
         self.loggers = list(loggers)
         self.runs: list[TrackedRun] = [] if folder is None else tracked_runs(self.loggers, folder)
         self.csv_rows = CsvRows()  # a CSVLogger's rows: one per step
-        for logger in self.loggers if folder is not None else ():
-            if is_csv_logger(logger):
+        self._csv = [is_csv_logger(logger) for logger in self.loggers]  # each logger's kind, told once
+        self._tensorboard = [logger for logger in self.loggers if is_tensorboard_logger(logger)]
+        for logger, csv in zip(self.loggers, self._csv, strict=True):
+            if csv and folder is not None:
                 self.csv_rows.attach(logger)
 
     def close(self) -> None:
@@ -93,8 +91,8 @@ class LoggerSink:
         """Write ``figures`` to every logger at ``step``."""
         if not figures:
             return
-        for logger in self.loggers:
-            if is_csv_logger(logger):
+        for logger, csv in zip(self.loggers, self._csv, strict=True):
+            if csv:
                 self.csv_rows.write(logger, figures, step)
             else:
                 logger.log_metrics(dict(figures), step=step)
@@ -105,9 +103,8 @@ class LoggerSink:
         The charts match tags by regular expression, so they pick up the user's own loss keys (``train_loss``,
         ``val_loss``, ``loss``...) next to the monitor's ``train_token_acc``, ``val_token_acc`` and ``grad_norm``.
         """
-        for logger in self.loggers:
-            if is_tensorboard_logger(logger):
-                logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
+        for logger in self._tensorboard:
+            logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
     def write(self, alert: Alert, step: int, count: int, index: int = 1) -> None:
         """Write ``alert`` to every logger at ``step``.
@@ -116,10 +113,9 @@ class LoggerSink:
         tags).
         """
         self.log_figures({f"{ALERTS_PREFIX}{alert.kind.value}": float(count)}, step)
-        for logger in self.loggers:
-            if is_tensorboard_logger(logger):
-                text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
-                logger.experiment.add_text("alerts", text, global_step=step)
+        for logger in self._tensorboard:
+            text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
+            logger.experiment.add_text("alerts", text, global_step=step)
         for run in self.runs:
             run.alert(alert, index)
 
@@ -137,8 +133,9 @@ class LoggerSink:
 class JsonlSink:
     """Append each alert as one JSON object per line, flushed to disk at once.
 
-    The folder is made and the file opened at the first write, and the file is kept open, so a further alert costs
-    one write: no folder made, no file opened. :meth:`close` (or :meth:`set_aside`, or the sink going away) closes it.
+    The folder is made and the file opened at the first write, and the file is kept open
+    (:class:`~lightning_monitor._files.AppendFile`), so a further alert costs one write: no folder made, no file
+    opened. :meth:`close` (or :meth:`set_aside`, or the sink going away) closes it.
 
     If the file cannot be written, or is a symbolic link (which is never written through), one ``RuntimeWarning``
     says so and the sink stops trying; training and the other sinks carry on.
@@ -158,8 +155,7 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.broken = False
-        self._file: BinaryIO | None = None  # opened at the first write and kept: an alert costs one write, no open
-        self._closer: weakref.finalize | None = None  # closes it when the sink goes, if `close` was not called
+        self._file = AppendFile(self.path)
 
     def set_aside(self) -> Path | None:
         """Move the file of an earlier run out of the way, to the first free ``<name>.<n>``; return where, if moved.
@@ -168,24 +164,17 @@ class JsonlSink:
         ``version``), as Lightning's CSV logger starts its ``metrics.csv`` afresh: the report of the new run must
         not show the earlier run's alerts. A symbolic link stays where it is (the first write then warns).
         """
-        self.close()
-        if self.broken or self.path.is_symlink() or not self.path.is_file():
+        if self.broken:
+            self._file.close()
             return None
-        n = 1
-        while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
-            n += 1
-        try:
-            self.path.rename(aside)
-        except OSError:
-            return None  # then the new alerts are appended, as before
-        return aside
+        return self._file.set_aside()
 
     def write(self, alert: Alert) -> None:
         """Append ``alert`` to the file."""
         if self.broken:
             return
         try:
-            self.append(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
+            self._file.append(json.dumps(alert.to_dict()).encode("utf-8") + b"\n")
         except OSError as err:
             self._stop(err)
 
@@ -211,7 +200,7 @@ class JsonlSink:
         """
         if self.broken or self.path.is_symlink() or not self.path.is_file():
             return False
-        self.close()  # the file is replaced: a later line goes to the new one
+        self._file.close()  # the file is replaced: a later line goes to the new one
         wanted = [json.dumps(a.to_dict()).encode("utf-8") + b"\n" for a in alerts]
         try:
             if self.path.read_bytes() == b"".join(wanted):
@@ -231,50 +220,9 @@ class JsonlSink:
             category=RuntimeWarning,
         )
 
-    def append(self, data: bytes) -> None:
-        """Append ``data`` (whole lines) and flush it; the first call makes the folder and opens the file, once.
-
-        Raises:
-            OSError: When the folder cannot be made or the file cannot be opened (a symbolic link is not) or written.
-        """
-        f = self._file
-        if f is None:  # a run killed mid-write left a line without its newline: it is ended first
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            f = open_for_append(self.path)  # never through a symbolic link
-            self._file, self._closer = f, weakref.finalize(self, f.close)
-        f.write(data)
-        f.flush()
-
     def close(self) -> None:
         """Close the file (the next write opens it again)."""
-        if self._closer is not None:
-            self._closer()
-        self._file = self._closer = None
-
-
-def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
-    """Write the monitor's settings as JSON, so a report can draw the thresholds the run was checked against.
-
-    The file is written at once (a full disk leaves the earlier file or none, never half of one), and replaces a
-    symbolic link in its place rather than writing through it. A failure gets one ``RuntimeWarning``; nothing
-    else depends on this file.
-
-    Example:
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / SETTINGS_FILE
-        >>> write_settings(path, {"halt_on": ["nonfinite_loss"]})
-        >>> json.loads(path.read_text())
-        {'halt_on': ['nonfinite_loss']}
-    """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(dict(settings), indent=2) + "\n")
-    except Exception as err:  # a full disk, a folder that is a file, a setting JSON cannot hold: never a crash
-        rank_zero_warn(
-            f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).",
-            category=RuntimeWarning,
-        )
+        self._file.close()
 
 
 def publish(

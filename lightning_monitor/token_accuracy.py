@@ -184,21 +184,41 @@ class TokenAccuracy(Metric):
     @override
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Add the counts of one batch to the states."""
-        self._add_hits([self._hits(preds, target)])
+        self.add_hits([self.hits(preds, target)])
 
-    def _hits(self, preds: Tensor, target: Tensor, shift: bool | None = None) -> Hits:
-        """Read one batch into its masks; the states are unchanged until :meth:`_add_hits` sums them.
+    def hits(self, preds: Tensor, target: Tensor, shift: bool | None = None) -> Hits:
+        """Read one batch into its masks, without counting them: the first half of :meth:`update`.
 
-        With :meth:`_add_hits`, ``update`` without torchmetrics' wrapper, whose bookkeeping a caller that reads the
-        states and never calls ``compute()`` does not need (``TokenAccuracyTracker``, which holds the masks of several
-        batches). The update count is not kept. No grad mode is set: the counting reads the logits detached. ``shift``
-        overrides the metric's own for this batch.
+        With :meth:`add_hits`, ``update`` without torchmetrics' wrapper, for a caller that holds the masks of several
+        batches and sums them in one pass (``TrainingMonitor`` does), reads the states and never calls ``compute()``.
+        The update count is not kept. No grad mode is set: pass the logits detached.
+
+        Args:
+            preds: Logits ``(..., V)``, or class indices with the shape of ``target``.
+            target: Labels.
+            shift: Shift for this batch (``None``: the metric's own ``shift``).
+
+        Returns:
+            The batch's masks ``(hit, in_range, counted, finite)``, for :meth:`add_hits`.
+
+        Example:
+            >>> metric = TokenAccuracy()
+            >>> logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]]])
+            >>> labels = torch.tensor([[0, 0, -100]]), torch.tensor([[0, 1, 1]])
+            >>> held = [metric.hits(logits, batch_labels) for batch_labels in labels]
+            >>> metric.add_hits(held)
+            >>> int(metric.correct), int(metric.total)
+            (3, 5)
         """
         shift = self.shift if shift is None else shift
         return _hits(preds, target, self.ignore_index, self.top_k, shift, self.validate_args)
 
-    def _add_hits(self, held: list[Hits]) -> None:
-        """Add the counts of the masks of one or more batches to the states, in one pass over them all."""
+    def add_hits(self, held: list[Hits]) -> None:
+        """Add the counts of the masks of one or more batches (:meth:`hits`) to the states, in one pass over them all.
+
+        Args:
+            held: The masks of each batch, as :meth:`hits` returned them.
+        """
         if len(held) == 1:
             hit, in_range, counted, finite = held[0]
         else:

@@ -252,10 +252,27 @@ class TokenAccuracyTracker:
         if "train" not in self.disabled:
             self.mark(self._window)
 
-    def count_train(self, outputs: Any, batch: Any) -> None:
-        """Count one training batch, if its step is read (a marked step, or every batch for the epoch's figure)."""
+    def end_batch(self, outputs: Any, batch: Any, next_may_log: bool | None = None) -> None:
+        """A training batch has ended: count it, and close its optimizer step if that is complete.
+
+        The batch is counted if its step is read (a marked step, or every batch for the epoch's figure); the step is
+        closed (:meth:`close_step`) where ``next_may_log`` is given.
+        """
         if self._every_batch or self.marked(self._window):
             self.update("train", outputs, batch)
+        if next_may_log is not None:
+            self.close_step(next_may_log)
+
+    def accuracy(
+        self, stage: Stage, per_rank: Sequence[Sequence[float]], warn: bool = True
+    ) -> tuple[str, float | None]:
+        """The key and ``correct / total`` (:func:`token_accuracy`) of a read's gathered counts rows of ``stage``.
+
+        With ``warn``, first warn once per stage and cause about positions left out (:meth:`warn_counts`).
+        """
+        if warn:
+            self.warn_counts(stage, per_rank)
+        return self.key(stage), token_accuracy(per_rank)
 
     def close_step(self, next_may_log: bool) -> None:
         """The batch whose optimizer stepped has ended: keep the step's counts if it logs, and mark the next step.
@@ -378,7 +395,7 @@ class TokenAccuracyTracker:
         auto = self.shift == "auto" and self.find is None and not self._per_example  # a class label: nothing to shift
         shift = self._auto_shift(outputs, batch) if auto else (False if self._per_example else None)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
-            hits = metric._hits(logits, labels, shift)
+            hits = metric.hits(logits, labels, shift)
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
             return
@@ -464,7 +481,7 @@ class TokenAccuracyTracker:
         """Count the held batches of ``stage`` into its metric, and return the metric."""
         metric, held = self.metrics[stage], self._held[stage]
         if held:
-            metric._add_hits(held)
+            metric.add_hits(held)
             held.clear()
         return metric
 

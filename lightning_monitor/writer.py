@@ -18,8 +18,15 @@ from lightning_monitor._lightning import logging_step, mirror_callback_metrics
 from lightning_monitor.alerts import Alert
 from lightning_monitor.histograms import Histogram, write_histograms
 from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolved
-from lightning_monitor.run_folder import claim_version, made_at_first_alert, run_folder, writes_files
-from lightning_monitor.sinks import SETTINGS_FILE, ConsoleSink, JsonlSink, LoggerSink, publish, write_settings
+from lightning_monitor.run_folder import (
+    SETTINGS_FILE,
+    claim_version,
+    made_at_first_alert,
+    run_folder,
+    write_settings,
+    writes_files,
+)
+from lightning_monitor.sinks import ConsoleSink, JsonlSink, LoggerSink, publish
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -126,11 +133,13 @@ class RunWriter:
         if not self._unmade or not trainer.is_global_zero:
             return
         self._unmade = False
-        self.log_dir = claim_version(self.log_dir)
-        if self._jsonl is not None and self.alerts_file:
-            self._jsonl = JsonlSink(self.log_dir / self.alerts_file)
+        folder = claim_version(self.log_dir)
+        if folder != self.log_dir:  # another run made the named folder meanwhile: the alerts file follows
+            self.log_dir = folder
+            if self._jsonl is not None and self.alerts_file:
+                self._jsonl = JsonlSink(folder / self.alerts_file)
         self._write_settings()
-        self.history.write_held(self.log_dir / HISTORY_FILE)
+        self.history.claim(self.log_dir / HISTORY_FILE)  # what it held is written with its next write
 
     def _write_settings(self) -> None:
         write_settings(self.log_dir / SETTINGS_FILE, self._settings)
@@ -255,6 +264,7 @@ class RunWriter:
         from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
 
         self.claim(trainer)  # the report reads the run's files: asked for, they are written
+        self.history.flush()
         for logger in trainer.loggers:  # Lightning finalizes loggers only after `on_fit_end`: flush what they hold
             logger.save()
         try:

@@ -33,7 +33,7 @@ from lightning_monitor import Alert, AlertKind, TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.history import HISTORY_FILE
 from lightning_monitor.report import detect_keys, find_runs, load_run, plan_run, summarize_run
-from lightning_monitor.sinks import SETTINGS_FILE
+from lightning_monitor.run_folder import SETTINGS_FILE
 
 
 @pytest.mark.timeout(240)

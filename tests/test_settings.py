@@ -13,8 +13,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
 from lightning_monitor import AlertKind, TrainingMonitor
+from lightning_monitor.run_folder import SETTINGS_FILE
 from lightning_monitor.settings import DEFAULT_HALT_ON, STEP_KINDS, AlertKindName, StepKindName
-from lightning_monitor.sinks import SETTINGS_FILE
 
 
 @pytest.mark.parametrize(

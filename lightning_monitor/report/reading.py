@@ -34,7 +34,7 @@ __all__ = [
 
 ALERTS_FILE = "alerts.jsonl"
 METRICS_FILE = "metrics.csv"
-SETTINGS_FILE = "monitor_settings.json"  # the same name as `lightning_monitor.sinks.SETTINGS_FILE`
+SETTINGS_FILE = "monitor_settings.json"  # the same name as `lightning_monitor.run_folder.SETTINGS_FILE`
 HISTORY_FILE = "monitor_history.jsonl"  # the same name as `lightning_monitor.history.HISTORY_FILE`
 #: The largest step, epoch or rank read (TensorBoard keeps steps as int64); a larger one makes its record unreadable.
 MAX_INDEX = 2**63 - 1
