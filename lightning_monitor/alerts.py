@@ -32,6 +32,7 @@ class AlertKind(str, Enum):
     VANISHING_GRAD = "vanishing_grad"
     DIVERGING_VAL_LOSS = "diverging_val_loss"
     DIVERGING_LOSS = "diverging_loss"
+    LOSS_DRIFT = "loss_drift"
     LOSS_SPIKE = "loss_spike"
     GRAD_SPIKE = "grad_spike"
     TOKEN_ACC_STALL = "token_acc_stall"

@@ -30,6 +30,12 @@ LOSS_DIVERGENCE_PATIENCE = 3
 #: step-to-step noise in log space over the last ``NOISE_WINDOW`` checks.
 NOISE_MARGIN = 3.0
 NOISE_WINDOW = 64
+#: How many times its best level the training loss must stay for ``loss_drift``.
+LOSS_DRIFT_FACTOR = 2.0
+#: Checks per block of :class:`LossDriftDetector`: the loss is judged by the median of each block.
+DRIFT_BLOCK = 16
+#: Consecutive blocks above the limit that make ``loss_drift`` (and blocks a best level must hold for).
+DRIFT_PATIENCE = 2
 
 # The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
 # detectors all the same, re-exported here.
@@ -38,9 +44,12 @@ __all__ = [
     "Detector",
     "GuardedDetector",
     "DIVERGENCE_MARGIN",
+    "DRIFT_BLOCK",
+    "DRIFT_PATIENCE",
     "EARLY_CHECKS",
     "LOSS_DIVERGENCE_FACTOR",
     "LOSS_DIVERGENCE_PATIENCE",
+    "LOSS_DRIFT_FACTOR",
     "NOISE_MARGIN",
     "NOISE_WINDOW",
     "MIN_SPIKE_WINDOW",
@@ -49,6 +58,7 @@ __all__ = [
     "CollapseDetector",
     "ExplodingDetector",
     "LossDivergenceDetector",
+    "LossDriftDetector",
     "NonFiniteDetector",
     "RisingDetector",
     "SpikeDetector",
@@ -478,6 +488,159 @@ class LossDivergenceDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.count = min(self.count, self.patience - 1)
+
+
+class LossDriftDetector:
+    """Fire when the training loss has risen, and stays, far above the best level it had reached.
+
+    A run can go wrong slowly: a fine-tune whose loss creeps back up, epoch after epoch, after it had converged (the
+    learning rate too high for the converged regime, a data or label problem of a later stage). No step is a spike,
+    and the loss may never return above where it started, so neither ``loss_spike`` nor ``diverging_loss`` sees it.
+    This rule judges the loss by **blocks** of ``block`` checks: once per block, it takes the median of the block's
+    losses (in log space, so a loss of 0.002 and one of 2 are judged alike) and compares it with the run's **best
+    level**: the lowest level the loss held for ``patience`` blocks in a row (the larger of two consecutive block
+    medians, at its lowest so far), so that one lucky block is no best level. It fires when ``patience`` blocks in a
+    row have medians above ``factor`` times the best level, and above it by ``NOISE_MARGIN`` (3) times the run's own
+    block-to-block noise: the median of the last ``NOISE_WINDOW`` (64) absolute moves between consecutive block
+    medians, in log space (a block above the limit adds no move: a drift does not raise its own bar). A loss whose
+    medians move by half an order of magnitude from block to block must rise that much further. It warns: a loss that
+    has drifted up is a reason to look, not to stop.
+
+    A loss that reaches below zero (a likelihood, a reinforcement-learning objective) has no log scale: the rule stays
+    off for the rest of the run. A loss of exactly zero, or one that is not finite, is left out of the blocks (the
+    non-finite one is :class:`NonFiniteDetector`'s).
+
+    Per check it appends the loss to the block; the sort for the median comes once per block.
+
+    Args:
+        factor: How many times its best level the loss must stay.
+        block: Checks per block.
+        patience: Consecutive blocks above the limit that make an alert, and blocks a best level must hold for.
+        name: What the figure is called in messages.
+
+    Attributes:
+        best: The best level held so far, in log space (``math.inf`` before ``patience`` blocks).
+        above: Consecutive blocks above the limit.
+        off: Whether a loss below zero turned the rule off.
+
+    Example:
+        >>> det = LossDriftDetector(factor=2.0, block=2, patience=2)
+        >>> losses = [1.0] * 2 + [0.5] * 8 + [1.5] * 4  # blocks of two: 1, 0.5 four times, then 1.5 twice
+        >>> found = [det.update(v) for v in losses]
+        >>> [i for i, x in enumerate(found) if x is not None]  # the end of the second block at 3x its best level
+        [13]
+        >>> found[13].reason
+        'training loss 1.5 (the median of its last 2 checks) > 2x its best level 0.5 for 2 blocks of 2 checks in a row'
+        >>> det.update(-1.0) is None and det.off  # a loss below zero: no log scale
+        True
+    """
+
+    kind = AlertKind.LOSS_DRIFT
+
+    def __init__(
+        self,
+        factor: float = LOSS_DRIFT_FACTOR,
+        block: int = DRIFT_BLOCK,
+        patience: int = DRIFT_PATIENCE,
+        name: str = "training loss",
+    ) -> None:
+        if not (math.isfinite(factor) and factor > 1):
+            raise ValueError(f"Expected argument `factor` to be a finite number > 1, but got {factor}")
+        if block < 1:
+            raise ValueError(f"Expected argument `block` to be at least 1, but got {block}")
+        if patience < 1:
+            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        self.factor = factor
+        self.block = block
+        self.patience = patience
+        self.name = name
+        self.best = math.inf
+        self.above = 0
+        self.off = False
+        self._losses: list[float] = []  # the block under way
+        self._medians: deque[float] = deque(maxlen=patience)  # the last block medians, in log space
+        self._moves: deque[float] = deque(maxlen=NOISE_WINDOW)  # |median_b - median_b-1|, in log space
+
+    @property
+    def noise(self) -> float:
+        """The run's block-to-block noise in log space: the median of the last moves between block medians."""
+        return statistics.median(self._moves) if self._moves else 0.0
+
+    def update(self, value: float) -> Detection | None:
+        """Take one training loss; at the end of a block, return a detection if the drift has lasted ``patience``.
+
+        The block's work is inline, with no call of this package's own, so that a check at the end of a block costs
+        the same calls as any other (``tests/test_step_cost.py`` holds every steady check to one count).
+        """
+        if not 0.0 < value < math.inf or self.off:
+            if value < 0.0:
+                self.off, self.above, self._losses = True, 0, []
+            return None
+        losses = self._losses
+        losses.append(value)
+        if len(losses) < self.block:
+            return None
+        losses, self._losses = sorted(losses), []
+        median = math.log(losses[(len(losses) - 1) // 2])  # the lower median: a loss the run had
+        medians = self._medians
+        noise = statistics.median(self._moves) if self._moves else 0.0  # as `noise`
+        rise = max(math.log(self.factor), NOISE_MARGIN * noise)
+        found = None
+        if median > self.best + rise:
+            self.above += 1
+            if self.above == self.patience:
+                found = self._detection(median, rise, noise)
+        else:  # a drift's own moves do not raise the bar it is judged against
+            self.above = 0
+            if medians:
+                self._moves.append(abs(median - medians[-1]))
+        medians.append(median)
+        if len(medians) == self.patience:
+            self.best = min(self.best, max(medians))  # a level held for `patience` blocks
+        return found
+
+    def _detection(self, median: float, rise: float, noise: float) -> Detection:
+        best, limit = math.exp(self.best), math.exp(self.best + rise)
+        reason = (
+            f"{self.name} {format_value(math.exp(median))} (the median of its last {self.block} checks) > "
+            f"{format_value(self.factor)}x its best level {format_value(best)} for {self.patience} blocks of "
+            f"{self.block} checks in a row"
+        )
+        if NOISE_MARGIN * noise > math.log(self.factor):  # the noise asked for more than the factor: say how much
+            reason += f", and above {format_value(limit)}, its best level beyond its block-to-block noise"
+        return Detection(self.kind, math.exp(median), limit, reason)
+
+    @property
+    def beyond(self) -> bool:
+        """Whether the drift has lasted ``patience`` blocks and the last block is still above the limit."""
+        return self.above >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state as plain values."""
+        return {
+            "best": self.best,
+            "above": self.above,
+            "off": self.off,
+            "losses": list(self._losses),
+            "medians": list(self._medians),
+            "moves": list(self._moves),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        self.best = float(state.get("best", math.inf))
+        self.above = int(state.get("above", 0))
+        self.off = bool(state.get("off", False))
+        self._losses = [float(v) for v in state.get("losses", [])]
+        self._medians = deque((float(v) for v in state.get("medians", [])), maxlen=self.patience)
+        self._moves = deque((float(v) for v in state.get("moves", [])), maxlen=NOISE_WINDOW)
+
+    def rearm(self) -> None:
+        """Forget the alert episode under way, keeping the statistics: the next block beyond the limit fires again.
+
+        A resumed run calls it, so that a drift still there after the resume is reported again.
+        """
+        self.above = min(self.above, self.patience - 1)
 
 
 class AmpOverflowDetector:

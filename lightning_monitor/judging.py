@@ -20,6 +20,7 @@ from lightning_monitor.detectors import (
     CollapseDetector,
     ExplodingDetector,
     LossDivergenceDetector,
+    LossDriftDetector,
     NonFiniteDetector,
     SpikeDetector,
     ThresholdDetector,
@@ -42,6 +43,7 @@ class StepDetectors:
     loss_spike: SpikeDetector | None = None
     grad_spike: SpikeDetector | None = None
     loss_divergence: LossDivergenceDetector | None = None
+    loss_drift: LossDriftDetector | None = None
 
     @classmethod
     def from_settings(cls, step: StepSettings, spikes: SpikeSettings) -> StepDetectors:
@@ -76,6 +78,8 @@ class StepDetectors:
             detectors.loss_spike = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", loss_z, **spike, signed=True)
         if spikes.loss_divergence_factor is not None:  # a fine-tune that blows up before any warm-up ends
             detectors.loss_divergence = LossDivergenceDetector(spikes.loss_divergence_factor)
+        if spikes.loss_drift_factor is not None:  # a loss that creeps back up, far above its best level
+            detectors.loss_drift = LossDriftDetector(spikes.loss_drift_factor)
         if grad_z is not None:
             detectors.grad_spike = SpikeDetector(AlertKind.GRAD_SPIKE, gradient, grad_z, **spike, tail_margin=True)
         return detectors
@@ -132,6 +136,8 @@ def judge(
         if d.loss_spike is not None and (x := d.loss_spike.update(loss)) is not None:
             found.append(x)
         if d.loss_divergence is not None and (x := d.loss_divergence.update(loss)) is not None:
+            found.append(x)
+        if d.loss_drift is not None and (x := d.loss_drift.update(loss)) is not None:
             found.append(x)
     norm, peak = step.grad_norm, step.grad_peak
     measured = norm is not None and peak is not None
@@ -207,6 +213,8 @@ def _any_beyond(detectors: StepDetectors, measured: bool, amp: bool) -> bool:
         return True
     if d.loss_divergence is not None and d.loss_divergence.beyond:
         return True
+    if d.loss_drift is not None and d.loss_drift.beyond:
+        return True
     if not measured:
         return False
     return (
@@ -238,6 +246,8 @@ def _beyond(detectors: StepDetectors, step: StepFigures) -> dict[AlertKind, Dete
         out[AlertKind.LOSS_SPIKE] = _described(AlertKind.LOSS_SPIKE, "training loss", step.loss, None)
     if d.loss_divergence is not None and d.loss_divergence.beyond and step.loss is not None:
         out[AlertKind.DIVERGING_LOSS] = _described(AlertKind.DIVERGING_LOSS, "training loss", step.loss, None)
+    if d.loss_drift is not None and d.loss_drift.beyond and step.loss is not None:
+        out[AlertKind.LOSS_DRIFT] = _described(AlertKind.LOSS_DRIFT, "training loss", step.loss, None)
     return out
 
 

@@ -152,6 +152,9 @@ class TrainingMonitor(Callback):
         loss_divergence_factor: ``diverging_loss`` fires when the training loss is above this many times its first
             value for 3 checks in a row (a fine-tune that blows up before any spike warm-up ends). ``None`` turns it
             off.
+        loss_drift_factor: ``loss_drift`` (a warning) fires when the median training loss of 16 checks stays above
+            this many times its best level (and beyond its block-to-block noise) for 2 blocks in a row: a loss that
+            creeps back up after it had converged. ``None`` turns it off.
         halt_on: The alert kinds that stop training; an empty collection only observes.
         halt_after: How many of the last 16 checks of an optimizer a step-level problem of a ``halt_on`` kind (a
             non-finite loss or gradient, an exploding gradient) must be found at before training halts; until then
@@ -262,6 +265,7 @@ class TrainingMonitor(Callback):
         divergence_min_delta: float = 0.0,
         divergence_margin: float | None = 0.1,
         loss_divergence_factor: float | None = 4.0,
+        loss_drift_factor: float | None = 2.0,
         halt_on: Sequence[AlertKindName] = DEFAULT_HALT_ON,
         halt_after: int = 3,
         halt_mode: Literal["stop", "raise"] = "stop",

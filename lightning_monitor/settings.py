@@ -19,7 +19,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lightning_monitor.alerts import AlertKind
-from lightning_monitor.detectors import DIVERGENCE_MARGIN, LOSS_DIVERGENCE_FACTOR
+from lightning_monitor.detectors import DIVERGENCE_MARGIN, LOSS_DIVERGENCE_FACTOR, LOSS_DRIFT_FACTOR
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
 __all__ = [
@@ -47,13 +47,21 @@ AlertKindName = Literal[
     "vanishing_grad",
     "diverging_val_loss",
     "diverging_loss",
+    "loss_drift",
     "loss_spike",
     "grad_spike",
     "token_acc_stall",
 ]
 #: The names of the alert kinds raised at an optimizer step (``skip_on``, ``recover_on``).
 StepKindName = Literal[
-    "nonfinite_loss", "nonfinite_grad", "exploding_grad", "vanishing_grad", "diverging_loss", "loss_spike", "grad_spike"
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "exploding_grad",
+    "vanishing_grad",
+    "diverging_loss",
+    "loss_drift",
+    "loss_spike",
+    "grad_spike",
 ]
 
 #: The alert kinds that halt training unless ``halt_on`` says otherwise.
@@ -114,8 +122,9 @@ class StepSettings:
 class SpikeSettings:
     """The training-loss and gradient-norm rules that learn the run's course.
 
-    Spikes (see :class:`~lightning_monitor.detectors.SpikeDetector`), and a loss far above its start (see
-    :class:`~lightning_monitor.detectors.LossDivergenceDetector`).
+    Spikes (see :class:`~lightning_monitor.detectors.SpikeDetector`), a loss far above its start (see
+    :class:`~lightning_monitor.detectors.LossDivergenceDetector`), and a loss that drifts far above its best level
+    (see :class:`~lightning_monitor.detectors.LossDriftDetector`).
     """
 
     loss_spike_threshold: float | None
@@ -124,6 +133,7 @@ class SpikeSettings:
     spike_warmup: int
     spike_patience: int
     loss_divergence_factor: float | None = LOSS_DIVERGENCE_FACTOR
+    loss_drift_factor: float | None = LOSS_DRIFT_FACTOR
 
     def __post_init__(self) -> None:
         # A z-score of 0 would call every rise a spike.
@@ -134,6 +144,8 @@ class SpikeSettings:
         _count(self, "spike_patience", 1)
         # A factor of 1 or less would call a loss that has not fallen a divergence.
         _number(self, "loss_divergence_factor", optional=True, above=1.0)
+        # Likewise a loss no higher than its best level is no drift.
+        _number(self, "loss_drift_factor", optional=True, above=1.0)
 
 
 @dataclass(frozen=True)

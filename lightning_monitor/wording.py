@@ -63,6 +63,10 @@ ADVICE: dict[AlertKind, str] = {
         "The training loss has left where it started: lower the learning rate or lengthen the warm-up, check the "
         "data and labels of this stage, and restart from the last good checkpoint."
     ),
+    AlertKind.LOSS_DRIFT: (
+        "The training loss has crept back up from its best level: lower the learning rate (or let it decay), check "
+        "the data and labels of this stage, and compare with the checkpoint of its best level."
+    ),
     AlertKind.LOSS_SPIKE: (
         "If it keeps recurring, lower the learning rate or lengthen the warm-up, clip gradients, and look for bad "
         "or duplicated data in the batch (`postmortem='alert'` saves it)."
@@ -282,6 +286,12 @@ def what_was_done(on_device: OnDevice, covered: int, every: int) -> str:
     return done
 
 
+#: Kinds whose alert names no layer: a trend over many checks, or a validation figure, is no one step's layers.
+_NO_BLAME = frozenset(
+    {AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS, AlertKind.DIVERGING_LOSS, AlertKind.LOSS_DRIFT}
+)
+
+
 def blame(
     kind: AlertKind,
     names: Sequence[str],
@@ -302,7 +312,7 @@ def blame(
         >>> blame(AlertKind.EXPLODING_GRAD, ["a", "b"], [9.0, 1.0], held_peak=False)
         ' Largest layers (norm, share of squared total): a 3 (90%), b 1 (10%).'
     """
-    if len(names) < 2 or kind in (AlertKind.VANISHING_GRAD, AlertKind.DIVERGING_VAL_LOSS, AlertKind.DIVERGING_LOSS):
+    if len(names) < 2 or kind in _NO_BLAME:
         return ""
     if kind is AlertKind.EXPLODING_GRAD and held_peak:
         return " It came from a step between checks, whose per-layer norms are not kept."

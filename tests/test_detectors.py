@@ -14,6 +14,7 @@ from lightning_monitor.detectors import (
     CollapseDetector,
     ExplodingDetector,
     LossDivergenceDetector,
+    LossDriftDetector,
     NonFiniteDetector,
     RisingDetector,
     SpikeDetector,
@@ -155,6 +156,8 @@ def test_amp_overflow_persistent_and_collapse():
         lambda: CollapseDetector("norm", ratio=0.5, patience=2, early=2),
         lambda: LossDivergenceDetector(factor=2.0, patience=2),
         lambda: RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 3, margin=0.5),
+        lambda: LossDriftDetector(factor=1.5, block=1, patience=1),
+        lambda: LossDriftDetector(factor=1.5, block=2, patience=2),
     ],
 )
 def test_state_dict_round_trip_continues_the_streak(make):
@@ -463,6 +466,69 @@ def test_loss_divergence_rejects_bad_arguments(arguments, message):
         LossDivergenceDetector(**arguments)
 
 
+def _blocks(*levels: float) -> list[float]:
+    """Blocks of 16 checks, each at one level: the loss :class:`LossDriftDetector` judges by block medians."""
+    return [level for level in levels for _ in range(16)]
+
+
+@pytest.mark.parametrize(
+    ("values", "expected_index"),
+    [
+        # Converged at 0.1 after a fall from 1, then up at 0.25 for good: the end of its second block at 2.5x.
+        (_blocks(1.0, 0.1, 0.1, 0.1, 0.1, 0.25, 0.25, 0.25), 111),
+        (_blocks(1.0, 0.1, 0.1, 0.19, 0.19, 0.19), None),  # 1.9x its best level: below the factor
+        (_blocks(1.0, 0.1, 0.1, 0.25, 0.1, 0.25, 0.1), None),  # never two blocks in a row up
+        # One lucky block is no best level (the best holds for two blocks): 0.2 is the level, not 0.05.
+        (_blocks(1.0, 0.2, 0.05, 0.2, 0.2, 0.2, 0.2), None),
+        # Block medians that move 4x from block to block: a rise to 15x the low blocks is inside that noise.
+        (_blocks(*[0.4, 0.1] * 6, 1.5, 1.5), None),
+        ([3.0 / (1 + 0.01 * i) for i in range(500)], None),  # a healthy falling loss
+        # Zero and non-finite losses are left out of the blocks (the rise is judged on the rest).
+        (_blocks(1.0, 0.1, 0.1, 0.1) + [0.0, NAN, INF] * 20 + _blocks(0.5, 0.5), 155),
+        ([*_blocks(1.0, 0.1, 0.1, 0.1), -0.01, *_blocks(0.5, 0.5, 0.5)], None),  # below zero: no log scale, off
+    ],
+)
+def test_loss_drift_against_the_best_level_held(values, expected_index):
+    det = LossDriftDetector()
+    hits = [i for i, v in enumerate(values) if det.update(v) is not None]
+    assert hits == ([] if expected_index is None else [expected_index])
+
+
+def test_loss_drift_message_noise_episode_and_rearm():
+    det = LossDriftDetector()
+    found = [det.update(v) for v in _blocks(1.0, 0.1, 0.1, 0.1, 0.25, 0.25)][-1]
+    assert found.kind is AlertKind.LOSS_DRIFT and (found.value, found.threshold) == (0.25, pytest.approx(0.2))
+    assert found.reason == (
+        "training loss 0.25 (the median of its last 16 checks) > 2x its best level 0.1 for 2 blocks of 16 checks"
+        " in a row"
+    )
+    assert det.beyond and fired(det, _blocks(0.3)) == [False] * 16  # the same episode
+    det.rearm()  # a resume: the drift still there is reported again
+    assert fired(det, _blocks(0.3)) == [False] * 15 + [True]
+    # Back down, then up again: a new episode. The way down (0.3 -> 0.1) is a move of the run's noise now.
+    assert fired(det, _blocks(0.1, 0.6, 0.6)) == [False] * 47 + [True]
+
+    # Block medians that move 1.5x from block to block ask for 1.5 ** 3 (3.4x) above the best level held, 0.15.
+    noisy = LossDriftDetector()
+    found = [noisy.update(v) for v in _blocks(*[0.15, 0.1] * 4, 0.8, 0.8)][-1]
+    assert (found.value, found.threshold) == (0.8, pytest.approx(0.50625))
+    assert found.reason.endswith(", and above 0.5062, its best level beyond its block-to-block noise")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"factor": 1.0}, "`factor` to be a finite number > 1, but got 1.0"),
+        ({"factor": INF}, "`factor` to be a finite number > 1, but got inf"),
+        ({"block": 0}, "`block` to be at least 1, but got 0"),
+        ({"patience": 0}, "`patience` to be at least 1, but got 0"),
+    ],
+)
+def test_loss_drift_rejects_bad_arguments(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LossDriftDetector(**arguments)
+
+
 def test_the_former_attributes_still_give_the_limit_in_force():
     # What `deferred.halting_limit` reads until it reads `limit_now`: the fixed limit while it is in force as is, then
     # `factor` times the tail. In the first checks with the limit raised to the run's own scale it finds none (inf).
@@ -529,6 +595,13 @@ def _episodes():
             {},
         ),
         (
+            lambda: LossDriftDetector(factor=2.0, block=1, patience=1),
+            lambda det, x: det.update(x),
+            [1.0, 1.0, 3.0],  # a block of one check at 3x its best level fires
+            3.0,
+            {"best": 0.0, "moves": [0.0]},
+        ),
+        (
             lambda: AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, patience=1),
             lambda det, x: det.update(*x),
             [(3.0, 0.5), (2.5, 0.4)],  # the loss fell, the accuracy did not beat 0.5
@@ -541,7 +614,7 @@ def _episodes():
 @pytest.mark.parametrize(
     ("make", "feed", "episode", "again", "kept"),
     _episodes(),
-    ids=["nonfinite", "threshold", "rising", "amp_overflow", "spike", "accuracy_stall"],
+    ids=["nonfinite", "threshold", "rising", "amp_overflow", "spike", "loss_drift", "accuracy_stall"],
 )
 def test_rearm_keeps_statistics_and_the_next_bad_figure_fires_again(make, feed, episode, again, kept):
     """What a resumed run does to every detector restored from a checkpoint (a post-mortem one is mid-episode)."""

@@ -639,3 +639,30 @@ def test_no_optimizer_trains_with_the_loss_checked(tmp_path):
     assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 3)]  # the loss is still checked
     assert "grad_norm" not in monitor.latest  # nothing to measure
     assert trainer.global_step == 4 and monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+
+
+class DriftingModel(ScriptedModel):
+    """A loss that creeps up to 4x its level over steps 80-111 and stays there (``drift=False``: it never does)."""
+
+    def __init__(self, drift: bool) -> None:
+        ramp = {step: 1.0 + 3.0 * min(step - 80, 32) / 32 for step in range(80, 160)} if drift else {}
+        super().__init__(loss_factor=ramp)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.001)
+
+
+@pytest.mark.parametrize("drift", [True, False], ids=["drifting", "healthy"])
+def test_a_training_loss_that_drifts_up_gets_a_warning_and_trains_on(tmp_path, drift):
+    """`loss_drift` is a warning: the monitor's defaults say so once and never halt; a healthy run gets nothing."""
+    monitor = TrainingMonitor()
+    trainer = fit(tmp_path, DriftingModel(drift), monitor, max_steps=160)
+    assert trainer.global_step == 160 and monitor.stopping_reason is None
+    kinds = [(a.kind, a.halted) for a in monitor.alerts]
+    assert kinds == ([(AlertKind.LOSS_DRIFT, False)] if drift else [])
+    if drift:
+        alert = monitor.alerts[0]
+        assert alert.step == 127  # the end of the second block of 16 checks above 2x the best level held
+        assert alert.threshold == pytest.approx(2 * 0.7385, rel=1e-3) and alert.value > alert.threshold
+        assert alert.message.startswith("Training loss 1.748 (the median of its last 16 checks) > 2x its best level")
+        assert "crept back up" in alert.message

@@ -36,6 +36,7 @@ from lightning_monitor.settings import DEFAULT_HALT_ON, STEP_KINDS, AlertKindNam
         # A z-score of 0 would call every rise a spike.
         ({"loss_spike_threshold": 0}, "`loss_spike_threshold` to be a finite number > 0, but got 0"),
         ({"grad_spike_threshold": 0.0}, "`grad_spike_threshold` to be a finite number > 0, but got 0.0"),
+        ({"loss_drift_factor": 1}, "`loss_drift_factor` to be a finite number > 1, but got 1"),
         # Not a collection, not a number: a ValueError naming the argument, not a TypeError from deep inside.
         ({"halt_on": None}, "`halt_on` to be a collection of alert kinds, but got None"),
         ({"skip_on": None}, "`skip_on` to be a collection of alert kinds, but got None"),
@@ -153,12 +154,16 @@ def test_the_new_detector_settings_have_defaults_and_are_checked():
 
     config = TrainingMonitor().config
     assert (config.spikes.loss_divergence_factor, config.validation.divergence_margin) == (4.0, 0.1)
+    assert config.spikes.loss_drift_factor == 2.0
     assert replace(config.spikes, loss_divergence_factor=None).loss_divergence_factor is None  # off
+    assert replace(config.spikes, loss_drift_factor=None).loss_drift_factor is None
     assert replace(config.validation, divergence_margin=None).divergence_margin is None  # rises in a row alone
     assert replace(config.validation, divergence_margin=1).divergence_margin == 1.0
     for group, name, value, expected in (
         (config.spikes, "loss_divergence_factor", 1.0, "a finite number > 1, but got 1.0 (or None, off)"),
         (config.spikes, "loss_divergence_factor", "4", "a finite number > 1, but got '4' (or None, off)"),
+        (config.spikes, "loss_drift_factor", 0.5, "a finite number > 1, but got 0.5 (or None, off)"),
+        (config.spikes, "loss_drift_factor", INF, "a finite number > 1, but got inf (or None, off)"),
         (config.validation, "divergence_margin", -0.1, "a finite number >= 0, but got -0.1 (or None, off)"),
         (config.validation, "divergence_margin", INF, "a finite number >= 0, but got inf (or None, off)"),
     ):

@@ -41,6 +41,7 @@ ALERT_COLOURS: dict[str, str] = {
     "vanishing_grad": "#17becf",  # cyan
     "diverging_val_loss": "#8c564b",  # brown
     "loss_spike": "#e377c2",  # pink
+    "loss_drift": "#e7ba52",  # gold
     "grad_spike": "#bcbd22",  # olive
 }
 #: Colour of alert kinds missing from :data:`ALERT_COLOURS` (kinds added after this file was written).
