@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_monitor import TrainingMonitor
+from lightning_monitor import AlertKind, TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.report import (
     ALERT_COLOURS,
@@ -668,3 +668,10 @@ def test_a_figure_that_cannot_be_drawn_is_an_error_not_a_traceback(
     captured = capsys.readouterr()
     assert "Verdict:" in captured.out
     assert "could not draw the report (ValueError: arange: cannot compute length)" in captured.err
+
+
+def test_every_alert_kind_has_a_colour_of_its_own():
+    """The fallback grey is for kinds a newer monitor wrote; each kind of this one is told apart in the figure."""
+    colours = [ALERT_COLOURS.get(kind.value) for kind in AlertKind]
+    assert None not in colours and FALLBACK_COLOUR not in colours
+    assert len(set(colours)) == len(colours)

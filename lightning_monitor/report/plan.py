@@ -40,9 +40,12 @@ ALERT_COLOURS: dict[str, str] = {
     "exploding_grad": "#ff7f0e",  # orange
     "vanishing_grad": "#17becf",  # cyan
     "diverging_val_loss": "#8c564b",  # brown
+    "diverging_loss": "#843c39",  # dark red
     "loss_spike": "#e377c2",  # pink
     "loss_drift": "#e7ba52",  # gold
     "grad_spike": "#bcbd22",  # olive
+    "token_acc_stall": "#637939",  # dark olive
+    "recovered": "#6b6ecf",  # violet
 }
 #: Colour of alert kinds missing from :data:`ALERT_COLOURS` (kinds added after this file was written).
 FALLBACK_COLOUR = "#7f7f7f"
