@@ -14,6 +14,7 @@ loss the module logged is taken only as a host number (a progress-bar value, whi
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_monitor._compat import FITTING, rank_zero_warn
-from lightning_monitor._files import AppendFile
+from lightning_monitor._files import AppendFile, write_atomic
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step, progress_bar_values
 from lightning_monitor.alerts import json_float
@@ -118,6 +119,42 @@ class RunHistory:
         self.flush()
         if self._file is not None:
             self._file.close()
+
+    def drop_after(self, step: int) -> bool:
+        r"""On a resume into the folder of the checkpoint's run: drop the records of steps after ``step`` from the file.
+
+        The checkpoint's run may have run on past the checkpoint (and then crashed) and written steps the resumed run
+        takes again, or never reaches: the report must not draw them. The file is rewritten at once
+        (:func:`~lightning_monitor._files.write_atomic`), and only when it holds such a record or a line a killed run
+        cut short; a file that cannot be read or rewritten stays as it is. Return whether it was rewritten.
+
+        Example:
+            >>> import tempfile
+            >>> history = RunHistory()
+            >>> history.begin(Path(tempfile.mkdtemp()) / HISTORY_FILE)
+            >>> _ = history.path.write_text('{"step": 9, "loss": 1.0}\n{"step": 10}\n{"step": 11, "loss": 2.0}\n{"st')
+            >>> history.drop_after(10), history.path.read_text()
+            (True, '{"step": 9, "loss": 1.0}\n{"step": 10}\n')
+            >>> history.drop_after(10)
+            False
+        """
+        path = self.path
+        if path is None or self._holding or self._broken or path.is_symlink() or not path.is_file():
+            return False
+        try:
+            lines = path.read_bytes().splitlines(keepends=True)
+        except OSError:
+            return False
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) == len(lines):
+            return False
+        if self._file is not None:
+            self._file.close()  # the file is replaced: the next line goes to the new one
+        try:
+            write_atomic(path, b"".join(kept))
+        except OSError:
+            return False
+        return True
 
     def set_aside(self) -> Path | None:
         """For a run that starts afresh: move the file an earlier run left out of the way (as its alerts file)."""
@@ -252,6 +289,15 @@ def learning_rates(optimizers: Sequence[Optimizer]) -> dict[str, float | Tensor]
         if not all(r is rates[0] or (_number(r) and _number(rates[0]) and r == rates[0]) for r in rates):
             out.update((f"{key}/pg{j}", r) for j, r in enumerate(copies, start=1))
     return out
+
+
+def _step_of(line: bytes) -> float:
+    """The step of a history line; ``inf`` for a line that does not read (cut short by a killed run)."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+    return step if isinstance(step, int) and line.endswith(b"\n") else math.inf
 
 
 def _number(value: object) -> bool:

@@ -429,6 +429,8 @@ class TrainingMonitor(Callback):
         # A resumed run, or the same trainer's again, appends to its alerts file; a fresh one sets an earlier one aside.
         if self._fresh and not self._resumed:
             self._writer.set_earlier_alerts_aside(trainer)
+        elif self._resumed:  # the steps after the checkpoint's are the resumed run's to write
+            self._writer.history.drop_after(logging_step(trainer))
         self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
         deferred = resolve_host_sync(self.config.step.host_sync, pl_module.device) == "deferred"
         # "auto" reads before the step with `watch_activations` and `recover_on`: both act on the step the check is

@@ -302,3 +302,32 @@ def test_a_resume_from_before_the_last_alert_writes_it_once(tmp_path):
     assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 5), (AlertKind.NONFINITE_LOSS, 15)]
     assert jsonl(folder / "alerts.jsonl") == [a.to_dict() for a in monitor.alerts]
     assert load_run(folder).alert_counts() == {"nonfinite_loss": 2}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty:UserWarning")
+def test_a_resume_drops_the_history_of_the_steps_after_its_checkpoint(tmp_path):
+    """Killed at step 17 after the checkpoint of step 10, resumed to stop at 13: the lost steps leave no record."""
+
+    def fit(model: Killed, max_steps: int, ckpt_path: str | None = None) -> None:
+        monitor = TrainingMonitor(val_loss_key=None, halt_on=[])
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+        logger = CSVLogger(tmp_path, name="csv", version=0)  # the resumed run writes the same folder
+        trainer = make_trainer(
+            tmp_path, [monitor, checkpoints], logger=logger, max_steps=max_steps, enable_checkpointing=True
+        )
+        trainer.fit(model, train_dataloaders=loader(), ckpt_path=ckpt_path)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(Killed(crash_at=17), max_steps=20)
+    history = tmp_path / "csv" / "version_0" / "monitor_history.jsonl"
+    assert [line["step"] for line in jsonl(history)] == list(range(17))  # every step the killed run took
+    before = history.read_text().splitlines()
+
+    fit(Killed(), max_steps=13, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=10.ckpt"))
+    # Steps 0-9 as the checkpoint's run wrote them, then the resumed run's 10-12: none of the lost steps, none twice.
+    assert [line["step"] for line in jsonl(history)] == list(range(13))
+    assert history.read_text().splitlines()[:10] == before[:10]
+    assert load_run(history.parent).last_step == 12
