@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 __all__ = ["Alert", "AlertKind", "Detection", "Judgement"]
@@ -73,6 +72,32 @@ class Detection:
     reason: str
 
 
+class _NoItems(Mapping[Any, Any]):
+    """An empty mapping that nothing can fill, and that pickles (``MappingProxyType({})`` does not).
+
+    The default of the per-check records' mappings: the monitor keeps its last check's record after a fit, and a
+    trainer pickled then (a progress bar's ``trainer``, ``torch.save`` of a module that holds it) pickles it.
+    """
+
+    __slots__ = ()
+
+    def __getitem__(self, key: object) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+
+#: The empty mapping of a record with nothing in it (:class:`_NoItems`).
+NO_ITEMS: Mapping[Any, Any] = _NoItems()
+
+
 class Judgement(NamedTuple):
     """What the detectors made of one check of a training step.
 
@@ -86,7 +111,7 @@ class Judgement(NamedTuple):
     """
 
     detections: tuple[Detection, ...] = ()
-    beyond: Mapping[AlertKind, Detection] = MappingProxyType({})
+    beyond: Mapping[AlertKind, Detection] = NO_ITEMS
     limits: Mapping[str, float] | None = None
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 from lightning_monitor._host import fsum
-from lightning_monitor.alerts import AlertKind, format_value
+from lightning_monitor.alerts import NO_ITEMS, AlertKind, format_value
 from lightning_monitor.grad_norms import combine_ranks
 
 if TYPE_CHECKING:
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["StepFigures"]
 
 #: The extras of a check that packs none.
-_NO_EXTRAS: Mapping[str, list[list[float]]] = MappingProxyType({})
+_NO_EXTRAS: Mapping[str, list[list[float]]] = NO_ITEMS
 
 
 class StepFigures(NamedTuple):
@@ -34,7 +33,7 @@ class StepFigures(NamedTuple):
     loss_ranks: list[float]  # each rank's loss sum, for attribution
     grad_ranks: list[float]  # each rank's local squared total, for attribution
     replicated_ranks: Sequence[float] = ()  # each rank's replicated part of it (DDP)
-    extras: Mapping[str, list[list[float]]] = MappingProxyType({})  # each extra part, per rank
+    extras: Mapping[str, list[list[float]]] = NO_ITEMS  # each extra part, per rank
 
     @classmethod
     def of(cls, packing: Packing, rows: list[list[float]]) -> StepFigures:

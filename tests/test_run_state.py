@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pickle
 
-from helpers import (
-    make_monitor,
-)
+from helpers import ScriptedModel, loader, make_monitor, make_trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_monitor import AlertKind, TrainingMonitor
 
@@ -53,3 +52,20 @@ def test_monitor_pickles():
     )
     clone = pickle.loads(pickle.dumps(monitor))
     assert clone.settings() == monitor.settings()
+
+
+def test_the_monitor_and_its_trainer_pickle_after_a_fit(tmp_path):
+    """Lightning pickles a trainer's callbacks after a fit (a progress bar's ``trainer``, ``torch.save`` of a module):
+    the monitor's last records must pickle, and a copy carries its alerts and latest figures, and fits again."""
+    monitor = TrainingMonitor(halt_on=[], postmortem=None)
+    bar = TQDMProgressBar()
+    trainer = make_trainer(tmp_path, [bar, monitor], max_steps=6, enable_progress_bar=True)
+    trainer.fit(ScriptedModel(loss_factor={2: float("nan")}), train_dataloaders=loader())
+    assert [a.kind for a in monitor.alerts] == [AlertKind.NONFINITE_LOSS] and monitor.latest
+    pickle.dumps(bar)  # the trainer, and every callback it holds
+    clone = pickle.loads(pickle.dumps(monitor))
+    assert [a.to_dict() for a in clone.alerts] == [a.to_dict() for a in monitor.alerts]
+    assert clone.latest == monitor.latest
+    again = make_trainer(tmp_path, [clone], max_steps=4)
+    again.fit(ScriptedModel(), train_dataloaders=loader())
+    assert clone.alerts == [] and clone.latest["loss"] > 0  # a new trainer: a new run
