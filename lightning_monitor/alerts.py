@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
@@ -72,26 +72,20 @@ class Detection:
     reason: str
 
 
-class _NoItems(Mapping[Any, Any]):
+class _NoItems(dict):
     """An empty mapping that nothing can fill, and that pickles (``MappingProxyType({})`` does not).
 
     The default of the per-check records' mappings: the monitor keeps its last check's record after a fit, and a
-    trainer pickled then (a progress bar's ``trainer``, ``torch.save`` of a module that holds it) pickles it.
+    trainer pickled then (a progress bar's ``trainer``, ``torch.save`` of a module that holds it) pickles it. A ``dict``
+    underneath, so that reading it (``len``, ``in``, truth) costs no Python call on the hot path.
     """
 
     __slots__ = ()
 
-    def __getitem__(self, key: object) -> Any:
-        raise KeyError(key)
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("this empty mapping of the monitor's records cannot be filled")
 
-    def __iter__(self) -> Iterator[Any]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-    def __repr__(self) -> str:
-        return "{}"
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _read_only  # type: ignore[assignment]
 
 
 #: The empty mapping of a record with nothing in it (:class:`_NoItems`).
