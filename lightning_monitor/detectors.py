@@ -561,11 +561,6 @@ class LossDriftDetector:
         self._medians: deque[float] = deque(maxlen=patience)  # the last block medians, in log space
         self._moves: deque[float] = deque(maxlen=NOISE_WINDOW)  # |median_b - median_b-1|, in log space
 
-    @property
-    def noise(self) -> float:
-        """The run's block-to-block noise in log space: the median of the last moves between block medians."""
-        return statistics.median(self._moves) if self._moves else 0.0
-
     def update(self, value: float) -> Detection | None:
         """Take one training loss; at the end of a block, return a detection if the drift has lasted ``patience``.
 
@@ -583,7 +578,7 @@ class LossDriftDetector:
         losses, self._losses = sorted(losses), []
         median = math.log(losses[(len(losses) - 1) // 2])  # the lower median: a loss the run had
         medians = self._medians
-        noise = statistics.median(self._moves) if self._moves else 0.0  # as `noise`
+        noise = statistics.median(self._moves) if self._moves else 0.0  # the run's block-to-block noise, in log space
         rise = max(math.log(self.factor), NOISE_MARGIN * noise)
         found = None
         if median > self.best + rise:
