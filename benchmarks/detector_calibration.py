@@ -12,10 +12,13 @@ Printed: for each run its alerts (kind, step, and whether that kind halts under 
 first occurrence); then, training and held-out runs apart, the halts on healthy runs, the warnings per 1,000 logged
 points on healthy every-step runs, and the sick runs caught. ``--spike-curve`` adds the trade-off of the loss-spike
 rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share
-of injected spikes caught within ``spike_patience + 1`` checks. Run (from the repository root)::
+of injected spikes caught within ``spike_patience + 1`` checks. ``--drift-curve`` adds the trade-off of the
+``loss_drift`` rule over its factor and the share of its fall a loss must give back (``DRIFT_GIVE_BACK``), on every
+labelled run but round 5's (kept for one replay of the package as it stands). Run (from the repository root)::
 
     python benchmarks/detector_calibration.py                                  # the table of every run
     python benchmarks/detector_calibration.py --spike-curve                    # and the spike rule's trade-off
+    python benchmarks/detector_calibration.py --drift-curve                    # and the loss_drift rule's
     python benchmarks/detector_calibration.py --runs /path/to/real_runs --only codebert_tactics t5_summarize_215k
     LIGHTNING_MONITOR_ROOT=/tmp/old python benchmarks/detector_calibration.py  # an older package, for comparison
 """
@@ -57,6 +60,7 @@ class Run:
     heldout: bool = False
     note: str = ""
     onset: int | None = None  # the step a sick run's trouble starts, as labelled
+    group: str = "open"  # runs.json's `heldout`: "open" (false), "round1" (true), or the round's name
 
     @property
     def every_step(self) -> bool:
@@ -107,9 +111,9 @@ def load_runs(folder: Path, only: list[str] | None = None) -> list[Run]:
         label = str(meta.get("label", "?"))
         note = str(meta.get("problem") or "")
         onset = meta.get("onset_step")
-        runs.append(
-            Run(name, rows, label, bool(meta.get("heldout", False)), note, None if onset is None else int(onset))
-        )
+        held = meta.get("heldout", False)
+        group = held if isinstance(held, str) else "round1" if held else "open"
+        runs.append(Run(name, rows, label, bool(held), note, None if onset is None else int(onset), group))
     return runs
 
 
@@ -135,11 +139,21 @@ def make_detectors(spike: dict[str, Any] | None = None) -> dict[str, Any]:
     }
     if hasattr(detectors, "LossDivergenceDetector"):
         made["diverging_loss"] = detectors.LossDivergenceDetector()
+    if hasattr(detectors, "LossDriftDetector"):
+        made["loss_drift"] = detectors.LossDriftDetector()
     return made
 
 
 #: Which figure of a row each detector reads: 1 the loss, 2 the gradient norm, 3 the validation loss.
-FIGURE = {"loss_spike": 1, "diverging_loss": 1, "grad_spike": 2, "exploding": 2, "vanishing": 2, "val": 3}
+FIGURE = {
+    "loss_spike": 1,
+    "diverging_loss": 1,
+    "loss_drift": 1,
+    "grad_spike": 2,
+    "exploding": 2,
+    "vanishing": 2,
+    "val": 3,
+}
 
 
 def replay(run: Run, spike: dict[str, Any] | None = None) -> Outcome:
@@ -228,12 +242,53 @@ def spike_curve(runs: list[Run], settings: list[dict[str, Any]], positions: int,
     return lines
 
 
+# ------------------------------------------------------------------------------------------- the drift curve
+
+
+def drift_curve(runs: list[Run], factors: list[float], shares: list[float]) -> list[str]:
+    """The ``loss_drift`` rule's trade-off: healthy runs warned and sick runs caught, per factor and give-back share.
+
+    Each run's training losses go through a fresh ``LossDriftDetector(factor)`` with ``DRIFT_GIVE_BACK`` set to the
+    share (the module constant, restored after). A sick run is caught by the first ``loss_drift`` at or after its
+    labelled onset; one before it counts as a warning on that run.
+    """
+    seen = [r for r in runs if r.label in ("healthy", "sick") and r.group != "round5"]
+    healthy = [r for r in seen if r.label == "healthy"]
+    sick = [r for r in seen if r.label == "sick"]
+    lines = [
+        f"loss_drift on {len(seen)} labelled runs ({len(healthy)} healthy, {len(sick)} sick; round 5 left out): "
+        "healthy runs warned (warnings), sick runs caught (steps after the onset)",
+        "| factor | give back | healthy warned | sick caught |",
+        "|---|---|---|---|",
+    ]
+    saved = detectors.DRIFT_GIVE_BACK
+    try:
+        for factor in factors:
+            for share in shares:
+                detectors.DRIFT_GIVE_BACK = share
+                warned, caught = [], []
+                for run in seen:
+                    det = detectors.LossDriftDetector(factor=factor)
+                    steps = [step for step, loss, _, _ in run.rows if loss is not None and det.update(loss)]
+                    after = [s for s in steps if run.onset is not None and s >= run.onset]
+                    if run.label == "sick" and after:
+                        caught.append(f"{run.name} +{after[0] - run.onset}")  # type: ignore[operator]
+                    elif steps:
+                        warned.append(f"{run.name} ({len(steps)})")
+                cells = [f"{factor:g}", f"{share:g}", ", ".join(warned) or "none", ", ".join(caught) or "none"]
+                lines.append("| " + " | ".join(cells) + " |")
+    finally:
+        detectors.DRIFT_GIVE_BACK = saved
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=RUNS, help="the folder of CSVs and runs.json")
     parser.add_argument("--only", nargs="+", help="these runs only (CSV names without .csv)")
     parser.add_argument("--spike-curve", action="store_true", help="the loss-spike rule's trade-off table too")
     parser.add_argument("--positions", type=int, default=20, help="injected spikes per run for --spike-curve")
+    parser.add_argument("--drift-curve", action="store_true", help="the loss_drift rule's trade-off table too")
     parser.add_argument("--seed", type=int, default=0, help="seed of the injection positions")
     args = parser.parse_args(argv)
     runs = load_runs(args.runs, args.only)
@@ -266,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         settings += [{"confirm": 0.5}, {"threshold": 8.0}, {"threshold": 4.0}, {"threshold": 4.0, "at_once": 4.0}]
         settings += [{"patience": 2}]
         print("\n" + "\n".join(spike_curve(runs, settings, args.positions, args.seed)))
+    if args.drift_curve:
+        shares = [0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5]
+        print("\n" + "\n".join(drift_curve(runs, [2.0, 1.5], shares)))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ LOSS_DRIFT_FACTOR = 2.0
 DRIFT_BLOCK = 16
 #: Consecutive blocks above the limit that make ``loss_drift`` (and blocks a best level must hold for).
 DRIFT_PATIENCE = 2
+#: The share of its fall (from its first block to its best level) that a training loss must have given back for
+#: ``loss_drift``: a loss that fell 40,000-fold, to 0.0002, and sits at 0.001 has risen 5x and given back 0.01%.
+DRIFT_GIVE_BACK = 0.1
 
 # The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
 # detectors all the same, re-exported here.
@@ -45,6 +48,7 @@ __all__ = [
     "GuardedDetector",
     "DIVERGENCE_MARGIN",
     "DRIFT_BLOCK",
+    "DRIFT_GIVE_BACK",
     "DRIFT_PATIENCE",
     "EARLY_CHECKS",
     "LOSS_DIVERGENCE_FACTOR",
@@ -503,8 +507,12 @@ class LossDriftDetector:
     row have medians above ``factor`` times the best level, and above it by ``NOISE_MARGIN`` (3) times the run's own
     block-to-block noise: the median of the last ``NOISE_WINDOW`` (64) absolute moves between consecutive block
     medians, in log space (a block above the limit adds no move: a drift does not raise its own bar). A loss whose
-    medians move by half an order of magnitude from block to block must rise that much further. It warns: a loss that
-    has drifted up is a reason to look, not to stop.
+    medians move by half an order of magnitude from block to block must rise that much further. And a block counts
+    only if the loss has given back at least ``DRIFT_GIVE_BACK`` (a tenth) of its fall, from its first block's median
+    to its best level: near zero, a rise of many times is no drift a user needs to hear about (a seq2seq fine-tune
+    that fell from 9.2 to 0.0002 and sits at 0.001 has given back 0.01% of its fall). A loss that never fell has
+    nothing to give back, and is judged by the factor and the noise alone. It warns: a loss that has drifted up is a
+    reason to look, not to stop.
 
     A loss that reaches below zero (a likelihood, a reinforcement-learning objective) has no log scale: the rule stays
     off for the rest of the run. A loss of exactly zero, or one that is not finite, is left out of the blocks (the
@@ -520,6 +528,7 @@ class LossDriftDetector:
 
     Attributes:
         best: The best level held so far, in log space (``math.inf`` before ``patience`` blocks).
+        first: The first block's median, in log space (``None`` before it).
         above: Consecutive blocks above the limit.
         off: Whether a loss below zero turned the rule off.
 
@@ -529,8 +538,11 @@ class LossDriftDetector:
         >>> found = [det.update(v) for v in losses]
         >>> [i for i, x in enumerate(found) if x is not None]  # the end of the second block at 3x its best level
         [13]
-        >>> found[13].reason
+        >>> rule, _, start = found[13].reason.partition("; ")
+        >>> rule
         'training loss 1.5 (the median of its last 2 checks) > 2x its best level 0.5 for 2 blocks of 2 checks in a row'
+        >>> start  # it had fallen from 1 to 0.5: how much of that fall came back
+        'at or above its first level 1'
         >>> det.update(-1.0) is None and det.off  # a loss below zero: no log scale
         True
     """
@@ -555,6 +567,7 @@ class LossDriftDetector:
         self.patience = patience
         self.name = name
         self.best = math.inf
+        self.first: float | None = None
         self.above = 0
         self.off = False
         self._losses: list[float] = []  # the block under way
@@ -577,11 +590,16 @@ class LossDriftDetector:
             return None
         losses, self._losses = sorted(losses), []
         median = math.log(losses[(len(losses) - 1) // 2])  # the lower median: a loss the run had
-        medians = self._medians
+        medians, best, first = self._medians, self.best, self.first
+        if first is None:
+            self.first = first = median
         noise = statistics.median(self._moves) if self._moves else 0.0  # the run's block-to-block noise, in log space
         rise = max(math.log(self.factor), NOISE_MARGIN * noise)
         found = None
-        if median > self.best + rise:
+        if median > best + rise and (
+            first <= best  # it never fell: nothing to give back
+            or math.exp(median) - math.exp(best) >= DRIFT_GIVE_BACK * (math.exp(first) - math.exp(best))
+        ):
             self.above += 1
             if self.above == self.patience:
                 found = self._detection(median, rise, noise)
@@ -603,6 +621,14 @@ class LossDriftDetector:
         )
         if NOISE_MARGIN * noise > math.log(self.factor):  # the noise asked for more than the factor: say how much
             reason += f", and above {format_value(limit)}, its best level beyond its block-to-block noise"
+        first = self.first
+        if first is not None and first > self.best:  # it had fallen: say how much of its fall it gave back
+            start = format_value(math.exp(first))
+            if median >= first:
+                reason += f"; at or above its first level {start}"
+            else:
+                given = (math.exp(median) - best) / (math.exp(first) - best)
+                reason += f"; back up {given:.0%} of its fall from its first level {start}"
         return Detection(self.kind, math.exp(median), limit, reason)
 
     @property
@@ -614,6 +640,7 @@ class LossDriftDetector:
         """Return the state as plain values."""
         return {
             "best": self.best,
+            "first": self.first,
             "above": self.above,
             "off": self.off,
             "losses": list(self._losses),
@@ -624,6 +651,8 @@ class LossDriftDetector:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.best = float(state.get("best", math.inf))
+        first = state.get("first")
+        self.first = None if first is None else float(first)
         self.above = int(state.get("above", 0))
         self.off = bool(state.get("off", False))
         self._losses = [float(v) for v in state.get("losses", [])]

@@ -486,6 +486,13 @@ def _blocks(*levels: float) -> list[float]:
         # Zero and non-finite losses are left out of the blocks (the rise is judged on the rest).
         (_blocks(1.0, 0.1, 0.1, 0.1) + [0.0, NAN, INF] * 20 + _blocks(0.5, 0.5), 155),
         ([*_blocks(1.0, 0.1, 0.1, 0.1), -0.01, *_blocks(0.5, 0.5, 0.5)], None),  # below zero: no log scale, off
+        # Near zero after a 46,000-fold fall (9.2 -> 0.0002): at 0.001, 5x its best level but 0.01% of its fall back.
+        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 0.001, 0.001, 0.001), None),
+        # 0.0002 -> 1 is more than a tenth of that fall given back (11%): a drift.
+        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 1.0, 1.0), 95),
+        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 0.9, 0.9), None),  # 0.9: just under a tenth (9.8%)
+        # A loss that never fell has nothing to give back: the factor alone.
+        (_blocks(0.1, 0.1, 0.1, 0.25, 0.25), 79),
     ],
 )
 def test_loss_drift_against_the_best_level_held(values, expected_index):
@@ -500,7 +507,7 @@ def test_loss_drift_message_noise_episode_and_rearm():
     assert found.kind is AlertKind.LOSS_DRIFT and (found.value, found.threshold) == (0.25, pytest.approx(0.2))
     assert found.reason == (
         "training loss 0.25 (the median of its last 16 checks) > 2x its best level 0.1 for 2 blocks of 16 checks"
-        " in a row"
+        " in a row; back up 17% of its fall from its first level 1"
     )
     assert det.beyond and fired(det, _blocks(0.3)) == [False] * 16  # the same episode
     det.rearm()  # a resume: the drift still there is reported again
