@@ -20,7 +20,8 @@ Command                                             What the monitor does
 ==================================================  ===============================================================
 ``--lr 50``                                         ``diverging_loss`` within a few steps (AdamW moves every
                                                     weight by about the learning rate per step): the loss
-                                                    climbs far above its start and training halts
+                                                    climbs far above its start; the gradient norm explodes
+                                                    with it, and ``exploding_grad`` halts training
 ``--inject-nan-at 40``                              ``nonfinite_loss`` at step 40 (the loss is multiplied by NaN):
                                                     an isolated bad step, skipped, and training goes on
 ``--inject-nan-at 40 --nan-steps 5``                NaN from step 40 on: steps 40 and 41 are skipped, the third in

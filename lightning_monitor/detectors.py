@@ -10,6 +10,7 @@ after the figure has been healthy once. A run that stays NaN therefore gives one
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -254,7 +255,10 @@ class RisingDetector:
       hair at each validation of a long plateau.
     * **off its best**: ``patience`` consecutive values all above the best (lowest) value so far by more than
       ``margin`` times its magnitude (and by more than ``min_delta``): a loss that jumps and then plateaus high,
-      which need not rise in a row, and has not come back within ``patience`` checks.
+      which need not rise in a row, and has not come back within ``patience`` checks. Not while it is coming back:
+      a value that ends ``patience - 1`` falls in a row (at least two) holds the count, so a shock the run is
+      recovering from, falling at every validation, does not fire; the first value that does not fall, still off
+      its best, does.
 
     Args:
         kind: The alert kind to report.
@@ -275,6 +279,9 @@ class RisingDetector:
         [False, False, False, False, False, True, False]
         >>> print(det.update(0.5))  # the same episode: no second alert until it comes back
         None
+        >>> det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=4)
+        >>> [det.update(v) is not None for v in (0.48, 0.81, 0.72, 0.67, 0.63, 0.60, 0.49)]  # a shock, recovering
+        [False, False, False, False, False, False, False]
     """
 
     def __init__(
@@ -317,6 +324,10 @@ class RisingDetector:
         limit = best + max(self.min_delta, (self.margin or 0.0) * abs(best))
         above = self.margin is None or value > limit
         self.off = self.off + 1 if self.margin is not None and above else 0
+        if self.off >= self.patience:
+            recent = self.history[-max(3, self.patience) :]
+            if len(recent) > 2 and all(b < a for a, b in itertools.pairwise(recent)):  # coming back: hold it
+                self.off = self.patience - 1
         self.best = min(best, value)
         climbed = self.count >= self.patience and above
         if not climbed and self.off < self.patience:
@@ -385,7 +396,9 @@ class LossDivergenceDetector:
     the weights as they were before any update, which no blow-up can have touched yet; the detector fires when
     ``patience`` checks in a row are above ``factor`` times it (one alert per episode). A healthy loss falls from
     where it starts; one several times above its start has diverged. A loss that starts at or below zero (a
-    likelihood) has no such ratio, and the rule stays off for it.
+    likelihood) has no such ratio, and the rule stays off for it. After an alert, the episode lasts until the loss
+    has been back under the limit for ``NOISE_WINDOW`` (64) checks in a row: a diverged loss that swings across the
+    limit from batch to batch is one episode, not an alert every few steps.
 
     A loss read from one small batch can start far below its own level by chance (a regression on one sample), and
     then sit above ``factor`` times it for checks in a row while it is healthy. So a check counts only where the
@@ -404,6 +417,7 @@ class LossDivergenceDetector:
         reference: The starting level (``None`` before the first finite loss; ``math.nan`` when it was not above
             zero, which turns the rule off).
         count: Consecutive figures above the limit.
+        alerted: Whether the episode under way has been reported.
 
     Example:
         >>> det = LossDivergenceDetector(factor=4.0, patience=3)
@@ -428,6 +442,8 @@ class LossDivergenceDetector:
         self.name = name
         self.reference: float | None = None
         self.count = 0
+        self.alerted = False
+        self._calm = 0  # checks in a row under the limit since the alert
         self.steps: deque[float] = deque(maxlen=NOISE_WINDOW)  # log(loss_t / loss_t-1), after the first two
         self._last_log: float | None = None  # the log of the last positive loss after the start
 
@@ -454,10 +470,15 @@ class LossDivergenceDetector:
         limit = self.factor * self.reference
         if not value > limit or not value > limit * math.exp(NOISE_MARGIN * self.noise):  # never for a NaN start
             self.count = 0
+            if self.alerted:
+                self._calm += 1
+                self.alerted = self._calm < NOISE_WINDOW
             return None
         self.count += 1
-        if self.count != self.patience:
+        self._calm = 0
+        if self.count < self.patience or self.alerted:
             return None
+        self.alerted = True
         reason = (
             f"{self.name} {format_value(value)} > {format_value(self.factor)}x its starting level "
             f"{format_value(self.reference)} (its first step)"
@@ -476,13 +497,22 @@ class LossDivergenceDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"reference": self.reference, "count": self.count, "steps": list(self.steps), "last": self._last_log}
+        return {
+            "reference": self.reference,
+            "count": self.count,
+            "alerted": self.alerted,
+            "calm": self._calm,
+            "steps": list(self.steps),
+            "last": self._last_log,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict` (one saved without the noise starts it afresh)."""
         reference = state.get("reference")
         self.reference = None if reference is None else float(reference)
         self.count = int(state.get("count", 0))
+        self.alerted = bool(state.get("alerted", self.count >= self.patience))
+        self._calm = int(state.get("calm", 0))
         self.steps = deque((float(v) for v in state.get("steps", [])), maxlen=NOISE_WINDOW)
         last = state.get("last")
         self._last_log = None if last is None else float(last)
@@ -493,6 +523,7 @@ class LossDivergenceDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.count = min(self.count, self.patience - 1)
+        self.alerted, self._calm = False, 0
 
 
 class LossDriftDetector:

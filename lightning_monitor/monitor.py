@@ -88,7 +88,11 @@ class TrainingMonitor(Callback):
     ``vanishing_grad``        the total gradient norm stays below ``vanishing_grad_threshold`` for
                               ``vanishing_grad_patience`` steps (by default: their median, below 1e-5 of
                               the early median)
-    ``diverging_val_loss``    ``val_loss_key`` rose ``divergence_patience`` times in a row, or is not finite
+    ``diverging_val_loss``    ``val_loss_key`` rose ``divergence_patience`` times in a row, or stayed
+                              ``divergence_margin`` above its best for as many validations, or is not finite
+    ``diverging_loss``        the training loss is above ``loss_divergence_factor`` times its first value for 3
+                              checks in a row (a warning by default: a loss may rise by design)
+    ``loss_drift``            the training loss has crept back up, to ``loss_drift_factor`` times its best level
     ``loss_spike``            the training loss is ``loss_spike_threshold`` standard deviations above its
                               recent level (see :class:`~lightning_monitor.detectors.SpikeDetector`)
     ``grad_spike``            the same for the total gradient norm, with ``grad_spike_threshold``

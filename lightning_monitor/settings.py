@@ -70,7 +70,6 @@ DEFAULT_HALT_ON: tuple[AlertKindName, ...] = (
     "nonfinite_grad",
     "exploding_grad",
     "diverging_val_loss",
-    "diverging_loss",
 )
 #: The checks of one optimizer over which a step-level problem's recurrences count towards a halt (``halt_after``).
 HALT_WINDOW = 16
@@ -289,7 +288,7 @@ class MonitorSettings:
         >>> settings.step.exploding_grad_threshold, settings.response.halt_mode
         (50.0, 'stop')
         >>> settings.as_dict()["halt_on"]
-        ['diverging_loss', 'diverging_val_loss', 'exploding_grad', 'nonfinite_grad', 'nonfinite_loss']
+        ['diverging_val_loss', 'exploding_grad', 'nonfinite_grad', 'nonfinite_loss']
         >>> TrainingMonitor(top_k=2.0)
         Traceback (most recent call last):
         ...

@@ -60,8 +60,9 @@ ADVICE: dict[AlertKind, str] = {
         "checkpoint, lower the learning rate or add regularisation."
     ),
     AlertKind.DIVERGING_LOSS: (
-        "The training loss has left where it started: lower the learning rate or lengthen the warm-up, check the "
-        "data and labels of this stage, and restart from the last good checkpoint."
+        "The training loss has left where it started: unless it is meant to rise (a loss weight warmed up, as a "
+        "KL term's; a GAN's generator), lower the learning rate or lengthen the warm-up, check the data and labels "
+        "of this stage, and restart from the last good checkpoint."
     ),
     AlertKind.LOSS_DRIFT: (
         "The training loss has crept back up from its best level: lower the learning rate (or let it decay), check "

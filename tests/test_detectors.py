@@ -97,6 +97,25 @@ def test_rising_off_its_best_message_and_episode():
     assert fired(det, [0.9, 0.8, 0.5, 0.7, 0.7]) == [False, False, False, False, True]  # one alert per episode
 
 
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        # A shock the run recovers from, falling at every validation (round 5's `hmm_kl_anneal`: 0.4767 best, 0.8056,
+        # then down each time until back within 10%): it is coming back, no alert.
+        ((0.4767, 0.8056, 0.7232, 0.6687, 0.6281, 0.5985, 0.5769, 0.5532, 0.5454, 0.5286, 0.5193), []),
+        # The same shock, but the fall stops while still 10% off its best: the first value that does not fall fires.
+        ((0.4767, 0.8056, 0.7232, 0.6687, 0.6281, 0.6300), [5]),
+        # A jump that plateaus high (issue 33's speech fine-tune): falls now and then, never three in a row.
+        ((0.3, 0.219, 0.416, 0.423, 0.41, 0.438, 0.402), [5]),
+        # Four values off its best, the last a rise: not coming back, it fires.
+        ((0.2, 0.5, 0.45, 0.4, 0.41), [4]),
+    ],
+)
+def test_rising_off_its_best_holds_while_it_comes_back(values, expected):
+    det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 4)
+    assert [i for i, v in enumerate(values) if det.update(v) is not None] == expected
+
+
 def test_rising_rejects_a_bad_margin():
     with pytest.raises(ValueError, match=r"`margin` to be a finite number >= 0 or None, but got -0\.1"):
         RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 2, margin=-0.1)
@@ -450,7 +469,11 @@ def test_loss_divergence_message_episode_and_rearm():
     assert fired(det, [12.0, 12.0]) == [False, False]
     det.rearm()  # a resume: the divergence still there is reported again
     assert fired(det, [12.0]) == [True]
-    assert fired(det, [1.0, 12.0, 12.0, 12.0]) == [False, False, False, True]
+    # One check back under the limit does not end the episode: a diverged loss swinging across it is one alert.
+    assert fired(det, [1.0, 12.0, 12.0, 12.0]) == [False] * 4
+    # 64 checks in a row under it do: the next divergence is a new episode.
+    assert fired(det, [1.0] * 64 + [12.0] * 3) == [False] * 66 + [True]
+    assert fired(det, [1.0] * 63 + [12.0] * 3) == [False] * 66  # one fewer: the same episode
 
 
 @pytest.mark.parametrize(

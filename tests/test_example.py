@@ -111,14 +111,30 @@ def test_a_nan_that_persists_halts_at_its_third_check(example, tmp_path):
     assert monitor.skipped_steps == 3
 
 
-def test_huge_learning_rate_diverges_and_halts(example, tmp_path):
-    monitor, log_dir = run(example, tmp_path, "--lr", "50")
+def test_huge_learning_rate_warns_then_the_exploding_gradient_halts(example, tmp_path):
+    """The README's `--lr 50`, at the example's own size: the loss far above its start is a warning (a loss may rise
+    by design), and the gradient norm that explodes with it halts at its third recurrence."""
+    flags = ["--max-steps", "30", "--corpus-chars", "200000", "--accelerator", "cpu", "--no-progress-bar"]
+    monitor = example.main([*flags, "--logdir", str(tmp_path), "--lr", "50"])
+    (log_dir,) = (tmp_path / "tiny_lm").iterdir()
 
-    assert monitor.stopping_reason == "diverging_loss"  # the loss far above its start, 3 checks in a row
-    alert = monitor.alerts[-1]
-    assert alert.halted and alert.step <= 5
-    assert alert.value > alert.threshold  # above the limit it names
-    assert [a["kind"] for a in read_alerts(log_dir)][-1] == "diverging_loss"
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
+        ("diverging_loss", 3, False),
+        ("exploding_grad", 3, False),
+        ("exploding_grad", 5, True),
+    ]
+    assert monitor.stopping_reason == "exploding_grad"
+    assert all(a.value > a.threshold for a in monitor.alerts)  # above the limit each names
+    assert [a["kind"] for a in read_alerts(log_dir)] == ["diverging_loss", "exploding_grad", "exploding_grad"]
+
+
+def test_a_diverged_loss_alone_warns_and_training_goes_on(example, tmp_path):
+    """The small model at `--lr 50`: its loss leaves its start, its gradients do not explode: one warning, no halt."""
+    monitor, _ = run(example, tmp_path, "--lr", "50")
+
+    assert [(a.kind, a.halted) for a in monitor.alerts] == [("diverging_loss", False)]
+    assert monitor.stopping_reason is None
+    assert "unless it is meant to rise" in monitor.alerts[0].message
 
 
 def test_observe_only_reports_and_carries_on(example, tmp_path):
