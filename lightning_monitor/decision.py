@@ -12,9 +12,9 @@ trainer, a file or a tensor, so every rule is tested with plain values (``tests/
 ``halt_on`` is never applied to the weights. On one isolated step it is skipped and alerted, and training goes on;
 once it has been beyond its limit at ``halt_after`` of the last :data:`HALT_WINDOW` checks of its optimizer, training
 halts. A problem present at every check from some step therefore halts at its ``halt_after``-th check; ``halt_after=1``
-halts at the first. Kinds that are persistent by definition halt at their first alert: a diverging validation loss,
-vanishing gradients (a patience of their own), fp16 overflows that the GradScaler could not absorb, a spike the user
-put in ``halt_on``, and a recovery that is exhausted.
+halts at the first. The other kinds halt at their first alert when they are in ``halt_on`` (they count a patience of
+their own): a diverging validation or training loss or vanishing gradients the user put there, fp16 overflows that
+the GradScaler could not absorb, a spike, and a recovery that is exhausted.
 """
 
 from __future__ import annotations

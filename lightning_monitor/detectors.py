@@ -248,7 +248,8 @@ class ThresholdDetector:
 class RisingDetector:
     """Fire when a figure diverges: it rises ``patience`` times in a row, stays well above its best, or is not finite.
 
-    Meant for a validation loss read once per validation run. Two rules, one alert per episode:
+    Meant for a validation loss read once per validation run. Two rules, one alert per episode; an episode ends at
+    the next new best (a noisy validation loss that dips back under the limit and leaves again is the same episode):
 
     * **rises in a row**: ``patience`` consecutive rises (``patience + 1`` rising values), each by more than
       ``min_delta``, that end more than ``margin`` above the best: a loss climbing steadily, not creeping up by a
@@ -321,6 +322,7 @@ class RisingDetector:
         self.previous = value
         self.history = [*self.history, value][-(self.patience + 1) :]
         best = value if self.best is None else self.best
+        recovered = value < best  # a new best: the episode under way, if any, is over
         limit = best + max(self.min_delta, (self.margin or 0.0) * abs(best))
         above = self.margin is None or value > limit
         self.off = self.off + 1 if self.margin is not None and above else 0
@@ -331,7 +333,7 @@ class RisingDetector:
         self.best = min(best, value)
         climbed = self.count >= self.patience and above
         if not climbed and self.off < self.patience:
-            self.active = False
+            self.active = self.active and not recovered
             return None
         if self.active:
             return None

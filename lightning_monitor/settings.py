@@ -69,7 +69,6 @@ DEFAULT_HALT_ON: tuple[AlertKindName, ...] = (
     "nonfinite_loss",
     "nonfinite_grad",
     "exploding_grad",
-    "diverging_val_loss",
 )
 #: The checks of one optimizer over which a step-level problem's recurrences count towards a halt (``halt_after``).
 HALT_WINDOW = 16
@@ -288,7 +287,7 @@ class MonitorSettings:
         >>> settings.step.exploding_grad_threshold, settings.response.halt_mode
         (50.0, 'stop')
         >>> settings.as_dict()["halt_on"]
-        ['diverging_val_loss', 'exploding_grad', 'nonfinite_grad', 'nonfinite_loss']
+        ['exploding_grad', 'nonfinite_grad', 'nonfinite_loss']
         >>> TrainingMonitor(top_k=2.0)
         Traceback (most recent call last):
         ...

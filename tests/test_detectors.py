@@ -94,7 +94,9 @@ def test_rising_off_its_best_message_and_episode():
         found.reason == "val_loss has stayed more than 50% above its best 0.4 for 2 validations in a row (0.7 -> 0.65)"
     )
     assert (found.value, found.threshold) == (0.65, pytest.approx(0.6))
-    assert fired(det, [0.9, 0.8, 0.5, 0.7, 0.7]) == [False, False, False, False, True]  # one alert per episode
+    # One alert per episode: back under the limit (0.5) and off again is the same episode, until a new best.
+    assert fired(det, [0.9, 0.8, 0.5, 0.7, 0.7]) == [False] * 5
+    assert fired(det, [0.3, 0.5, 0.5]) == [False, False, True]  # a new best (0.3), then off it: a new episode
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
-from lightning_monitor import AlertKind, TrainingHalted, TrainingMonitor
+from lightning_monitor import DEFAULT_HALT_ON, AlertKind, TrainingHalted, TrainingMonitor
 
 
 def fit(tmp_path, model, monitor, **kwargs):
@@ -137,8 +137,10 @@ def test_a_single_small_step_is_not_vanishing(tmp_path):
     ],
 )
 def test_diverging_validation_loss(tmp_path, val_losses, patience, expected_run):
+    """With `diverging_val_loss` in `halt_on` (it warns by default), it halts at the validation that makes it."""
     model = ScriptedModel(val_losses=val_losses)
-    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=patience)
+    halt_on = [*DEFAULT_HALT_ON, "diverging_val_loss"]
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=patience, halt_on=halt_on)
     trainer = fit(tmp_path, model, monitor, max_steps=4 * len(val_losses), val_check_interval=4, num_sanity_val_steps=2)
     alerts = [a for a in monitor.alerts if a.kind is AlertKind.DIVERGING_VAL_LOSS]
     if expected_run is None:
@@ -152,6 +154,17 @@ def test_diverging_validation_loss(tmp_path, val_losses, patience, expected_run)
     # moves on (global_step has, already).
     assert alert.step == 4 * expected_run - 1
     assert monitor.stopping_reason is AlertKind.DIVERGING_VAL_LOSS
+
+
+def test_diverging_validation_loss_warns_by_default_and_training_goes_on(tmp_path):
+    """A validation loss can leave its best and come back (a shock, a noisy or frequent validation): by default the
+    alert is a warning, and the run ends where it was set to."""
+    val_losses = [1.0, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4]
+    model = ScriptedModel(val_losses=val_losses)
+    monitor = TrainingMonitor(loss_divergence_factor=None)
+    trainer = fit(tmp_path, model, monitor, max_steps=4 * len(val_losses), val_check_interval=4, num_sanity_val_steps=2)
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [(AlertKind.DIVERGING_VAL_LOSS, 23, False)]
+    assert trainer.global_step == 4 * len(val_losses) and monitor.stopping_reason is None
 
 
 def test_observe_only_keeps_training_and_still_skips_bad_steps(tmp_path):

@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_monitor import AlertKind, TrainingMonitor
+from lightning_monitor import DEFAULT_HALT_ON, AlertKind, TrainingMonitor
 
 BAD_BATCH = 6
 
@@ -275,7 +275,8 @@ def test_resuming_from_the_bundle_with_the_problem_still_there_halts_again(tmp_p
 @pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
 def test_bundle_of_a_validation_alert_says_where_it_came_from(tmp_path):
     model = ScriptedModel(val_losses=[1.0, 2.0])
-    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=1)
+    halt_on = [*DEFAULT_HALT_ON, "diverging_val_loss"]  # it warns by default
+    monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, divergence_patience=1, halt_on=halt_on)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, val_check_interval=4)
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
     (alert,) = monitor.alerts
