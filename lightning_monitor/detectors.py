@@ -39,8 +39,8 @@ DRIFT_BLOCK = 16
 DRIFT_PATIENCE = 2
 #: The share of its fall (from its first block to its best level) that a training loss must have given back for
 #: ``loss_drift``: a loss that fell 40,000-fold, to 0.0002, and sits at 0.001 has risen 5x and given back 0.01%;
-#: the share binds before the factor (2x) only for a fall of more than 100-fold.
-DRIFT_GIVE_BACK = 0.01
+#: the share binds before the factor (2x) only for a fall of more than 11-fold.
+DRIFT_GIVE_BACK = 0.1
 
 # The rules that learn a run's scale (`learned_rules`) and the spike rule (`spikes`) live in modules of their own:
 # detectors all the same, re-exported here.
@@ -542,7 +542,7 @@ class LossDriftDetector:
     block-to-block noise: the median of the last ``NOISE_WINDOW`` (64) absolute moves between consecutive block
     medians, in log space (a block above the limit adds no move: a drift does not raise its own bar). A loss whose
     medians move by half an order of magnitude from block to block must rise that much further. And a block counts
-    only if the loss has given back at least ``DRIFT_GIVE_BACK`` (1%) of its fall, from its first block's median
+    only if the loss has given back at least ``DRIFT_GIVE_BACK`` (10%) of its fall, from its first block's median
     to its best level: near zero, a rise of many times is no drift a user needs to hear about (a seq2seq fine-tune
     that fell from 9.2 to 0.0002 and sits at 0.001 has given back 0.01% of its fall). A loss that never fell has
     nothing to give back, and is judged by the factor and the noise alone. It warns: a loss that has drifted up is a

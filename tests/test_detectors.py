@@ -513,9 +513,9 @@ def _blocks(*levels: float) -> list[float]:
         ([*_blocks(1.0, 0.1, 0.1, 0.1), -0.01, *_blocks(0.5, 0.5, 0.5)], None),  # below zero: no log scale, off
         # Near zero after a 46,000-fold fall (9.2 -> 0.0002): at 0.001, 5x its best level but 0.01% of its fall back.
         (_blocks(9.2, 0.0002, 0.0002, 0.0002, 0.001, 0.001, 0.001), None),
-        # 0.0002 -> 0.1 is more than 1% of that fall given back (1.09%): a drift.
-        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 0.1, 0.1), 95),
-        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 0.09, 0.09), None),  # 0.09: just under (0.98%)
+        # 0.0002 -> 1 is more than 10% of that fall given back (10.9%): a drift.
+        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 1.0, 1.0), 95),
+        (_blocks(9.2, 0.0002, 0.0002, 0.0002, 0.9, 0.9), None),  # 0.9: just under (9.8%)
         # A loss that never fell has nothing to give back: the factor alone.
         (_blocks(0.1, 0.1, 0.1, 0.25, 0.25), 79),
     ],
