@@ -56,8 +56,8 @@ ADVICE: dict[AlertKind, str] = {
         "tensors), and check the initialisation and normalisation layers."
     ),
     AlertKind.DIVERGING_VAL_LOSS: (
-        "The model is over-fitting or the learning rate is too high for this stage: restore the best "
-        "checkpoint, lower the learning rate or add regularisation."
+        "If it does not come back, the model is over-fitting or the learning rate is too high for this stage: "
+        "restore the best checkpoint, lower the learning rate or add regularisation."
     ),
     AlertKind.DIVERGING_LOSS: (
         "The training loss has left where it started: unless it is meant to rise (a loss weight warmed up, as a "
