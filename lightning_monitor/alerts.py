@@ -184,6 +184,35 @@ def json_float(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
+def require_counts(**counts: int) -> None:
+    """Raise the detectors' ``ValueError`` for the first of ``counts`` below 1, named by its argument.
+
+    Example:
+        >>> require_counts(patience=3, block=16) is None
+        True
+        >>> require_counts(patience=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected argument `patience` to be at least 1, but got 0
+    """
+    for argument, count in counts.items():
+        if count < 1:
+            raise ValueError(f"Expected argument `{argument}` to be at least 1, but got {count}")
+
+
+def require_factor(factor: float) -> None:
+    """Raise the detectors' ``ValueError`` unless ``factor`` is a finite number above 1.
+
+    Example:
+        >>> require_factor(float("inf"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected argument `factor` to be a finite number > 1, but got inf
+    """
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"Expected argument `factor` to be a finite number > 1, but got {factor}")
+
+
 def format_value(value: float) -> str:
     """Format a figure for a message: 4 significant digits, NaN and infinities spelled out.
 

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from lightning_monitor.alerts import AlertKind, Detection, format_value
+from lightning_monitor.alerts import AlertKind, Detection, format_value, require_counts, require_factor
 from lightning_monitor.learned_rules import DEFAULT_EXPLODING_LIMIT, EARLY_CHECKS, CollapseDetector, ExplodingDetector
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW, SpikeDetector
 
@@ -192,8 +192,7 @@ class ThresholdDetector:
         patience: int = 1,
         argument: str = "threshold",
     ) -> None:
-        if patience < 1:
-            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        require_counts(patience=patience)
         self.kind = kind
         self.name = name
         self.threshold = threshold
@@ -293,8 +292,7 @@ class RisingDetector:
         min_delta: float = 0.0,
         margin: float | None = DIVERGENCE_MARGIN,
     ) -> None:
-        if patience < 1:
-            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        require_counts(patience=patience)
         if margin is not None and not (math.isfinite(margin) and margin >= 0):
             raise ValueError(f"Expected argument `margin` to be a finite number >= 0 or None, but got {margin}")
         self.kind = kind
@@ -435,10 +433,8 @@ class LossDivergenceDetector:
         patience: int = LOSS_DIVERGENCE_PATIENCE,
         name: str = "training loss",
     ) -> None:
-        if not (math.isfinite(factor) and factor > 1):
-            raise ValueError(f"Expected argument `factor` to be a finite number > 1, but got {factor}")
-        if patience < 1:
-            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        require_factor(factor)
+        require_counts(patience=patience)
         self.factor = factor
         self.patience = patience
         self.name = name
@@ -590,12 +586,8 @@ class LossDriftDetector:
         patience: int = DRIFT_PATIENCE,
         name: str = "training loss",
     ) -> None:
-        if not (math.isfinite(factor) and factor > 1):
-            raise ValueError(f"Expected argument `factor` to be a finite number > 1, but got {factor}")
-        if block < 1:
-            raise ValueError(f"Expected argument `block` to be at least 1, but got {block}")
-        if patience < 1:
-            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        require_factor(factor)
+        require_counts(block=block, patience=patience)
         self.factor = factor
         self.block = block
         self.patience = patience
@@ -736,8 +728,7 @@ class AmpOverflowDetector:
     kind = AlertKind.NONFINITE_GRAD
 
     def __init__(self, patience: int, min_scale: float) -> None:
-        if patience < 1:
-            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        require_counts(patience=patience)
         self.patience = patience
         self.min_scale = min_scale
         self.consecutive = 0
@@ -827,8 +818,7 @@ class AccuracyStallDetector:
     """
 
     def __init__(self, kind: AlertKind, patience: int, min_delta: float = 0.0) -> None:
-        if patience < 1:
-            raise ValueError(f"Expected argument `patience` to be at least 1, but got {patience}")
+        require_counts(patience=patience)
         self.kind = kind
         self.patience = patience
         self.min_delta = min_delta

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_monitor.alerts import AlertKind, Detection, format_value
+from lightning_monitor.alerts import AlertKind, Detection, format_value, require_counts
 
 __all__ = [
     "DEFAULT_EXPLODING_LIMIT",
@@ -116,8 +116,7 @@ class ExplodingDetector:
         window: int = TAIL_WINDOW,
         quantile: float = TAIL_QUANTILE,
     ) -> None:
-        if early < 1:
-            raise ValueError(f"Expected argument `early` to be at least 1, but got {early}")
+        require_counts(early=early)
         if window < early:
             raise ValueError(f"Expected argument `window` to be at least `early` ({early}), but got {window}")
         if not 0 < quantile <= 1:
@@ -329,9 +328,7 @@ class CollapseDetector:
     kind = AlertKind.VANISHING_GRAD
 
     def __init__(self, name: str, ratio: float = 1e-5, patience: int = 1, early: int = EARLY_CHECKS) -> None:
-        for argument, count in (("patience", patience), ("early", early)):
-            if count < 1:
-                raise ValueError(f"Expected argument `{argument}` to be at least 1, but got {count}")
+        require_counts(patience=patience, early=early)
         self.name = name
         self.ratio = ratio
         self.patience = patience
