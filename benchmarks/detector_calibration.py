@@ -3,8 +3,9 @@
 The runs are the CSVs of ``benchmarks/real_runs/`` (one per run: ``step,loss,grad_norm,val_loss,lr``; a row may hold
 only some of them) and their labels in ``runs.json`` there (``label``: ``healthy`` or ``sick``, ``heldout``: kept out
 of tuning). Each logged point is fed to the detectors that ``TrainingMonitor()``'s defaults turn on, in step order:
-the training loss to ``loss_spike`` and ``diverging_loss``, the gradient norm to ``exploding_grad``,
-``grad_spike`` and ``vanishing_grad``, the validation loss to ``diverging_val_loss``. A logged point is not a
+the training loss to ``nonfinite_loss``, ``loss_spike``, ``diverging_loss`` and ``loss_drift``, the gradient norm
+to ``exploding_grad``, ``grad_spike`` and ``vanishing_grad``, the validation loss to ``diverging_val_loss`` (no AMP:
+an fp16 run's overflows are not told apart; the whole package's replay is ``real_runs.py``). A logged point is not a
 check: most logs hold one point every 10 to 500 steps (a Hugging Face Trainer averages the loss over them and logs the
 last step's gradient norm), so these replays judge a thinned series; the every-step runs are the monitor's own case.
 
@@ -127,6 +128,7 @@ def make_detectors(spike: dict[str, Any] | None = None) -> dict[str, Any]:
     """The detectors ``TrainingMonitor()``'s defaults build, by the figure each one reads."""
     spike = spike or {}
     made: dict[str, Any] = {
+        "nonfinite_loss": detectors.NonFiniteDetector(AlertKind.NONFINITE_LOSS, "training loss"),
         "loss_spike": detectors.SpikeDetector(
             AlertKind.LOSS_SPIKE, "training loss", **_accepts(detectors.SpikeDetector, signed=True, **spike)
         ),
@@ -146,6 +148,7 @@ def make_detectors(spike: dict[str, Any] | None = None) -> dict[str, Any]:
 
 #: Which figure of a row each detector reads: 1 the loss, 2 the gradient norm, 3 the validation loss.
 FIGURE = {
+    "nonfinite_loss": 1,
     "loss_spike": 1,
     "diverging_loss": 1,
     "loss_drift": 1,
