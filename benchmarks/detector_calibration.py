@@ -4,10 +4,11 @@ The runs are the CSVs of ``benchmarks/real_runs/`` (one per run: ``step,loss,gra
 only some of them) and their labels in ``runs.json`` there (``label``: ``healthy`` or ``sick``, ``heldout``: kept out
 of tuning). Each logged point is fed to the detectors that ``TrainingMonitor()``'s defaults turn on, in step order:
 the training loss to ``nonfinite_loss``, ``loss_spike``, ``diverging_loss`` and ``loss_drift``, the gradient norm
-to ``exploding_grad``, ``grad_spike`` and ``vanishing_grad``, the validation loss to ``diverging_val_loss`` (no AMP:
-an fp16 run's overflows are not told apart; the whole package's replay is ``real_runs.py``). A logged point is not a
-check: most logs hold one point every 10 to 500 steps (a Hugging Face Trainer averages the loss over them and logs the
-last step's gradient norm), so these replays judge a thinned series; the every-step runs are the monitor's own case.
+to ``exploding_grad``, ``grad_spike`` and ``vanishing_grad``, the validation loss to ``diverging_val_loss`` (no
+``nonfinite_grad``: an fp16 run's overflows are its GradScaler's; the whole package's replay is ``real_runs.py``).
+A logged point is not a check: most logs hold one point every 10 to 500 steps (a Hugging Face Trainer averages the
+loss over them and logs the last step's gradient norm), so these replays judge a thinned series; the every-step runs
+are the monitor's own case.
 
 Printed: for each run its alerts (kind, step, and whether that kind halts under the default ``halt_on`` at its
 first occurrence); then, training and held-out runs apart, the halts on healthy runs, the warnings per 1,000 logged
