@@ -11,7 +11,9 @@ the machine's other jobs disturbed least.
 - ``floor``: a callback that reads every gradient once in ``on_before_optimizer_step``: ``torch._foreach_norm`` over
   the gradients, one ``torch.stack``, one ``.item()``, the least any monitor that checks every step pays;
 - ``monitor, halt_on=[]``: ``TrainingMonitor(halt_on=[])`` with its other defaults;
-- ``monitor``: ``TrainingMonitor()`` with its defaults.
+- ``monitor``: ``TrainingMonitor()`` with its defaults;
+- with ``--skeleton``, also ``monitor, no detectors``: every detector that can be turned off turned off
+  (``benchmarks/hook_ops.py``'s ``NO_DETECTORS``), what the check itself costs; not a target configuration.
 
 Beside the wall time in the hooks, the thread's CPU time in them (``time.thread_time``) is given too: on a machine
 whose cores other jobs share, the wall time also counts the waits for a core, which the CPU time leaves out.
@@ -61,7 +63,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import STEP_HOOKS
 
-CONFIGS = ("bare", "floor", "monitor, halt_on=[]", "monitor")
+CONFIGS: tuple[str, ...] = ("bare", "floor", "monitor, halt_on=[]", "monitor")
+SKELETON = "monitor, no detectors"
 MODELS = ("boring", "1M")
 TARGET, AIM = 2.0, 1.3  # in-hook time over the floor's
 
@@ -93,6 +96,10 @@ def make_callback(config: str) -> Callback | None:
         return TrainingMonitor(halt_on=[])
     if config == "monitor":
         return TrainingMonitor()
+    if config == SKELETON:
+        from hook_ops import NO_DETECTORS
+
+        return TrainingMonitor(**NO_DETECTORS)
     return None
 
 
@@ -257,8 +264,9 @@ def table(model: str, results: dict[str, list[Fit]]) -> None:
             f"| {config} | {hooks:.3f} | {hooks / floor:.2f}x | {least('step_hooks', config):.3f} | {cpu:.3f} |"
             f" {cpu / cpu_floor:.2f}x | {span:.3f} | {span - bare:+.3f} |"
         )
-    worst = max(least("hooks", c) for c in CONFIGS[2:]) / floor
-    worst_cpu = max(least("cpu", c) for c in CONFIGS[2:]) / cpu_floor
+    targets = [c for c in CONFIGS[2:] if c != SKELETON]
+    worst = max(least("hooks", c) for c in targets) / floor
+    worst_cpu = max(least("cpu", c) for c in targets) / cpu_floor
     verdict = "met" if max(worst, worst_cpu) <= TARGET else "NOT met"
     print(
         f"\nTarget at most {TARGET}x the floor (aim {AIM}x): {verdict} (worst monitor configuration {worst:.2f}x in"
@@ -310,8 +318,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile the monitor's hooks instead of timing")
     parser.add_argument("--skip", type=int, default=100, help="steps left out of the profile at the start (100)")
     parser.add_argument("--top", type=int, default=40, help="rows of the profile (40)")
+    parser.add_argument("--skeleton", action="store_true", help="also time a monitor with every detector off")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.skeleton:
+        global CONFIGS
+        CONFIGS = (*CONFIGS, SKELETON)
     print(
         f"# {platform.node()}, {cpu_model()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" {args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
