@@ -307,6 +307,10 @@ class CollapseDetector:
     whose norm stands out (a heavy-tailed loss) does not restart the count, and the alert comes about
     ``patience / 2`` checks after the collapse began.
 
+    A norm of exactly 0 at each of the last ``patience`` checks fires too, whatever the early median: no gradient
+    reaches the weights at all (a loss that does not depend on them, every label masked), and a run where that is so
+    from its first step has an early median of 0 to compare with.
+
     Args:
         name: What the figure is called in messages.
         ratio: The collapse that counts, as a fraction of the early median.
@@ -323,6 +327,9 @@ class CollapseDetector:
         [False, False, False, False, False, False, True, False]
         >>> print(CollapseDetector("gradient norm", patience=1, early=1).update(1.0))
         None
+        >>> dead = CollapseDetector("gradient norm", patience=3)
+        >>> [dead.update(0.0) is not None for _ in range(4)]  # zero from the start: no early median needed
+        [False, False, True, False]
     """
 
     kind = AlertKind.VANISHING_GRAD
@@ -339,6 +346,7 @@ class CollapseDetector:
         self.count = 0
         self._reference: float | None = None
         self._below = 0  # how many of `recent` are below the limit (the median needs half of them to be)
+        self._zeros = 0  # consecutive norms of exactly 0, the early ones included
 
     @property
     def reference(self) -> float | None:
@@ -351,18 +359,22 @@ class CollapseDetector:
         """Take one figure; return a detection when the median of the last ``patience`` falls below the limit."""
         if not math.isfinite(value):
             return None
+        zeros = self._zeros = self._zeros + 1 if value == 0.0 else 0
         reference = self.reference
         if reference is None:
             self.values.append(value)
-            return None
+            self.count = zeros  # a zero is below any limit the early median can give
+            return self._dead() if zeros >= self.patience else None
         limit = self.ratio * reference
         recent = self.recent
         if len(recent) == self.patience and recent[0] < limit:  # the oldest leaves the window
             self._below -= 1
         recent.append(value)
-        below = value < limit
-        self._below += below
+        below = value < limit or zeros > 0
+        self._below += value < limit
         self.count = self.count + 1 if below else 0
+        if zeros >= self.patience:  # whatever the early median (0 where the run had no gradient from the start)
+            return self._dead()
         # The median of `patience` values is below the limit only if at least half of them are: else skip it.
         full = len(recent) == self.patience
         typical = statistics.median(recent) if full and 2 * self._below >= self.patience else math.inf
@@ -379,6 +391,14 @@ class CollapseDetector:
         )
         return Detection(self.kind, typical, self.ratio * reference, reason)
 
+    def _dead(self) -> Detection | None:
+        """The alert of a norm of exactly 0 at each of the last ``patience`` checks, once per episode."""
+        if self.collapsed:
+            return None
+        self.collapsed = True
+        steps = f"for {self.patience} steps in a row" if self.patience > 1 else "at this step"
+        return Detection(self.kind, 0.0, None, f"{self.name} exactly 0 {steps} (no gradient reaches the weights)")
+
     @property
     def beyond(self) -> bool:
         """Whether the last figure was below the limit."""
@@ -386,13 +406,19 @@ class CollapseDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""
-        return {"values": list(self.values), "recent": list(self.recent), "collapsed": self.collapsed}
+        return {
+            "values": list(self.values),
+            "recent": list(self.recent),
+            "collapsed": self.collapsed,
+            "zeros": self._zeros,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state saved by :meth:`state_dict`."""
         self.values = [float(v) for v in state.get("values", [])]
         self.recent = deque((float(v) for v in state.get("recent", [])), maxlen=self.patience)
         self.collapsed = bool(state.get("collapsed", False))
+        self._zeros = int(state.get("zeros", 0))
         self._reference = None
         reference = self.reference
         self._below = 0 if reference is None else sum(v < self.ratio * reference for v in self.recent)

@@ -141,8 +141,8 @@ class TrainingMonitor(Callback):
             above gets one warning with the fix), or above 10x the largest norm of the first 100 checks
             (:class:`~lightning_monitor.detectors.ExplodingDetector`). ``None`` turns the check off.
         vanishing_grad_threshold: Total gradient norm below which a step counts towards ``vanishing_grad``.
-            ``"auto"``: below 1e-5 times the median norm of the first 100 checks
-            (:class:`~lightning_monitor.detectors.CollapseDetector`). ``None`` turns the check off.
+            ``"auto"``: below 1e-5 times the median norm of the first 100 checks, or exactly 0, from the first
+            check on (:class:`~lightning_monitor.detectors.CollapseDetector`). ``None`` turns the check off.
         vanishing_grad_patience: Consecutive optimizer steps below ``vanishing_grad_threshold`` that make an alert
             (with ``"auto"``, the last steps whose median is judged).
         val_loss_key: The logged validation metric to watch for divergence. ``"auto"``: ``val_loss``, else the one

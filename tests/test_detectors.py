@@ -325,6 +325,23 @@ def test_collapse_is_relative_to_the_early_median():
     assert found.update(1e-9).reason == "norm 1e-09 < 1e-05 x the median of the first 2 steps (0.03)"
 
 
+def test_a_gradient_of_exactly_zero_is_a_collapse_whatever_the_early_median():
+    det = CollapseDetector("gradient norm", patience=4, early=10)
+    # Zeros in the early checks (no median to compare with yet): 3 in a row do not fire, the 4th does, once.
+    assert fired(det, [0.0, 0.0, 0.0, 0.02, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]) == [False] * 7 + [True, False, False]
+    # The early median is 0 (most early norms were), so the ratio rule can never fire: the streak still does.
+    assert det.reference == 0.0
+    assert fired(det, [0.03, 0.0, 0.0, 0.0, 0.0]) == [False, False, False, False, True]  # ended, then again
+    # Exactly 0, not small: a norm of 1e-30 is left to the ratio rule, which a median of 0 turns off.
+    assert not any(fired(det, [0.03] + [1e-30] * 10))
+    # The streak is carried by a checkpoint.
+    resumed = CollapseDetector("gradient norm", patience=4, early=10)
+    half = CollapseDetector("gradient norm", patience=4, early=10)
+    fired(half, [0.0] * 3)
+    resumed.load_state_dict(half.state_dict())
+    assert fired(resumed, [0.0]) == [True]
+
+
 def test_one_outstanding_batch_does_not_restart_a_collapse():
     # A heavy-tailed loss: a batch now and then whose norm is far above the rest, before and after the collapse.
     healthy = [0.05 if i % 10 else 5.0 for i in range(200)]

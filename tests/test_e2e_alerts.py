@@ -114,6 +114,25 @@ def test_vanishing_gradient_needs_patience_and_does_not_halt_by_default(tmp_path
     assert monitor.stopping_reason is None
 
 
+def test_a_gradient_that_is_exactly_zero_from_the_first_step_is_vanishing(tmp_path):
+    # Nothing reaches the weights (a loss multiplied by 0: every gradient exactly 0) from the first step on, so the
+    # early median that "auto" compares with is 0 too. Round 8's `mistral_lora_zero_grad`: loss and norm 0.0 at every
+    # log of a QLoRA run. The default rule warns at the 50th zero in a row, and the run goes on.
+    model = ScriptedModel(default_factor=0.0)
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = fit(tmp_path, model, monitor, max_steps=60)
+    assert model.reference[:60] == [0.0] * 60  # the reference: every total norm at the step was exactly 0
+    (alert,) = monitor.alerts  # one alert for the whole episode
+    assert alert.kind is AlertKind.VANISHING_GRAD
+    assert alert.step == 49  # the 50th check in a row at exactly 0
+    assert not alert.halted
+    assert alert.message.startswith(
+        "Gradient norm exactly 0 for 50 steps in a row (no gradient reaches the weights) at step 49"
+    )
+    assert trainer.global_step == 60
+    assert monitor.stopping_reason is None
+
+
 def test_a_single_small_step_is_not_vanishing(tmp_path):
     factors = {k: 1e-6 for k in range(0, 12) if k != 3}
     monitor = TrainingMonitor(
