@@ -1,10 +1,11 @@
 """Token accuracy for language models: exact over an epoch, free of host syncs, cheap at LLM vocabulary sizes.
 
 :func:`token_accuracy_counts` does the math; :class:`TokenAccuracy` is the ``torchmetrics`` metric that sums its
-counts. One update reads the logits once, in a single ``amax`` over the vocabulary (``topk`` for ``top_k > 1``),
-and gathers the label's logit: no ``argmax``, no boolean-mask compaction (a host sync), no ``[N, V]`` temporary
-(the extra memory is O(N) for top-1 and O(N * k) for top-k), and with ``shift=True`` no copy of the logits (slices
-are views, and both reductions run on the view). docs/design.md says why; docs/benchmarks.md, what it costs.
+counts. One update reads the logits once, in a single ``max`` over the vocabulary, values and first index
+(``topk`` for ``top_k > 1``): a position is correct as ``argmax``, torchmetrics and TRL count it, the first
+of tied maxima being the prediction. No boolean-mask compaction (a host sync), no ``[N, V]`` temporary (the extra
+memory is O(N) for top-1 and O(N * k) for top-k), and with ``shift=True`` no copy of the logits (slices are views,
+and the reduction runs on the view). docs/design.md says why; docs/benchmarks.md, what it costs.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def token_accuracy_counts(
 ) -> tuple[Tensor, Tensor]:
     """Count the correct and the counted (non-ignored) token positions of one batch, on the device.
 
-    A position is counted when its label is not ``ignore_index``. It is **correct** when fewer than ``top_k`` logits
-    of its row are strictly greater than the label's logit, i.e. when the label's logit is at least the ``top_k``-th
-    largest value. For ``top_k=1`` this means the label's logit equals the row maximum: **ties count as correct**
-    (``argmax`` would pick the lowest tied index, an arbitrary choice). A row holding a NaN logit has no prediction
+    A position is counted when its label is not ``ignore_index``. It is **correct** when its label is the row's
+    ``argmax``: among tied maxima, the first (lowest index), as ``torch.argmax``, torchmetrics' ``MulticlassAccuracy``
+    and TRL count, so that a row of equal logits (a dead or zero-initialised head) is right for one label
+    only. With ``top_k > 1`` it is correct when its label is among the indices ``torch.topk`` returns (which is what
+    torchmetrics compares with). A row holding a NaN logit has no prediction
     to score (an overflow to NaN, say): it is left out of ``total``, as out-of-range labels are
     (:class:`TokenAccuracy` counts both and warns). For integer predictions a position is correct when the
     prediction equals the label.
@@ -52,8 +54,8 @@ def token_accuracy_counts(
         target: Integer labels ``[...]``, the leading shape of ``preds``.
         ignore_index: Label value of positions to leave out, -100 by default (the Hugging Face convention); a
             padding id such as 0 works too.
-        top_k: Count a position correct when its label is among the ``top_k`` largest logits. Must be 1 for integer
-            predictions.
+        top_k: Count a position correct when its label is among the ``top_k`` indices of ``torch.topk``. Must be 1
+            for integer predictions.
         shift: Score the logits at position ``t`` against the label at ``t + 1``.
         validate_args: Check that every scored label is in ``[0, V)`` or equal to ``ignore_index``, and raise otherwise.
             This costs one host-device sync. With ``False`` nothing syncs, and out-of-range labels are left out of
@@ -68,13 +70,15 @@ def token_accuracy_counts(
 
     Example:
         >>> logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 3.0, 3.0], [1.0, 0.0, 5.0]]])  # [B=1, T=3, V=3]
-        >>> token_accuracy_counts(logits, torch.tensor([[0, 2, -100]]))  # position 1 is a tie: correct
+        >>> token_accuracy_counts(logits, torch.tensor([[0, 1, -100]]))  # position 1: a tie, whose first is 1
         (tensor(2), tensor(2))
+        >>> token_accuracy_counts(logits, torch.tensor([[0, 2, -100]]))  # the other tied label is not the pick
+        (tensor(1), tensor(2))
         >>> # shift: the logits at positions 0 and 1 are scored against the labels at positions 1 and 2
         >>> token_accuracy_counts(logits, torch.tensor([[-100, 0, 0]]), shift=True)
         (tensor(1), tensor(2))
         >>> logits[0, 0, 1] = float("nan")  # position 0 has no prediction: left out
-        >>> token_accuracy_counts(logits, torch.tensor([[0, 2, -100]]))
+        >>> token_accuracy_counts(logits, torch.tensor([[0, 1, -100]]))
         (tensor(1), tensor(1))
     """
     _check_args(ignore_index=ignore_index, top_k=top_k, shift=shift, validate_args=validate_args)
@@ -83,15 +87,15 @@ def token_accuracy_counts(
 
 
 class TokenAccuracy(Metric):
-    r"""Fraction of non-ignored token positions whose label gets the highest logit (or one of the ``top_k`` highest).
+    r"""Fraction of non-ignored token positions whose label is the ``argmax`` of its logits (or among the ``top_k``).
 
     The states are the summed int64 counts ``correct``, ``total``, ``invalid`` and ``nan``, so the value is exact over
     an epoch (not a mean of batch means) and is synced across DDP ranks by summing (not a mean of rank means); a
     constant ``settings`` state (``[top_k, shift, ignore_index]``) keeps a ``MetricCollection`` from merging two
-    metrics of different settings into one compute group. Each
-    update reads the logits once (see :func:`token_accuracy_counts` for the exact definition: ties count as correct,
-    rows holding a NaN are left out of ``total`` and counted in ``nan``). Neither
-    ``update`` nor ``forward`` synchronises with the host (with ``validate_args=False``); ``compute`` reads
+    metrics of different settings into one compute group. Each update reads the logits once (see
+    :func:`token_accuracy_counts` for the exact definition: the first of tied maxima is the prediction, as for
+    ``argmax``; rows holding a NaN are left out of ``total`` and counted in ``nan``). Neither ``update`` nor
+    ``forward`` synchronises with the host (with ``validate_args=False``); ``compute`` reads
     ``invalid`` and ``nan`` once (one sync) until it has warned.
 
     As input to ``forward`` and ``update`` the metric accepts the following input:
@@ -110,8 +114,8 @@ class TokenAccuracy(Metric):
     Args:
         ignore_index: Label value of positions to leave out, -100 by default (the Hugging Face convention); a
             padding id such as 0 works too.
-        top_k: Count a position correct when fewer than ``top_k`` logits are strictly greater than the label's
-            logit. ``top_k > 1`` reads the logits with ``topk`` (extra memory O(N * top_k)). Must be 1 for integer
+        top_k: Count a position correct when its label is among the ``top_k`` indices of ``torch.topk``.
+            ``top_k > 1`` reads the logits with ``topk`` (extra memory O(N * top_k)). Must be 1 for integer
             predictions.
         shift: For causal LMs whose labels are not yet shifted: score the logits at sequence position ``t`` against
             the label at ``t + 1``, i.e. ``preds[..., :-1, :]`` against ``target[..., 1:]``. The sequence dimension
@@ -347,27 +351,26 @@ def _hits(preds: Tensor, target: Tensor, ignore_index: int, top_k: int, shift: b
         return preds == target, counted, counted, counted  # no V: every counted label is in range; no NaN
 
     vocab = preds.shape[-1]
-    # Every label op runs on `[..., 1]`, the shape of the gathered logit, so nothing is reshaped in between.
+    # Every label op runs on `[..., 1]`, the shape of the reduced logits, so nothing is reshaped in between.
     target = target.unsqueeze(-1)
     counted = target != ignore_index
-    # Ignored and out-of-range labels read a clamped, in-bounds logit, which is then masked out: the gather index
-    # is always in bounds, and no boolean compaction (a host sync) is needed. A label is in range when clamping
-    # leaves it as it is.
+    # Ignored and out-of-range labels are compared clamped, then masked out: no boolean compaction (a host sync) is
+    # needed. A label is in range when clamping leaves it as it is.
     index = target.clamp(0, vocab - 1)
     in_range = index == target
     if validate_args:
         _raise_if_out_of_range(target, counted & ~in_range, ignore_index, vocab)
-    label_logit = preds.gather(-1, index if index.dtype == torch.long else index.long())
     if top_k == 1:
-        # amax propagates NaN: a row holding a NaN has a NaN maximum (and nothing is >= NaN).
-        largest = preds.amax(dim=-1, keepdim=True)
-        hit = label_logit >= largest
+        # One pass for the value and the first index of the maximum (argmax's pick among ties). max propagates NaN:
+        # a row holding a NaN has a NaN maximum, and is left out through `finite`.
+        largest, first = preds.max(dim=-1, keepdim=True)
+        hit = first == index
     else:
         # topk orders NaN above every number, so a row holding a NaN has one first among its top values.
-        top = preds.topk(top_k, dim=-1, sorted=True).values
-        largest = top[..., :1]
-        hit = label_logit >= top[..., -1:]
-    return hit, in_range, counted, ~largest.isnan()  # ±Inf is a value: an Inf tied for the maximum is a hit
+        top = preds.topk(top_k, dim=-1, sorted=True)
+        largest = top.values[..., :1]
+        hit = (top.indices == index).any(dim=-1, keepdim=True)
+    return hit, in_range, counted, ~largest.isnan()  # ±Inf is a value: an Inf maximum is a prediction
 
 
 def _count(

@@ -169,19 +169,50 @@ def test_shift_scores_position_t_against_label_t_plus_1():
 
 
 @pytest.mark.parametrize(
-    ("row", "label", "k", "correct"),
+    ("row", "label", "correct"),
     [
-        ([1.0, 3.0, 3.0, 0.0], 1, 1, True),  # tied for the maximum, and argmax's pick
-        ([1.0, 3.0, 3.0, 0.0], 2, 1, True),  # tied for the maximum: argmax would say no
-        ([1.0, 3.0, 3.0, 0.0], 0, 1, False),
-        ([5.0, 3.0, 3.0, 3.0], 3, 2, True),  # one logit strictly greater: within the top 2
-        ([5.0, 4.0, 3.0, 3.0], 3, 2, False),  # two strictly greater
-        ([2.0, 2.0, 2.0, 2.0], 3, 1, True),
-        ([float("inf"), float("inf"), 0.0, 0.0], 1, 1, True),
+        ([1.0, 3.0, 3.0, 0.0], 1, True),  # tied for the maximum, and argmax's pick (the first)
+        ([1.0, 3.0, 3.0, 0.0], 2, False),  # tied for the maximum, but not the first
+        ([1.0, 3.0, 3.0, 0.0], 0, False),
+        ([2.0, 2.0, 2.0, 2.0], 0, True),  # equal logits: one label is right, not all of them
+        ([2.0, 2.0, 2.0, 2.0], 3, False),
+        ([float("inf"), float("inf"), 0.0, 0.0], 0, True),
+        ([float("inf"), float("inf"), 0.0, 0.0], 1, False),
     ],
 )
-def test_ties_count_as_correct(row, label, k, correct):
-    assert _counts(torch.tensor([row]), torch.tensor([label]), top_k=k) == (int(correct), 1)
+def test_a_tie_is_won_by_its_first_index_as_for_argmax(row, label, correct):
+    assert _counts(torch.tensor([row]), torch.tensor([label])) == (int(correct), 1)
+    assert bool(torch.tensor(row).argmax() == label) is correct  # the definition it follows
+
+
+def test_constant_logits_score_one_label_in_v():
+    # A dead or zero-initialised head: every logit equal. Before, ties counted as correct and this read 1.0.
+    labels = torch.tensor([[0, 1, 2, 3, 4, 0, 7, 0, -100, 9]])
+    assert _counts(torch.zeros(1, 10, 10), labels) == (3, 9)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_top_k_with_ties_follows_the_indices_of_topk(k):
+    logits = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    top = logits.topk(k, dim=-1).indices
+    for label in range(5):
+        labels = torch.tensor([label, label])
+        expected = int((top == labels.unsqueeze(-1)).any(-1).sum())
+        assert _counts(logits, labels, top_k=k) == (expected, 2)
+
+
+def test_bf16_logits_with_many_ties_agree_with_torchmetrics():
+    # bf16 keeps 8 bits of mantissa: across a large vocabulary the top logits often tie. torchmetrics takes argmax.
+    torch.manual_seed(0)
+    V = 4096
+    logits = (torch.randn(4, 64, V) * 0.02).round(decimals=2).bfloat16()  # coarse values: ties at the top
+    labels = V - 1 - logits.flip(-1).argmax(-1)  # the last of the tied maxima: a tie that argmax does not pick
+    labels[:, ::2] = logits[:, ::2].argmax(-1)  # and half the positions argmax's own pick
+    ties = (logits == logits.amax(-1, keepdim=True)).sum(-1) > 1
+    assert int(ties[:, 1::2].sum()) > 50  # the case is really there
+    reference = MulticlassAccuracy(num_classes=V, average="micro", ignore_index=-100, validate_args=False)
+    reference.update(logits.reshape(-1, V), labels.reshape(-1))
+    torch.testing.assert_close(TokenAccuracy()(logits, labels), reference.compute())
 
 
 @pytest.mark.parametrize("k", [1, 3])
