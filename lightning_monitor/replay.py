@@ -37,6 +37,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -61,6 +62,7 @@ GRAD_NORM_KEYS = ("grad_norm", "train/grad_norm", "grad_norm_opt0")
 VAL_LOSS_KEYS = ("val_loss", "val/loss", "eval_loss", "eval/loss", "val_loss_epoch", "valid_loss", "validation_loss")
 _EVENTS_PREFIX = "events.out.tfevents."
 _HISTORY_FILE = "monitor_history.jsonl"  # `lightning_monitor.history.HISTORY_FILE`, without importing torch
+_ALERTS_FILE = "alerts.jsonl"  # the monitor's default `alerts_file`
 
 
 @dataclass(frozen=True)
@@ -226,17 +228,33 @@ def replay(
     from lightning_monitor.monitor import TrainingMonitor  # torch, only when something is replayed
 
     config = TrainingMonitor(**monitor_kwargs).config
+    notes: list[str] = []
     if isinstance(path_or_series, (str, os.PathLike)):
         val_key = config.validation.val_loss_key
+        given = "val_loss_key" in monitor_kwargs and val_key not in (None, "auto")  # a key the user named: logged
         points, source = read_series(
-            path_or_series, format, loss_key=loss_key, grad_norm_key=grad_norm_key, val_loss_key=val_key
+            path_or_series,
+            format,
+            loss_key=loss_key,
+            grad_norm_key=grad_norm_key,
+            val_loss_key=val_key,
+            require_val_loss_key=given,
         )
+        own = _own_alerts(Path(path_or_series))
+        if own is not None:
+            notes.append(own)
     else:
         points, source = list(path_or_series), "series"
+    gap = _median_gap([p.step for p in points if p.trains])
+    if gap > 1:
+        notes.append(
+            f"The series holds one training point every {gap} steps (the median gap): replay judges each logged"
+            " point as one check, where the monitor checks every step, so what it finds, and when, can differ from"
+            " what the run itself did."
+        )
     if amp:  # an unknown loss scale: one that never falls, so only a streak of overflows alerts
         points = [replace(p, loss_scale=math.inf) if p.trains and p.loss_scale is None else p for p in points]
     state = _ReplayState.from_settings(config)
-    notes: list[str] = []
     if config.recovery.recover_on:
         notes.append(
             "recover_on is not replayed: a rewind changes the figures that follow it, so its kinds are reported where"
@@ -249,6 +267,8 @@ def replay(
         found = _judge_point(state, point)
         alerts.extend(found)
         notice = getattr(state.detectors.exploding, "notice", None)
+        if notice is not None and gap > 1:  # its "first step" is the first logged point here
+            notice = notice.replace(" at the first step,", f" at the first logged point (step {point.step}),", 1)
         if notice is not None and notice not in notes:
             notes.append(notice)
         if not keep_going and any(a.halted for a in found):
@@ -286,6 +306,43 @@ class _ReplayState:
             Policy.of(config.response),
             Ladder(),
         )
+
+
+def _median_gap(steps: list[int]) -> int:
+    """The median gap between consecutive distinct steps (1 for fewer than two)."""
+    ordered = sorted(set(steps))
+    gaps = sorted(b - a for a, b in pairwise(ordered))
+    return gaps[len(gaps) // 2] if gaps else 1
+
+
+def _own_alerts(path: Path) -> str | None:
+    """What the run's own ``alerts.jsonl`` (beside the file replayed, or in the folder) recorded, in words."""
+    folder = path if path.is_dir() else path.parent
+    file = folder / _ALERTS_FILE
+    if not file.is_file() or file.is_symlink():
+        return None
+    kinds: dict[str, int] = {}
+    halted = None
+    try:
+        with file.open(encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a last line still being written
+                    continue
+                if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+                    continue
+                kinds[record["kind"]] = kinds.get(record["kind"], 0) + 1
+                if record.get("halted") and halted is None:
+                    halted = (record.get("step"), record["kind"])
+    except OSError:
+        return None
+    if not kinds:
+        return None
+    total = sum(kinds.values())
+    listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
+    end = "" if halted is None else f", and halted at step {halted[0]} ({halted[1]})"
+    return f"The run's own {_ALERTS_FILE} records {total} alert{'s' if total != 1 else ''} ({listed}){end}."
 
 
 def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
@@ -349,6 +406,7 @@ def read_series(
     loss_key: str | None = None,
     grad_norm_key: str | None = None,
     val_loss_key: str | None = "val_loss",
+    require_val_loss_key: bool = False,
 ) -> tuple[list[Point], str]:
     r"""Read a run's training loss, gradient norm, validation loss and fp16 loss scale, by step.
 
@@ -369,13 +427,16 @@ def read_series(
         loss_key: The training-loss key (default: the first of :data:`LOSS_KEYS` present).
         grad_norm_key: The gradient-norm key (default: the first of :data:`GRAD_NORM_KEYS` present).
         val_loss_key: The validation-loss key tried first, before :data:`VAL_LOSS_KEYS`; ``None``: none is read.
+        require_val_loss_key: ``val_loss_key`` must have been logged (a key the user named), as ``loss_key`` must.
 
     Returns:
         The points in step order, and the source in words.
 
     Raises:
         FileNotFoundError: If there is nothing readable at ``path``.
-        ValueError: If ``format`` is unknown, the file does not read as ``format``, or a key given was not logged.
+        ValueError: If ``format`` is unknown, the file does not read as ``format``, a key given was not logged, a
+            value of a figure read is not a number, or the file holds no training loss, gradient norm or validation
+            loss at all.
 
     Example:
         >>> import tempfile
@@ -395,6 +456,7 @@ def read_series(
     if not root.exists():
         raise FileNotFoundError(f"No run at {str(root)!r}: no such file or folder")
     file, chosen = _locate(root, format)
+    unreadable: dict[str, tuple[str, str]] = {}  # a CSV's key -> (its first value that is not a number, its step)
     if chosen == "tensorboard":
         columns = _read_tensorboard(file)
     elif chosen == "trainer_state":
@@ -402,7 +464,15 @@ def read_series(
     elif chosen == "history":
         columns = _read_history(file)
     else:
-        columns = _read_csv(file)
+        columns = _read_csv(file, unreadable)
+    given_val = val_loss_key if require_val_loss_key else None
+    points = _points(columns, loss_key, grad_norm_key, val_loss_key, given_val, unreadable)
+    if not points:
+        logged = ", ".join(sorted(columns)) or "none"
+        raise ValueError(
+            f"{str(file)!r} read as {chosen} holds no training loss, gradient norm or validation loss (logged:"
+            f" {logged}): name them with --loss-key, --grad-norm-key or --set val_loss_key=..., or pass --format"
+        )
     words = {
         "tensorboard": "TensorBoard events",
         "csv": "CSV",
@@ -410,7 +480,7 @@ def read_series(
         "trainer_state": "trainer_state.json",
         "plain": "plain CSV",
     }
-    return _points(columns, loss_key, grad_norm_key, val_loss_key), f"{words[chosen]} {file}"
+    return points, f"{words[chosen]} {file}"
 
 
 def _locate(root: Path, format: str) -> tuple[Path, str]:
@@ -419,6 +489,8 @@ def _locate(root: Path, format: str) -> tuple[Path, str]:
         name = root.name
         if format != "auto":
             if format == "tensorboard":
+                if not name.startswith(_EVENTS_PREFIX):
+                    raise ValueError(f"{str(root)!r} is not a TensorBoard event file ({_EVENTS_PREFIX}*)")
                 return root.parent, format
             return root, format
         if name.startswith(_EVENTS_PREFIX):
@@ -488,21 +560,30 @@ def _read_tensorboard(folder: Path) -> Columns:
     return columns
 
 
-def _read_csv(path: Path) -> Columns:
+def _read_csv(path: Path, unreadable: dict[str, tuple[str, str]]) -> Columns:
+    """The CSV's numbers by key and step; the first text that is not a number, by key, into ``unreadable``.
+
+    A row whose step is not a whole number counts as unreadable under ``step`` (its values are not read).
+    """
     columns: Columns = {}
     with path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "step" not in reader.fieldnames:
             raise ValueError(f"{str(path)!r} is not a CSV with a `step` column (its header: {reader.fieldnames})")
         for row in reader:
-            step = _step(row.get("step"))
+            text_step = row.get("step")
+            step = _step(text_step)
             if step is None:
+                if text_step not in (None, ""):
+                    unreadable.setdefault("step", (str(text_step), str(text_step)))
                 continue
             for key, text in row.items():
                 if key not in (None, "step") and text not in (None, ""):
                     value = _number(text)
                     if value is not None:
                         _put(columns, key, step, value)
+                    else:
+                        unreadable.setdefault(key, (str(text), str(step)))
     return columns
 
 
@@ -543,10 +624,22 @@ def _read_trainer_state(path: Path) -> Columns:
     return columns
 
 
-def _points(columns: Columns, loss_key: str | None, grad_key: str | None, val_key: str | None) -> list[Point]:
+def _points(
+    columns: Columns,
+    loss_key: str | None,
+    grad_key: str | None,
+    val_key: str | None,
+    given_val: str | None = None,
+    unreadable: Mapping[str, tuple[str, str]] | None = None,
+) -> list[Point]:
     loss = _pick(columns, loss_key, LOSS_KEYS, "loss_key")
     grad = _pick(columns, grad_key, GRAD_NORM_KEYS, "grad_norm_key")
-    val = None if val_key is None else _pick(columns, None, (val_key, *VAL_LOSS_KEYS), "val_loss_key")
+    val = None if val_key is None else _pick(columns, given_val, (val_key, *VAL_LOSS_KEYS), "val_loss_key")
+    for key in ("step", loss, grad, val):
+        if key is not None and unreadable and key in unreadable:
+            text, step = unreadable[key]
+            where = "a step" if key == "step" else f"a value of `{key}` (step {step})"
+            raise ValueError(f"Expected numbers, but {where} is {text!r}: fix or remove that row")
     scale = columns.get("loss_scale", {})
     chosen = {name: columns.get(key, {}) if key else {} for name, key in (("l", loss), ("g", grad), ("v", val))}
     steps = sorted(set(chosen["l"]) | set(chosen["g"]) | set(chosen["v"]))

@@ -195,6 +195,78 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(run), "--set", "nokey"]) == 2
 
 
+def test_a_run_folder_says_what_the_run_itself_alerted(real_run: dict[str, Any]) -> None:
+    # Replay judges the logged points; the run's own alerts.jsonl beside them says what the run did, and replay
+    # says so in a note (the summary's last lines), not in its alerts.
+    result = replay(real_run["tb"], **SETTINGS)
+    kinds: dict[str, int] = {}
+    for kind, _, _ in real_run["alerts"]:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
+    own = f"The run's own alerts.jsonl records {len(real_run['alerts'])} alerts ({listed}), and halted at step"
+    assert [note for note in result.notes if note.startswith(own)] == [f"{own} {NAN_STEP} (nonfinite_loss)."]
+    assert not any("one training point every" in note for note in result.notes)  # logged at every step
+
+
+def test_a_series_logged_every_n_steps_says_it_is_not_every_step(tmp_path: Path) -> None:
+    # A run logged every 10 steps that halted at its 42nd step: its log holds steps 0, 10, ..., and the alert's step.
+    run = tmp_path / "run.csv"
+    run.write_text("step,loss,grad_norm\n" + "".join(f"{s},2.0,{5e5 if s == 30 else 1.0}\n" for s in range(0, 50, 10)))
+    (tmp_path / "alerts.jsonl").write_text(
+        json.dumps({"kind": "nonfinite_loss", "step": 40, "halted": False})
+        + "\n"
+        + json.dumps({"kind": "nonfinite_loss", "step": 42, "halted": True})
+        + "\n"
+        + '{"kind": "half a line'
+    )
+    result = replay(run)
+    assert (
+        result.notes[0]
+        == "The run's own alerts.jsonl records 2 alerts (nonfinite_loss 2), and halted at step 42 (nonfinite_loss)."
+    )
+    assert result.notes[1].startswith("The series holds one training point every 10 steps (the median gap)")
+    assert result.summary().splitlines()[-2:] == [f"Note: {note}" for note in result.notes]
+    # A norm far above the fixed limit at the first logged point is not "the first step" of the run.
+    first = replay(tmp_path / "run.csv", keep_going=True)
+    assert first.notes == result.notes
+    high = tmp_path / "high"
+    high.mkdir()
+    (high / "run.csv").write_text("step,loss,grad_norm\n" + "".join(f"{s},2.0,2500\n" for s in range(3, 60, 10)))
+    notice = [note for note in replay(high / "run.csv").notes if note.startswith("The gradient norm is 2500")]
+    assert notice and notice[0].startswith("The gradient norm is 2500 at the first logged point (step 3), above 100")
+
+
+@pytest.mark.parametrize(
+    ("text", "format", "message"),
+    [
+        ("step,loss,grad_norm\n", "auto", "holds no training loss, gradient norm or validation loss"),
+        ("step,lr\n0,0.1\n1,0.1\n", "auto", r"holds no training loss.*\(logged: lr\)"),
+        ("step,loss\n0,2.0\n1,abc\n", "auto", r"a value of `loss` \(step 1\) is 'abc'"),
+        ("step,loss,grad_norm\n0,2.0,1.0\n1,2.0,oops\n", "auto", r"a value of `grad_norm` \(step 1\) is 'oops'"),
+        ("step,loss\n0,2.0\nzero,2.0\n", "auto", r"a step is 'zero'"),
+        ("step,loss\n0,2.0\n", "tensorboard", "is not a TensorBoard event file"),
+        ("step,loss\n0,2.0\n", "history", "holds no training loss"),
+    ],
+)
+def test_a_file_that_holds_no_readable_run_is_an_error(tmp_path: Path, text: str, format: Any, message: str) -> None:
+    run = tmp_path / "run.csv"
+    run.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        replay(run, format=format)
+    assert main(["replay", str(run), "--format", format]) == 2
+
+
+def test_a_validation_key_named_must_have_been_logged(tmp_path: Path) -> None:
+    run = tmp_path / "run.csv"
+    run.write_text("step,loss,val_loss\n0,2.0,\n1,2.0,3.0\n")
+    with pytest.raises(ValueError, match=r"Expected `val_loss_key` to name a logged key, but got 'nope'"):
+        replay(run, val_loss_key="nope")
+    assert replay(run).val_points == 1  # the default still finds `val_loss`
+    other = tmp_path / "other.csv"
+    other.write_text("step,loss,eval/loss\n0,2.0,\n1,2.0,3.0\n")
+    assert replay(other, val_loss_key="eval/loss").val_points == 1
+
+
 def test_replay_climbs_the_escalation_ladder():
     points = [Point(step, loss=2.0, grad_norm=1.0) for step in range(20)]
     for step in (6, 8, 10):
