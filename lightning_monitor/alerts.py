@@ -23,6 +23,8 @@ class AlertKind(str, Enum):
         True
         >>> AlertKind.NONFINITE_LOSS.value
         'nonfinite_loss'
+        >>> f"halted by {AlertKind.NONFINITE_LOSS}"
+        'halted by nonfinite_loss'
     """
 
     NONFINITE_LOSS = "nonfinite_loss"
@@ -36,6 +38,10 @@ class AlertKind(str, Enum):
     GRAD_SPIKE = "grad_spike"
     TOKEN_ACC_STALL = "token_acc_stall"
     RECOVERED = "recovered"
+
+    def __str__(self) -> str:
+        """The kind's name (``str()`` and f-strings give ``'nonfinite_loss'``, on every Python version)."""
+        return self.value
 
     @classmethod
     def parse(cls, name: str | AlertKind, argument: str) -> AlertKind:

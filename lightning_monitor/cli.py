@@ -1,4 +1,4 @@
-"""The ``lightning-monitor`` command line. Its one subcommand, ``report``, writes a health report of runs.
+"""The ``lightning-monitor`` command line: ``report`` writes a health report of runs; ``replay``, below, replays one.
 
 Usage::
 
@@ -12,13 +12,14 @@ with anything to draw), 2 for a usage error or a folder without logs.
 ``replay`` (see :mod:`lightning_monitor.replay`) says what ``TrainingMonitor`` would have alerted over a finished
 run, and where it would have halted: ``lightning-monitor replay PATH [--format FORMAT] [--set KEY=VALUE ...]
 [--loss-key KEY] [--grad-norm-key KEY] [--keep-going] [--amp]``. Exit codes: 0 when replayed, 1 when a file could not
-be read, 2 for a usage error, a bad setting or no run.
+be read, 2 for a usage error, a bad setting, no run, or a file with no figure it can read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "-o",
         "--output",
-        type=Path,
+        type=str,  # a trailing separator ("reports/") names a folder, made if need be: a Path would drop it
         default=None,
         help=f"the PNG to write, or a folder for {DEFAULT_OUTPUT} (default: LOGDIR/{DEFAULT_OUTPUT})",
     )
@@ -130,8 +131,8 @@ def _report(args: argparse.Namespace) -> int:
     _out("\n\n".join(summarize_run(run, k) for run, k in zip(runs, keys, strict=True)))
     if args.no_plot:
         return 0
-    output = args.output if args.output is not None else args.logdir
-    if output.is_dir():
+    output = Path(args.output) if args.output is not None else args.logdir
+    if output.is_dir() or (args.output is not None and args.output.endswith(("/", os.sep))):
         output = output / DEFAULT_OUTPUT
     titles = _titles(args.logdir, [run.path for run in runs])
     # A run with no figure (its summary says why) gets no column of empty panels; with none to draw, no figure.

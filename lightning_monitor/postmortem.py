@@ -64,7 +64,8 @@ model.train()
 for batch_idx, batch in torch.load("{folder}/batch_rank0.pt", weights_only=True):
     out = model.training_step(batch, batch_idx)
     loss = out["loss"] if isinstance(out, dict) else out
-    print(batch_idx, loss)  # a non-finite loss here reproduces the failure
+    print(batch_idx, loss)  # a NaN or Inf loss here reproduces a non-finite loss
+    # (for a gradient alert, call loss.backward() and read the gradients' norms)
 ```
 
 The batches are saved in plain form, which `torch.load(..., weights_only=True)` reads without running any code:

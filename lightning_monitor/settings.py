@@ -93,7 +93,7 @@ class StepSettings:
     host_sync: Literal["auto", "step", "deferred"] = "auto"
 
     def __post_init__(self) -> None:
-        _number(self, "exploding_grad_threshold", optional=True, auto=True)
+        _number(self, "exploding_grad_threshold", optional=True, auto=True, positive=True)  # 0: every step
         _number(self, "vanishing_grad_threshold", optional=True, auto=True)
         _number(self, "min_loss_scale")
         for name in ("vanishing_grad_patience", "amp_overflow_patience", "check_every_n_steps"):

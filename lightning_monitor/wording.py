@@ -224,7 +224,9 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
     else:
         rung_words = ""
     action = " ".join(part for part in (done, rung_words) if part)
-    reason = detection.reason[:1].upper() + detection.reason[1:]
+    first = detection.reason.split(" ", 1)[0]  # a logged key (`val_loss`, `eval/loss`) keeps its case
+    keyed = any(mark in first for mark in "_/.")
+    reason = detection.reason if keyed else detection.reason[:1].upper() + detection.reason[1:]
     message = f"{reason}{where}.{context.blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
     if context.bundle is not None:
         message += f" Post-mortem bundle: {context.bundle}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -268,6 +269,9 @@ def test_csv_only_run(csv_only: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["report", str(csv_only), "--output", str(csv_only / "r.png")]) == 0
     assert_png(csv_only / "r.png")
     assert fields(capsys.readouterr().out)["Verdict"] == f"HALTED: nonfinite_loss at step {NAN_AT}"
+    # A trailing separator names a folder, made if need be, for health_report.png (not a file called "reports").
+    assert main(["report", str(csv_only), "--output", str(csv_only / "reports") + os.sep]) == 0
+    assert_png(csv_only / "reports" / "health_report.png")
 
 
 def test_run_being_written(halted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

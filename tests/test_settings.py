@@ -20,7 +20,8 @@ from lightning_monitor.settings import DEFAULT_HALT_ON, STEP_KINDS, AlertKindNam
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"exploding_grad_threshold": -1.0}, "`exploding_grad_threshold` to be a finite number >= 0, but got -1.0"),
+        ({"exploding_grad_threshold": -1.0}, "`exploding_grad_threshold` to be a finite number > 0, but got -1.0"),
+        ({"exploding_grad_threshold": 0}, "`exploding_grad_threshold` to be a finite number > 0, but got 0"),
         ({"vanishing_grad_threshold": float("nan")}, "`vanishing_grad_threshold`"),
         ({"vanishing_grad_patience": 0}, "`vanishing_grad_patience` to be at least 1, but got 0"),
         ({"divergence_patience": 0}, "`divergence_patience` to be at least 1, but got 0"),
@@ -40,7 +41,7 @@ from lightning_monitor.settings import DEFAULT_HALT_ON, STEP_KINDS, AlertKindNam
         # Not a collection, not a number: a ValueError naming the argument, not a TypeError from deep inside.
         ({"halt_on": None}, "`halt_on` to be a collection of alert kinds, but got None"),
         ({"skip_on": None}, "`skip_on` to be a collection of alert kinds, but got None"),
-        ({"exploding_grad_threshold": "100"}, "`exploding_grad_threshold` to be a finite number >= 0, but got '100'"),
+        ({"exploding_grad_threshold": "100"}, "`exploding_grad_threshold` to be a finite number > 0, but got '100'"),
         # The level averages over window / 4 values: at least two.
         ({"spike_window": 4}, "`spike_window` to be at least 8, but got 4"),
         ({"spike_window": 7}, "`spike_window` to be at least 8, but got 7"),
