@@ -320,6 +320,7 @@ class TrainingMonitor(Callback):
         self._fresh, self._resumed = True, False  # this fit started afresh; a checkpoint restored the monitor
         self._scaler: torch.amp.GradScaler | None = None  # fixed for a run, found at its start, as the next two are
         self._ranks, self._every, self._every_n = 1, 0, self.config.step.check_every_n_steps
+        self._token_every = 0  # the logging interval token accuracy is counted at (see `setup`)
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
@@ -422,6 +423,9 @@ class TrainingMonitor(Callback):
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
+        # Token accuracy is counted at Lightning's logging interval, with a logger or not: without one its figure goes
+        # to `callback_metrics` (for `ModelCheckpoint`, `EarlyStopping`) at the steps a logger would have had it.
+        self._token_every = self._every or int(getattr(trainer, "log_every_n_steps", 0) or 0)
         self._histograms = self._histograms_go_somewhere(trainer)
         self._show_on_bar = self.config.figures.progress_bar
         unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
@@ -498,7 +502,8 @@ class TrainingMonitor(Callback):
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
         logs = is_logging_step(trainer, at, self._every)
-        self._tokens.logged_at = at if logs else None  # the step's token counts are kept for logging if it logs
+        counts = logs if self._every else is_logging_step(trainer, at, self._token_every)  # no logger: the interval
+        self._tokens.logged_at = at if counts else None  # the step's token counts are kept for logging if it logs
         weight_parts: dict[str, Any] = {}  # the extras of this check, if any
         if self.config.figures.weight_norms:  # on logging steps only; the step before one keeps a copy of the weights
             watch = self._weights.setdefault(check.index, WeightWatch())
@@ -682,9 +687,9 @@ class TrainingMonitor(Callback):
         if not self._step_closed:  # the batch's optimizer step is not complete
             self._tokens.end_batch(outputs, batch)
             return
-        next_logs = is_logging_step(trainer, logging_step(trainer) + 1, self._every)
+        next_logs = is_logging_step(trainer, logging_step(trainer) + 1, self._token_every)
         self._tokens.end_batch(
-            outputs, batch, bool(self._every) and (next_logs or not pl_module.automatic_optimization)
+            outputs, batch, bool(self._token_every) and (next_logs or not pl_module.automatic_optimization)
         )
 
     @override

@@ -63,6 +63,32 @@ def test_per_step_epoch_and_validation_figures_equal_the_reference(tmp_path):
         assert value == pytest.approx(reference(model.seen["val"][2 * i : 2 * i + 2]), abs=1e-12)  # 2 batches
 
 
+@pytest.mark.parametrize("log_every", [4, 5])
+def test_without_a_logger_the_figure_reaches_callback_metrics(tmp_path, log_every):
+    # `logger=False`: no logger writes, but `ModelCheckpoint` and `EarlyStopping` read `callback_metrics`. Token
+    # accuracy is counted at Lightning's logging interval all the same.
+    seen: dict[int, float] = {}
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if "train_token_acc" in trainer.callback_metrics:
+                seen[trainer.global_step] = float(trainer.callback_metrics["train_token_acc"])
+
+    model = TinyLM()
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    trainer = fit(tmp_path, model, monitor, callbacks=[Watch()], max_steps=12, log_every_n_steps=log_every)
+    counted = [step for step in range(12) if (step + 1) % log_every == 0]
+    # The last counted step's figure is what `callback_metrics` holds at the end, equal to the reference.
+    last = counted[-1]
+    assert float(trainer.callback_metrics["train_token_acc"]) == pytest.approx(
+        reference([model.seen["train"][last]]), abs=1e-6
+    )
+    # Each earlier counted step's figure comes with the next step's check (seen at the end of its batch, when
+    # `global_step` is 2 past the counted step's index), equal to its own reference; the last comes at the epoch's end.
+    for step in counted[:-1]:
+        assert seen[step + 2] == pytest.approx(reference([model.seen["train"][step]]), abs=1e-6)
+
+
 class StepTagged(TinyLM):
     """Tags each training output with the optimizer step its batch belongs to."""
 
