@@ -745,7 +745,9 @@ class TrainingMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if not trainer.sanity_checking:
+        # Only during fit, as `on_validation_end` reads them: `trainer.validate` or `test` on their own are not watched
+        # (and the module was not looked at, so a causal LM would be told its labels are not shifted).
+        if not trainer.sanity_checking and trainer.state.fn == FITTING:
             self._tokens.update("val", outputs, batch)
 
     @override

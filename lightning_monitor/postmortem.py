@@ -159,6 +159,7 @@ def write_bundle(
     rows = _write_lines(folder / "history.jsonl", history)
     _write_lines(folder / "alerts.jsonl", (a.to_dict() for a in alerts))
     step = cause[0].step
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     readme = _README.format(
         kinds=", ".join(dict.fromkeys(a.kind.value for a in cause)),
         step=step,
@@ -168,6 +169,15 @@ def write_bundle(
             f"\n\nThe check covered the last {covered} optimizer steps (`check_every_n_steps`): the bad one may be an"
             " earlier step,\nalready applied, whose batches are not kept here."
             if covered > 1
+            else ""
+        )
+        + (
+            f"\n\nWith gradient accumulation ({accumulate} micro-batches a step) the checkpoint is taken during the"
+            " step's\nlast micro-batch: a run resumed from it (`ckpt_path=`) runs that micro-batch again and steps"
+            f" on it alone,\nso its first optimizer step sums 1 micro-batch, not {accumulate}. To resume on whole"
+            " steps, use a `ModelCheckpoint`\ncheckpoint (taken at a step's end) or this one's weights in a new"
+            " `fit`."
+            if accumulate > 1 and skipped is not None and weights_ok
             else ""
         ),
         batches=(

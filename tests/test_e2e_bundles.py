@@ -25,6 +25,7 @@ from helpers import (
     same_weights,
     words,
 )
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.demos.boring_classes import RandomDataset
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
@@ -33,6 +34,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_monitor import DEFAULT_HALT_ON, AlertKind, TrainingMonitor
 
 BAD_BATCH = 6
+
+
+#: Lightning's default interval: token accuracy counts only the first step of each epoch in these short runs, as it
+#: is not what they test (a NaN batch's logits would warn there too, counted at every step).
+LOG_EVERY = 50
 
 
 class TensorModel(ScriptedModel):
@@ -53,7 +59,7 @@ def poisoned_data() -> DataLoader:
 def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     model = TensorModel()
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=20)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=LOG_EVERY)
     trainer.fit(model, train_dataloaders=poisoned_data())
     (alert,) = monitor.alerts
     assert alert.kind is AlertKind.NONFINITE_LOSS and alert.step == BAD_BATCH
@@ -124,7 +130,9 @@ def test_bundle_batches_load_without_unpickling_code(tmp_path):
 
     data = DataLoader(list(range(64)), batch_size=2, collate_fn=collate)
     model = RowsModel()
-    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None, halt_after=1)], max_steps=20)
+    trainer = make_trainer(
+        tmp_path, [TrainingMonitor(val_loss_key=None, halt_after=1)], max_steps=20, log_every_n_steps=LOG_EVERY
+    )
     folder = tmp_path / NO_LOGGER_RUN / "postmortem" / f"step{BAD_BATCH:07d}_nonfinite_loss"
     lacks = "the values of `batch_rank0.pt` that are not plain (saved as `None`): "
     lacks += f"batch {BAD_BATCH}['source'] (PosixPath)"
@@ -175,7 +183,7 @@ def test_bundle_on_every_alert_when_asked(tmp_path):
 @pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
 def test_no_bundle_when_turned_off(tmp_path):
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, postmortem=None)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=10)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=LOG_EVERY)
     trainer.fit(TensorModel(), train_dataloaders=poisoned_data())
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
     assert not (tmp_path / NO_LOGGER_RUN / "postmortem").exists()
@@ -204,7 +212,7 @@ def test_activation_watch_names_the_first_bad_module(tmp_path):
     monitor = TrainingMonitor(
         halt_after=1, loss_divergence_factor=None, val_loss_key=None, watch_activations=True, postmortem=None
     )
-    trainer = make_trainer(tmp_path, [monitor], max_steps=10)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=LOG_EVERY)
     trainer.fit(Blocks(break_at=4), train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
     (alert,) = monitor.alerts
     assert alert.kind is AlertKind.NONFINITE_LOSS and alert.step == 4
@@ -354,7 +362,7 @@ def test_activation_watch_order_follows_each_step_and_ignores_validation(tmp_pat
 @pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
 def test_bundle_of_a_check_covering_held_steps_says_the_bad_step_may_be_earlier(tmp_path):
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, check_every_n_steps=4)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=20)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=LOG_EVERY)
     trainer.fit(
         TensorModel(loss_factor={5: float("nan")}),
         train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2),
@@ -366,6 +374,44 @@ def test_bundle_of_a_check_covering_held_steps_says_the_bad_step_may_be_earlier(
         "The check covered the last 4 optimizer steps (`check_every_n_steps`): the bad one may be an earlier step,"
         " already applied, whose batches are not kept here."
     ) in readme
+
+
+class CountsMicroBatches(TensorModel):
+    """Records, at each optimizer step, how many backward passes (micro-batches) it sums."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.summed: list[int] = []
+        self._since = 0
+
+    def on_after_backward(self) -> None:
+        super().on_after_backward()
+        self._since += 1
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.summed.append(self._since)
+        self._since = 0
+
+
+def test_bundle_under_accumulation_says_a_resume_starts_mid_step_and_it_does(tmp_path):
+    data = DataLoader(TensorDataset(torch.randn(128, 32)), batch_size=2)
+    monitor = TrainingMonitor(halt_after=1, val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=12, accumulate_grad_batches=4)
+    trainer.fit(CountsMicroBatches(loss_factor={3: float("nan")}), train_dataloaders=data)
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000003_nonfinite_loss"
+    assert (
+        "With gradient accumulation (4 micro-batches a step) the checkpoint is taken during the step's last"
+        " micro-batch: a run resumed from it (`ckpt_path=`) runs that micro-batch again and steps on it alone, so"
+        " its first optimizer step sums 1 micro-batch, not 4."
+    ) in words(folder / "README.md")
+    resumed = CountsMicroBatches()
+    again = make_trainer(
+        tmp_path / "again", [TrainingMonitor(val_loss_key=None)], max_steps=6, accumulate_grad_batches=4
+    )
+    with pytest.warns(PossibleUserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
+        again.fit(resumed, train_dataloaders=data, ckpt_path=folder / "last_good.ckpt")  # Lightning's own warning
+    assert resumed.summed[:2] == [1, 4]  # what the README says: the first step on one micro-batch, then whole ones
 
 
 # ----------------------------------------------------------------- 2. a batch that does not pickle, in the bundle

@@ -637,6 +637,27 @@ def test_a_hugging_face_causal_lm_gets_next_token_accuracy_without_configuration
         assert got == pytest.approx(correct / total, abs=1e-6)  # scored against the next token, as HF's loss is
 
 
+class Gpt2Validated(Gpt2CausalLM):
+    def validation_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        self.log("val_loss", out.loss)
+        return out
+
+
+def test_validate_alone_is_not_watched_and_says_nothing_about_shifting(tmp_path, caplog):
+    # `trainer.validate` without a fit: the monitor watches fits. It used to count the batches (with no figure to
+    # show for it) and tell a Hugging Face causal LM that its labels would not be shifted, which a fit does shift.
+    monitor = TrainingMonitor()
+    trainer = make_trainer(tmp_path, [monitor], logger=False)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = trainer.validate(Gpt2Validated(), dataloaders=DataLoader(RepeatingTokens(), batch_size=4))
+    said = caplog.text + "".join(str(w.message) for w in caught)
+    assert "TrainingMonitor" not in said
+    assert list(results[0]) == ["val_loss"]
+    assert monitor.alerts == []
+
+
 # ------------------------------------------------------- namedtuple batches, what is missing, NaN logits (issue 32)
 
 
