@@ -462,11 +462,17 @@ class TokenAccuracyTracker:
         """``shift_labels="auto"``: shift labels taken from the batch when the module holds a Hugging Face causal LM.
 
         Such a model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, a PEFT ``PeftModelForCausalLM``...) takes the input
-        ids as labels and shifts them inside its own loss. Labels the step returned itself are aligned with its
-        logits already, and so are those of any other model as far as the monitor can tell: it says so once.
+        ids as labels and shifts them inside its own loss; so are the batch's own labels returned by the step as they
+        are (the very tensor: ``{"logits": out.logits, "labels": batch["labels"]}``). Other labels the step returned
+        are aligned with its logits already, and so are those of any other model as far as the monitor can tell: it
+        says so once.
         """
-        if self.causal_lm and not isinstance(_lookup(outputs, self.labels_key), Tensor):
-            return isinstance(_lookup(batch, self.labels_key), Tensor)
+        if self.causal_lm:
+            returned, given = _lookup(outputs, self.labels_key), _lookup(batch, self.labels_key)
+            if not isinstance(returned, Tensor):
+                return isinstance(given, Tensor)
+            if returned is given:  # the batch's labels, returned untouched: the model shifts them in its loss
+                return True
         if not self._told_shift:
             self._told_shift = True
             rank_zero_info(

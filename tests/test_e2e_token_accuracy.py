@@ -637,6 +637,25 @@ def test_a_hugging_face_causal_lm_gets_next_token_accuracy_without_configuration
         assert got == pytest.approx(correct / total, abs=1e-6)  # scored against the next token, as HF's loss is
 
 
+class Gpt2ReturnsTheBatchLabels(Gpt2CausalLM):
+    """The README's dict form, as a user of a Hugging Face causal LM writes it: the batch's labels, as they are."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out.loss, "logits": out.logits, "labels": batch["labels"]}
+
+
+def test_a_causal_lm_returning_the_batch_labels_as_they_are_is_shifted(tmp_path):
+    # Scored unshifted (as before), the first step read 0.98 against a next-token reference of 0.0.
+    model = Gpt2ReturnsTheBatchLabels()
+    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=6, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=DataLoader(RepeatingTokens(), batch_size=4))
+    logged = csv_column(f"{trainer.log_dir}/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == list(range(6))
+    for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)
+
+
 class Gpt2Validated(Gpt2CausalLM):
     def validation_step(self, batch, batch_idx):
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
