@@ -249,8 +249,10 @@ def _what_was_done(context: AlertContext) -> str:
             f"This optimizer step was skipped, but the {covered - 1} before it since the last check"
             f" (check_every_n_steps={every}) were applied unchecked."
         )
-    elif context.skipped:
+    elif context.skipped and context.weights_ok:
         done = "The optimizer step was skipped, so the weights are unchanged."
+    elif context.skipped:  # weights already not finite: "unchanged" would read as "sound"
+        done = "The optimizer step was skipped."
     elif covered > 1:
         done = (
             f"This check covers the last {covered} optimizer steps (check_every_n_steps={every}): the ones before"

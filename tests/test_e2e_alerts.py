@@ -653,6 +653,20 @@ def test_a_nan_between_checks_is_reported_as_applied_and_no_bad_checkpoint_is_ke
     )
 
 
+def test_a_skipped_step_on_weights_already_not_finite_does_not_say_they_are_unchanged(tmp_path):
+    # check_every_n_steps=4 checks steps 0, 4, 8 and, logging every 5, step 9 too. The NaN loss of step 1 reaches the
+    # weights unchecked; step 4 is skipped and alerted, step 8 skipped, and step 9's check, covering it alone, halts
+    # (the third) with a bundle, which reads the weights: not finite. "Unchanged" would read as "sound".
+    model = ScriptedModel(loss_factor={1: float("nan")})
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=5, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(4, False), (9, True)]
+    last = monitor.alerts[-1].message
+    assert "The optimizer step was skipped. The weights are not finite (a step applied unchecked made them so)" in last
+    assert "unchanged" not in last
+
+
 def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
     monitor = TrainingMonitor(halt_after=1, val_loss_key=None, halt_mode="raise")
     trainer = make_trainer(tmp_path, [monitor], max_steps=10)
