@@ -433,7 +433,7 @@ def _report(monitor: TrainingMonitor, trainer: pl.Trainer, log_dir: Path) -> Non
         reason = next((a.kind for a in alerts if a.halted), None)
 
     metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss")}
-    print(f"\nFinished{'' if spawned else f' at step {trainer.global_step}'}: {metrics}")
+    print(f"\nFinished{'' if spawned else f' after {trainer.global_step} optimizer steps'}: {metrics}")
     print(f"Logs: {log_dir}  (tensorboard --logdir {log_dir.parent.parent})")
     print(f"  metrics.csv: {log_dir / 'metrics.csv'}")
     print(f"  alerts:      {alerts_file}" + ("" if alerts_file.is_file() else "  (none written)"))
