@@ -184,7 +184,8 @@ class JsonlSink:
         A run resumed from a checkpoint older than its last alerts would get those alerts again if they recur, and a
         run killed mid-write leaves a line cut short: the file is rewritten at once
         (:func:`~lightning_monitor._files.write_atomic`) with the restored alerts, oldest first, when its lines are
-        not those. A file that does not exist (a resume into a new folder) stays so.
+        not those. A resume into a new folder (a new logger version, say) starts its file with them, where the folder
+        exists, so that the folder's alerts and its counts (``skipped_steps``, ``alerts/<kind>``) agree.
 
         Example:
             >>> import tempfile
@@ -198,12 +199,15 @@ class JsonlSink:
             >>> sink.restore([early])
             False
         """
-        if self.broken or self.path.is_symlink() or not self.path.is_file():
+        if self.broken or self.path.is_symlink():
+            return False
+        new = not self.path.exists()  # a resume into a new folder: the restored alerts start its file
+        if not (self.path.is_file() or (new and alerts and self.path.parent.is_dir())):
             return False
         self._file.close()  # the file is replaced: a later line goes to the new one
         wanted = [json.dumps(a.to_dict()).encode("utf-8") + b"\n" for a in alerts]
         try:
-            if self.path.read_bytes() == b"".join(wanted):
+            if not new and self.path.read_bytes() == b"".join(wanted):
                 return False
             write_atomic(self.path, b"".join(wanted))
         except OSError as err:

@@ -120,6 +120,8 @@ def test_resumed_run_has_not_halted_and_counts_alerts_on(tmp_path):
     assert csv_column(second, "alerts/exploding_grad") == [(6, 2.0)]
     assert csv_column(second, "alerts/nonfinite_grad") == [(8, 1.0)]
     assert csv_column(second, "alerts/nonfinite_loss") == []
+    # The new folder's alerts file starts with the restored alerts: the run's alerts, as its counts are.
+    assert jsonl(tmp_path / "second" / "version_0" / "alerts.jsonl") == [a.to_dict() for a in resumed.alerts]
 
 
 def test_a_monitor_fitted_again_starts_unhalted(tmp_path):
