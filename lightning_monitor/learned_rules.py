@@ -364,6 +364,8 @@ class CollapseDetector:
         if reference is None:
             self.values.append(value)
             self.count = zeros  # a zero is below any limit the early median can give
+            if not zeros:  # only the zero rule can fire before the early median: its episode is over
+                self.collapsed = False
             return self._dead() if zeros >= self.patience else None
         limit = self.ratio * reference
         recent = self.recent

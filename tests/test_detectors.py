@@ -334,6 +334,9 @@ def test_a_gradient_of_exactly_zero_is_a_collapse_whatever_the_early_median():
     assert fired(det, [0.03, 0.0, 0.0, 0.0, 0.0]) == [False, False, False, False, True]  # ended, then again
     # Exactly 0, not small: a norm of 1e-30 is left to the ratio rule, which a median of 0 turns off.
     assert not any(fired(det, [0.03] + [1e-30] * 10))
+    # In the early checks too, a non-zero norm ends the episode: the next streak alerts again.
+    early = CollapseDetector("gradient norm", patience=2, early=100)
+    assert fired(early, [0.0, 0.0, 0.0, 0.5, 0.0, 0.0]) == [False, True, False, False, False, True]
     # The streak is carried by a checkpoint.
     resumed = CollapseDetector("gradient norm", patience=4, early=10)
     half = CollapseDetector("gradient norm", patience=4, early=10)
