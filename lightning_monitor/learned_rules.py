@@ -372,8 +372,9 @@ class CollapseDetector:
         if len(recent) == self.patience and recent[0] < limit:  # the oldest leaves the window
             self._below -= 1
         recent.append(value)
-        below = value < limit or zeros > 0
-        self._below += value < limit
+        under = value < limit
+        self._below += under
+        below = under or zeros > 0
         self.count = self.count + 1 if below else 0
         if zeros >= self.patience:  # whatever the early median (0 where the run had no gradient from the start)
             return self._dead()

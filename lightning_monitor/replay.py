@@ -35,7 +35,7 @@ import csv
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
@@ -324,17 +324,12 @@ def _own_alerts(path: Path) -> str | None:
     kinds: dict[str, int] = {}
     halted = None
     try:
-        with file.open(encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # a last line still being written
-                    continue
-                if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
-                    continue
-                kinds[record["kind"]] = kinds.get(record["kind"], 0) + 1
-                if record.get("halted") and halted is None:
-                    halted = (record.get("step"), record["kind"])
+        for record in _json_objects(file):
+            if not isinstance(record.get("kind"), str):
+                continue
+            kinds[record["kind"]] = kinds.get(record["kind"], 0) + 1
+            if record.get("halted") and halted is None:
+                halted = (record.get("step"), record["kind"])
     except OSError:
         return None
     if not kinds:
@@ -587,23 +582,28 @@ def _read_csv(path: Path, unreadable: dict[str, tuple[str, str]]) -> Columns:
     return columns
 
 
-def _read_history(path: Path) -> Columns:
-    columns: Columns = {}
+def _json_objects(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, one per line; a line that does not read as one is passed over."""
     with path.open(encoding="utf-8") as handle:
         for line in handle:
             try:
                 record = json.loads(line)
             except ValueError:  # a last line still being written
                 continue
-            if not isinstance(record, dict):
-                continue
-            step = _step(record.get("step"))
-            if step is None:
-                continue
-            for key, value in record.items():
-                number = None if key in ("step", "epoch") else _number(value)
-                if number is not None:
-                    _put(columns, key, step, number)
+            if isinstance(record, dict):
+                yield record
+
+
+def _read_history(path: Path) -> Columns:
+    columns: Columns = {}
+    for record in _json_objects(path):
+        step = _step(record.get("step"))
+        if step is None:
+            continue
+        for key, value in record.items():
+            number = None if key in ("step", "epoch") else _number(value)
+            if number is not None:
+                _put(columns, key, step, number)
     return columns
 
 
