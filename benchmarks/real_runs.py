@@ -25,8 +25,9 @@ the second round's held-out runs (``heldout: "round2"``, a third of the runs add
 third round's (``heldout: "round3"``, every run added in round 3) apart again, the fourth round's (``heldout:
 "round4"``, every run added in round 4) apart again, the fifth round's (``heldout: "round5"``, every run added in
 round 5) apart again, the sixth round's (``heldout: "round6"``, every run added in round 6) apart again, the
-seventh round's (``heldout: "round7"``, every run added in round 7) apart again, and the eighth round's (``heldout:
-"round8"``, every run added in round 8) apart again.
+seventh round's (``heldout: "round7"``, every run added in round 7) apart again, the eighth round's (``heldout:
+"round8"``, every run added in round 8) apart again, and the ninth round's (``heldout: "round9"``, every run added in
+round 9) apart again.
 Runs marked ``fp16_amp`` (the logs show a GradScaler skipping a step) are replayed as fp16 runs by the two rules that
 know AMP (the package, with ``amp=True``, and the seed); the peers' rules take no such notion.
 
@@ -35,7 +36,7 @@ Usage::
     PYTHONPATH=$PWD python benchmarks/real_runs.py            # the tables, as Markdown
     PYTHONPATH=$PWD python benchmarks/real_runs.py --runs     # and one row per run
     PYTHONPATH=$PWD python benchmarks/real_runs.py --set KEY=VALUE ...   # the package with other settings
-    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round8)
+    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round9)
 """
 
 from __future__ import annotations
@@ -377,13 +378,14 @@ def per_run(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Sequenc
             "round6": " (held out, round 6)",
             "round7": " (held out, round 7)",
             "round8": " (held out, round 8)",
+            "round9": " (held out, round 9)",
         }.get(run.meta["heldout"], "")
         lines.append(f"| {run.id}{held} | {run.meta['kind']} | {run.steps} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
 #: The sets of runs reported apart: ``heldout`` false, true, ``"round2"``, ``"round3"``, ``"round4"``, ``"round5"``,
-#: ``"round6"``, ``"round7"`` and ``"round8"`` in ``runs.json``.
+#: ``"round6"``, ``"round7"``, ``"round8"`` and ``"round9"`` in ``runs.json``.
 GROUPS = {
     "open": "Runs open to tuning",
     "heldout": "Held-out runs, reported apart, not to be tuned on",
@@ -394,13 +396,14 @@ GROUPS = {
     "round6": "Held-out runs of round 6, reported apart, not to be tuned on",
     "round7": "Held-out runs of round 7, reported apart, not to be tuned on",
     "round8": "Held-out runs of round 8, reported apart, not to be tuned on",
+    "round9": "Held-out runs of round 9, reported apart, not to be tuned on",
 }
 
 
 def group(run: Run) -> str:
     """The set a run is reported in."""
     held = run.meta["heldout"]
-    if held in ("round2", "round3", "round4", "round5", "round6", "round7", "round8"):
+    if held in ("round2", "round3", "round4", "round5", "round6", "round7", "round8", "round9"):
         return held
     return "heldout" if held else "open"
 
