@@ -101,6 +101,7 @@ class OptimizerCheck:
         self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a 0 and a 1 on it
         self._counts: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}
         self._layouts: dict[tuple[Any, ...], Layout] = {}
+        self._plain = self._layout(False, False, False).single_stack and not fused  # see `plain`
 
     def measure(self, norms: LayerGradNorms) -> None:
         """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
@@ -108,6 +109,7 @@ class OptimizerCheck:
         self.norms = norms
         self.layer_keys = layer_keys(norms.names, self.suffix)
         self._layouts = {}
+        self._plain = self._layout(False, False, False).single_stack and not self.fused
 
     def count_step(self, every: int) -> bool:
         """Count one optimizer step; whether it is due for a check (the first, then every ``every``-th)."""
@@ -217,6 +219,31 @@ class OptimizerCheck:
         self._present, self._held_steps = 0, 0
         names = tuple(extras) if extras else ()
         return packed, Packing(layout, held, ranks, amp, names, self.norms, (loss_count, present), self.fused)
+
+    @property
+    def plain(self) -> bool:
+        """Whether :meth:`read_plain` can read this check: no held steps, no fused fp16 optimizer, float32 norms."""
+        return self._plain and not self._held_steps
+
+    def read_plain(self, loss: tuple[Tensor | None, int]) -> StepFigures:
+        """:meth:`read` of a :attr:`plain` check of one process, outside fp16 AMP and with no extras: the same figures.
+
+        The calm steps of a small model take this way: the loss and the norms in one ``stack``, one read, and the
+        figures made directly, with nothing laid out, gathered or looked up by name (:meth:`StepFigures.plain`).
+        """
+        loss_sum, count = loss
+        norms = self.norms.norm_list()
+        if loss_sum is None:  # no backward since the last check (a loss of several elements): 0, as `pack` has it
+            fills = self._fills
+            loss_sum = (
+                fills if fills is not None and fills[0] == self.norms.device else self._new_fills(norms[0].device)
+            )[1]
+        row = torch.stack([loss_sum, *norms]).tolist()  # the one host sync
+        return StepFigures.plain(row, count, self.norms.present, self.norms.layer_squares(row[1:]))
+
+    def plain_packing(self, count: int) -> Packing:
+        """The :class:`Packing` that :meth:`pack` makes of a :meth:`read_plain` check of ``count`` micro-batches."""
+        return Packing(self._layout(False, False, False), 0, 1, False, (), self.norms, (count, self.norms.present))
 
     def _layout(self, held: bool, several: bool, amp: bool, extras: Mapping[str, Part] | None = None) -> Layout:
         """The layout of this check's packed tensor, built once per pattern of parts (an extra keeps its size)."""

@@ -28,7 +28,7 @@ from lightning_monitor.detectors import (
 from lightning_monitor.settings import SpikeSettings, StepSettings
 from lightning_monitor.step_figures import StepFigures
 
-__all__ = ["StepDetectors", "guard_limit", "judge", "limits_in_force"]
+__all__ = ["CALM", "StepDetectors", "guard_limit", "judge", "limits_in_force"]
 
 
 @dataclass
@@ -156,7 +156,7 @@ def judge(
         if d.grad_spike is not None and (x := d.grad_spike.update(norm)) is not None:  # type: ignore[arg-type]
             found.append(x)
     if not found and not _any_beyond(d, measured, step.amp):  # the common check: nothing found, nothing beyond
-        return Judgement(limits=limits_in_force(full, suffix)) if limits else _CALM
+        return Judgement(limits=limits_in_force(full, suffix)) if limits else CALM
     detections = found
     beyond = _beyond(d, step)
     if detections:
@@ -169,8 +169,9 @@ def judge(
     return Judgement(tuple(detections), beyond, limits_in_force(full, suffix))
 
 
-#: The judgement of a check with nothing found and nothing beyond a limit.
-_CALM = Judgement()
+#: The judgement of a check with nothing found and nothing beyond a limit (where it keeps no limits): one shared object,
+#: so that a caller tells a calm check with ``is``.
+CALM = Judgement()
 
 
 def guard_limit(detectors: StepDetectors) -> float:

@@ -52,7 +52,7 @@ from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict,
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
 from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
-from lightning_monitor.judging import StepDetectors, guard_limit, judge, limits_in_force
+from lightning_monitor.judging import CALM, StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.keys import total_key
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
@@ -329,6 +329,9 @@ class TrainingMonitor(Callback):
         self._histograms = False  # histograms asked for, and a logger to take them (found at the run's start)
         self._show_on_bar = False  # `progress_bar` (read at the run's start, as the loggers are)
         self._order_closed = False  # the forward-order hooks were removed after the first check
+        self._lean = False  # the run's calm steps take the short way (see `on_train_start`)
+        self._epoch = 0  # `trainer.current_epoch`, read at each epoch's start (for `_calm_step`)
+        self._layer_norms = True  # `layer_norms`, read at the run's start (for `_calm_step`)
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -418,7 +421,7 @@ class TrainingMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Learn the forward order of the layers once (the hooks go after the first check), and watch activations.
         self._checks.order = ForwardOrder.of_layers(pl_module)
-        self._order_closed = False
+        self._order_closed = self._checks.order is None
         self._activations = ActivationWatch(pl_module) if self.config.step.watch_activations else None
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
@@ -445,6 +448,19 @@ class TrainingMonitor(Callback):
         # about, before its update.
         deferred = deferred and not self.config.step.watch_activations and not self.config.recovery.recover_on
         self._reads = DeferredReads(self._guard) if deferred else StepReads()
+        # The short way of a calm step (`_calm_step`), for a run whose checks carry nothing but the loss and the norms.
+        self._layer_norms = self.config.step.layer_norms
+        self._lean = (
+            not deferred
+            and self._ranks == 1
+            and self._scaler is None
+            and self._activations is None
+            and self._every > 0
+            and self._every_n == 1
+            and not self.config.figures.weight_norms
+            and not self._show_on_bar
+            and not self._recovery.on
+        )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -496,11 +512,13 @@ class TrainingMonitor(Callback):
         self._step_closed = True
         if self._guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
             self._guard.disarm()
-        if self._reads:  # a deferred check waits (host_sync="deferred")
+        if not self._lean and self._reads:  # a deferred check waits (host_sync="deferred"; never in a lean run)
             for pending, figures in self._reads.take(optimizer):
                 self._step_check(trainer, pending, figures)
         check = self._checks.for_optimizer(trainer, pl_module, optimizer)
         at = logging_step(trainer)
+        if self._lean and self._calm_step(trainer, optimizer, check, at):
+            return
         logs = is_logging_step(trainer, at, self._every)
         counts = logs if self._every else is_logging_step(trainer, at, self._token_every)  # no logger: the interval
         self._tokens.logged_at = at if counts else None  # the step's token counts are kept for logging if it logs
@@ -536,6 +554,43 @@ class TrainingMonitor(Callback):
         # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
         for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
             self._step_check(trainer, pending, figures)
+
+    def _calm_step(self, trainer: pl.Trainer, optimizer: Optimizer, check: OptimizerCheck, at: int) -> bool:
+        """Check a step the short way, where nothing but the loss and the norms is due; whether it did.
+
+        The way of most steps of a run set up for it (``_lean``: one process, read before the step, no fp16 scaler,
+        a logger, a check at every step and none of the opt-in figures): a step that does not log, may not be the
+        run's last and carries no token counts. It measures, reads and judges as the full way does, with the same
+        functions on the same figures; a calm check is then only counted and recorded (what :meth:`_act_on` does with
+        nothing found), and any other goes on to :meth:`_act_on`.
+        """
+        # Every step is checked (`check_every_n_steps=1`), so the last one needs no look-out here.
+        if (at + 1) % self._every == 0 or trainer.should_stop:  # it logs
+            return False
+        if not (check.plain and self._order_closed) or self._tokens.counts_due:
+            return False
+        if self._guard.evaluation(optimizer) > 1:  # LBFGS's later evaluations: judged for non-finite values only
+            return False
+        check.count_step(1)
+        self._tokens.logged_at = None
+        loss = self._loss.take()
+        figures = check.read_plain(loss)  # the one host read
+        judged = judge(check.detectors, figures, suffix=check.suffix)
+        notice = getattr(check.detectors.exploding, "notice", None)
+        if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
+            self._warn("exploding_grad_scale", notice)
+        state = self._state
+        # Nothing found and nothing beyond a limit: the loss and the norm are finite (outside fp16 AMP, where a lean
+        # run is), so `decide` has nothing to do unless the run has halted (`min_steps` trains on).
+        if judged is CALM and state.stopping_reason is None:
+            state.next_check(check.index)
+            record = self._latest = CheckRecord(check, figures, self._layer_norms, state.skipped_steps)
+            self._writer.calm(at, self._epoch, record)
+            return True
+        packing = check.plain_packing(loss[1])
+        pending = PendingCheck(optimizer, check, packing, at, self._epoch, False, None, self._batches)
+        self._act_on(trainer, pending, figures, judged)
+        return True
 
     def _histograms_go_somewhere(self, trainer: pl.Trainer) -> bool:
         """Whether histograms are asked for and a logger takes them; asked for without one: a warning, none made."""
@@ -576,6 +631,19 @@ class TrainingMonitor(Callback):
         notice = getattr(detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
             self._warn("exploding_grad_scale", notice)
+        self._act_on(trainer, pending, figures, judged, first_bad)
+
+    def _act_on(
+        self,
+        trainer: pl.Trainer,
+        pending: PendingCheck,
+        figures: StepFigures,
+        judged: Judgement,
+        first_bad: str | None = None,
+    ) -> None:
+        """Decide, word, act and write one judged training-step check."""
+        check, extras = pending.check, figures.extras
+        detectors = check.detectors
         plan = self._recovery_plan(judged, figures, pending)
         unsafe = figures.unsafe
         facts = StepFacts(check.index, self._state.next_check(check.index), unsafe, figures.amp,
@@ -694,6 +762,7 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch = trainer.current_epoch  # as it stays until the epoch's end hooks have run
         self._tokens.start_epoch()
 
     @override

@@ -92,6 +92,19 @@ class StepFigures(NamedTuple):
             {name: [list(r[where[name]]) for r in rows] for name in packing.extras} if packing.extras else _NO_EXTRAS,
         )
 
+    @classmethod
+    def plain(cls, row: list[float], count: int, present: int, layer_sq: list[float]) -> StepFigures:
+        """:meth:`of` for a plain check of one process outside fp16 AMP, from its row ``[loss_sum, *norms]``.
+
+        ``count`` micro-batch losses are summed in ``row[0]``, ``present`` parameters had a gradient, and
+        ``layer_sq`` are the norms' per-layer squares (``LayerGradNorms.layer_squares``). The figures are those
+        :meth:`of` makes of the same row, computed the same way.
+        """
+        total_sq = fsum(layer_sq) if len(layer_sq) != 1 else layer_sq[0] + 0.0  # fsum of one: itself
+        norm = math.sqrt(total_sq) if present else None
+        loss_sum = row[0]
+        return cls(loss_sum / count if count else None, norm, norm, layer_sq, 0, 1, None, False, [loss_sum], [total_sq])
+
     @property
     def grad_nonfinite(self) -> bool:
         """Whether some gradient since the last check was NaN or infinite."""

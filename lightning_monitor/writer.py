@@ -209,6 +209,10 @@ class RunWriter:
         if halting:
             self.sync(trainer)
 
+    def calm(self, at: int, epoch: int, record: CheckRecord) -> None:
+        """:meth:`step` for a check that neither logs nor alerts, in a run with a logger: its record is only kept."""
+        self.recent.append((at, epoch, record))
+
     def alerts(self, trainer: pl.Trainer, alerts: Sequence[Alert], run_alerts: Sequence[Alert]) -> None:
         """On rank zero: write ``alerts`` to the console, every logger and the JSON-lines file.
 

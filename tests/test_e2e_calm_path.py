@@ -1,0 +1,110 @@
+"""The short way of a calm step (``TrainingMonitor._calm_step``) decides, writes and keeps what the full way does.
+
+A run with one process, a logger, a check at every step and none of the opt-in figures takes the short way on steps
+that neither log nor carry token counts; ``progress_bar=True`` sends every step the full way and changes nothing
+else the run writes. The same seeded run with faults between the logging steps (a NaN loss, a NaN gradient, an
+exploding gradient with a loss spike, isolated so that each is skipped and training goes on, then a NaN at three checks
+in a row, which halts) must give the same alerts, logged rows, history, skipped steps, detector states and weights,
+bit for bit, either way.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from helpers import ScriptedModel, _equal, history_lines, jsonl, loader, make_trainer, weights
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_monitor import TrainingMonitor
+
+LOG_EVERY = 10
+#: The faults, all off the logging steps (step + 1 a multiple of 10 logs): the steps the short way takes.
+LOSS_FACTORS = {23: float("nan"), 47: 1e6, 84: float("nan"), 85: float("nan"), 86: float("nan")}
+NAN_GRADIENT = {36: 0}
+
+
+def run(tmp_path: Path, **settings: Any) -> tuple[pl.Trainer, TrainingMonitor, list[torch.Tensor], list[int]]:
+    pl.seed_everything(7)
+    model = ScriptedModel(loss_factor=LOSS_FACTORS, grad_poison=NAN_GRADIENT)
+    monitor = TrainingMonitor(val_loss_key=None, spike_warmup=16, **settings)
+    calm: list[int] = []  # the steps the short way read
+    short_way = monitor._calm_step
+
+    def counted(trainer: pl.Trainer, *args: Any) -> bool:
+        taken = short_way(trainer, *args)
+        if taken:
+            calm.append(trainer.global_step)
+        return taken
+
+    monitor._calm_step = counted  # type: ignore[method-assign]
+    logger = CSVLogger(tmp_path)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=120, logger=logger, log_every_n_steps=LOG_EVERY)
+    trainer.fit(model, loader(n=256))
+    return trainer, monitor, weights(model), calm
+
+
+def dumped(state: Any, folder: Path) -> str:
+    """A monitor's state as JSON, its run folder's path written ``<run>`` (the halting alert names its bundle), and
+    the alerts' clock times left out."""
+    return re.sub(r'"time": "[^"]*"', '"time": ""', json.dumps(state, sort_keys=True).replace(str(folder), "<run>"))
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_calm_steps_take_the_short_way_and_decide_as_the_full_way(tmp_path: Path) -> None:
+    short_trainer, short, short_weights, calm = run(tmp_path / "short")
+    full_trainer, full, full_weights, full_calm = run(tmp_path / "full", progress_bar=True)
+
+    assert full_calm == []  # `progress_bar` sends every step the full way
+    # The short way read every step up to the halt at step 86 but the first (the layers' forward order is learnt
+    # there), the logging steps and the steps after them (they carry the logged step's token counts), and handed the
+    # faulty ones on to be alerted.
+    assert calm == [step for step in range(87) if (step + 1) % LOG_EVERY and step % LOG_EVERY]
+    assert {*LOSS_FACTORS, *NAN_GRADIENT} <= set(calm)
+
+    def summary(monitor: TrainingMonitor, folder: Path) -> list[tuple[str, int, str]]:
+        return [(a.kind.value, a.step, a.message.replace(str(folder), "<run>")) for a in monitor.alerts]
+
+    assert summary(short, tmp_path / "short") == summary(full, tmp_path / "full")
+    assert [(a.kind.value, a.step) for a in short.alerts] == [
+        ("nonfinite_loss", 23),
+        ("nonfinite_grad", 36),
+        ("loss_spike", 47),
+        ("exploding_grad", 47),
+        ("nonfinite_loss", 84),
+        ("nonfinite_loss", 86),  # the third of the last 16 checks: it halts
+    ]
+    assert short.stopping_reason is not None and short.stopping_reason.value == "nonfinite_loss"
+    assert short_trainer.global_step == full_trainer.global_step == 87
+    assert short.skipped_steps == full.skipped_steps == 6  # 23, 36, 47 and 84-86: never applied
+    assert _equal(short_weights, full_weights)
+    assert dumped(short.state_dict(), tmp_path / "short") == dumped(full.state_dict(), tmp_path / "full")
+    assert dumped(short.latest, tmp_path) == dumped(full.latest, tmp_path)  # NaN figures: compared as text
+
+    short_rows = rows(Path(short_trainer.log_dir) / "metrics.csv")
+    full_rows = rows(Path(full_trainer.log_dir) / "metrics.csv")
+    assert short_rows == full_rows and len(short_rows) > 8
+
+    def lines(trainer: pl.Trainer, folder: Path) -> list[str]:
+        return [
+            json.dumps({**line, "time": ""}).replace(str(folder), "<run>")
+            for line in jsonl(Path(trainer.log_dir) / "alerts.jsonl")  # type: ignore[arg-type]
+        ]
+
+    assert lines(short_trainer, tmp_path / "short") == lines(full_trainer, tmp_path / "full")
+    assert len(lines(short_trainer, tmp_path / "short")) == 6
+    assert history_lines(Path(short_trainer.log_dir)) == history_lines(Path(full_trainer.log_dir))
+    # The bundle's history holds the last checks' records, the short way's among them.
+    bundle = Path("postmortem", "step0000086_nonfinite_loss", "history.jsonl")
+    short_history = (Path(short_trainer.log_dir) / bundle).read_text()
+    assert short_history == (Path(full_trainer.log_dir) / bundle).read_text()
+    assert len(short_history.splitlines()) > 20
