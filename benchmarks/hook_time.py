@@ -13,7 +13,10 @@ the machine's other jobs disturbed least.
 - ``monitor, halt_on=[]``: ``TrainingMonitor(halt_on=[])`` with its other defaults;
 - ``monitor``: ``TrainingMonitor()`` with its defaults;
 - with ``--skeleton``, also ``monitor, no detectors``: every detector that can be turned off turned off
-  (``benchmarks/hook_ops.py``'s ``NO_DETECTORS``), what the check itself costs; not a target configuration.
+  (``benchmarks/hook_ops.py``'s ``NO_DETECTORS``), what the check itself costs; not a target configuration;
+- with ``--reads``, also ``reads only``: the monitor's reads and nothing else (the loss kept at
+  ``on_before_backward``, the norms stacked with it and read once), how near the floor a monitor of this shape can
+  come; not a target configuration either.
 
 Beside the wall time in the hooks, the thread's CPU time in them (``time.thread_time``) is given too: on a machine
 whose cores other jobs share, the wall time also counts the waits for a core, which the CPU time leaves out.
@@ -65,6 +68,9 @@ from lightning_monitor._lightning import STEP_HOOKS
 
 CONFIGS: tuple[str, ...] = ("bare", "floor", "monitor, halt_on=[]", "monitor")
 SKELETON = "monitor, no detectors"
+READS = "reads only"
+#: Configurations timed for comparison only, not judged against the target.
+NOT_TARGETS = (SKELETON, READS)
 MODELS = ("boring", "1M")
 TARGET, AIM = 2.0, 1.3  # in-hook time over the floor's
 
@@ -89,9 +95,35 @@ class ReadOnce(Callback):
         torch.stack(norms).sum().item()  # the one host read of a decision
 
 
+class ReadsOnly(Callback):
+    """What any monitor that reads the loss and every gradient's norm at each step pays, and nothing else.
+
+    The loss handed to ``backward`` kept (detached) in ``on_before_backward``, and in ``on_before_optimizer_step`` the
+    norms (``torch._foreach_norm``, in float32 as the monitor takes them) stacked with it and read in one ``tolist``:
+    the monitor's own reads, without the judging, the deciding or the recording. Not a target: it shows how near the
+    floor a monitor of this shape can come.
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.params = list(pl_module.parameters())
+        self.loss: torch.Tensor | None = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.loss = loss.detach()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [g for p in self.params if (g := p.grad) is not None]
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        torch.stack([self.loss, *norms]).tolist()  # type: ignore[list-item]
+
+
 def make_callback(config: str) -> Callback | None:
     if config == "floor":
         return ReadOnce()
+    if config == READS:
+        return ReadsOnly()
     if config == "monitor, halt_on=[]":
         return TrainingMonitor(halt_on=[])
     if config == "monitor":
@@ -228,14 +260,16 @@ def quiet() -> Iterator[None]:
             logging.disable(logging.NOTSET)
 
 
-def measure(model: str, steps: int, fits: int, log_every: int) -> dict[str, list[Fit]]:
+def measure(
+    model: str, steps: int, fits: int, log_every: int, configs: tuple[str, ...] = CONFIGS
+) -> dict[str, list[Fit]]:
     """Every configuration ``fits`` times, interleaved, after one short untimed fit of each."""
-    results: dict[str, list[Fit]] = {config: [] for config in CONFIGS}
+    results: dict[str, list[Fit]] = {config: [] for config in configs}
     with tempfile.TemporaryDirectory() as root:
-        for config in CONFIGS:  # warm-up: imports, first calls, allocator
+        for config in configs:  # warm-up: imports, first calls, allocator
             run_fit(model, config, min(steps, 50), os.path.join(root, "warmup"), log_every)
         for round_ in range(fits):
-            order = CONFIGS[round_ % len(CONFIGS) :] + CONFIGS[: round_ % len(CONFIGS)]
+            order = configs[round_ % len(configs) :] + configs[: round_ % len(configs)]
             for config in order:
                 results[config].append(run_fit(model, config, steps, os.path.join(root, str(round_)), log_every))
     return results
@@ -255,7 +289,7 @@ def table(model: str, results: dict[str, list[Fit]]) -> None:
         " whole fit | whole fit - bare |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for config in CONFIGS:
+    for config in results:
         hooks, span, cpu = least("hooks", config), least("span", config), least("cpu", config)
         if config == "bare":
             print(f"| {config} | | | | | | {span:.3f} | {span - bare:+.3f} |")
@@ -264,7 +298,7 @@ def table(model: str, results: dict[str, list[Fit]]) -> None:
             f"| {config} | {hooks:.3f} | {hooks / floor:.2f}x | {least('step_hooks', config):.3f} | {cpu:.3f} |"
             f" {cpu / cpu_floor:.2f}x | {span:.3f} | {span - bare:+.3f} |"
         )
-    targets = [c for c in CONFIGS[2:] if c != SKELETON]
+    targets = [c for c in results if c.startswith("monitor") and c not in NOT_TARGETS]
     worst = max(least("hooks", c) for c in targets) / floor
     worst_cpu = max(least("cpu", c) for c in targets) / cpu_floor
     verdict = "met" if max(worst, worst_cpu) <= TARGET else "NOT met"
@@ -319,11 +353,10 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=100, help="steps left out of the profile at the start (100)")
     parser.add_argument("--top", type=int, default=40, help="rows of the profile (40)")
     parser.add_argument("--skeleton", action="store_true", help="also time a monitor with every detector off")
+    parser.add_argument("--reads", action="store_true", help="also time a callback making the monitor's reads only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.skeleton:
-        global CONFIGS
-        CONFIGS = (*CONFIGS, SKELETON)
+    configs = CONFIGS + ((SKELETON,) if args.skeleton else ()) + ((READS,) if args.reads else ())
     print(
         f"# {platform.node()}, {cpu_model()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" {args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
@@ -334,7 +367,7 @@ def main() -> None:
             if args.profile:
                 profile(model, steps, min(args.skip, steps // 2), args.log_every, args.top)
             else:
-                table(model, measure(model, steps, args.fits, args.log_every))
+                table(model, measure(model, steps, args.fits, args.log_every, configs))
     print(f"\n# load {os.getloadavg()[0]:.2f}")
 
 
