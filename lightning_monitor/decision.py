@@ -43,6 +43,7 @@ __all__ = [
     "StepFacts",
     "Verdict",
     "decide",
+    "decide_at_end",
     "decide_validation",
 ]
 
@@ -290,6 +291,18 @@ def decide_validation(detections: list[Detection], policy: Policy) -> Verdict:
     """
     rulings = [Ruling(d, Rung.HALT if d.kind in policy.halt_on else Rung.ALERT) for d in detections]
     return Verdict(rulings=tuple(rulings), bundle=_bundles(rulings, policy))
+
+
+def decide_at_end(detections: list[Detection]) -> Verdict:
+    """What the detections made at the end of training call for: alerts only; nothing is left to halt or bundle.
+
+    Example:
+        >>> up = Detection(AlertKind.DIVERGING_VAL_LOSS, 2.0, 1.1, "val_loss ended training more than 10% above")
+        >>> verdict = decide_at_end([up])
+        >>> [r.rung.value for r in verdict.rulings], verdict.bundle
+        (['alert'], False)
+    """
+    return Verdict(rulings=tuple(Ruling(d, Rung.ALERT) for d in detections))
 
 
 def _climbs(kind: AlertKind, facts: StepFacts) -> bool:

@@ -348,6 +348,37 @@ class RisingDetector:
         )
         return Detection(self.kind, value, limit, reason)
 
+    def at_end(self) -> Detection | None:
+        """At the end of training: the over-fit the run ended in, one validation short of ``patience`` or nearer.
+
+        A run that ends while its last values are all off its best (as the second rule counts them), at least
+        ``max(2, patience - 1)`` of them and fewer than ``patience`` (which would have fired), ended worse than its
+        best: a short run that over-fits in its last validations is not told otherwise. ``None`` when it did not,
+        when that rule is off, or when the episode was alerted already.
+
+        Example:
+            >>> det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=4)
+            >>> [det.update(v) for v in (0.141, 0.0985, 0.127, 0.110, 0.111)]
+            [None, None, None, None, None]
+            >>> print(det.at_end().reason)  # doctest: +NORMALIZE_WHITESPACE
+            val_loss ended training more than 10% above its best 0.0985, at its last 3 validations
+            (0.127 -> 0.11 -> 0.111)
+        """
+        if self.active or self.margin is None or self.best is None or self.nonfinite:
+            return None
+        if not max(2, self.patience - 1) <= self.off < self.patience:
+            return None
+        self.active = True
+        best = self.best
+        limit = best + max(self.min_delta, self.margin * abs(best))
+        gap = f"{format_value(100 * self.margin)}%" if limit - best > self.min_delta else "min_delta"
+        values = " -> ".join(format_value(v) for v in self.history[-self.off :])
+        reason = (
+            f"{self.name} ended training more than {gap} above its best {format_value(best)}, at its last"
+            f" {self.off} validations ({values})"
+        )
+        return Detection(self.kind, self.history[-1], limit, reason)
+
     @property
     def beyond(self) -> bool:
         """Whether the last figure rose (or was not finite)."""

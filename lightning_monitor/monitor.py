@@ -48,7 +48,15 @@ from lightning_monitor.actions import WarnOnce, halt, open_bundle, save_bundle, 
 from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.alerts import Alert, AlertKind, Judgement
 from lightning_monitor.checks import OptimizerCheck, OptimizerChecks, StepFigures, TrainingLoss
-from lightning_monitor.decision import Policy, RecoveryPlan, StepFacts, Verdict, decide, decide_validation
+from lightning_monitor.decision import (
+    Policy,
+    RecoveryPlan,
+    StepFacts,
+    Verdict,
+    decide,
+    decide_at_end,
+    decide_validation,
+)
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
 from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
@@ -471,6 +479,13 @@ class TrainingMonitor(Callback):
             alert = recovered_alert(record, logging_step(trainer), trainer.current_epoch)
             self._state.alerts.append(alert)
             self._writer.alerts(trainer, [alert], self._state.alerts)
+        # A validation loss that ended the run off its best, short of `divergence_patience`: said once, at the end.
+        ended = decide_at_end(self._validation.at_end())
+        if ended.rulings:
+            context = AlertContext(at=logging_step(trainer), epoch=trainer.current_epoch)
+            alerts = validation_alerts(ended.rulings, context, next(iter(trainer.optimizers), None))
+            self._state.alerts += alerts
+            self._writer.alerts(trainer, alerts, self._state.alerts)
         self._close_hooks()
 
     @override

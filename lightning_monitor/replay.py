@@ -273,6 +273,8 @@ def replay(
             notes.append(notice)
         if not keep_going and any(a.halted for a in found):
             break
+    if done:  # the end of training, as the monitor's `on_train_end` sees it
+        alerts.extend(_judge_end(state, done[-1].step))
     return ReplayResult(
         alerts=tuple(alerts),
         source=source,
@@ -378,6 +380,13 @@ def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
         verdict = decide_validation(state.validation.detect(point.val_loss, None), state.policy)
         alerts += [_replay_alert(point.step, r, False) for r in verdict.rulings]
     return alerts
+
+
+def _judge_end(state: _ReplayState, step: int) -> list[ReplayAlert]:
+    """The monitor's verdict at the end of training (``ValidationCheck.at_end``, ``decision.decide_at_end``)."""
+    from lightning_monitor.decision import decide_at_end
+
+    return [_replay_alert(step, r, False) for r in decide_at_end(state.validation.at_end()).rulings]
 
 
 def _replay_alert(step: int, ruling: Any, skipped: bool) -> ReplayAlert:

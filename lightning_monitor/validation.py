@@ -174,6 +174,11 @@ class ValidationCheck:
             found.append(self.stall.update(val_loss, val_acc))
         return [d for d in found if d is not None]
 
+    def at_end(self) -> list[Detection]:
+        """At the end of training: the over-fit the validation loss ended in (:meth:`RisingDetector.at_end`)."""
+        found = None if self.rising is None else self.rising.at_end()
+        return [] if found is None else [found]
+
     def state_dict(self) -> dict[str, Any]:
         """The detectors' states, as plain values (``{}`` for one that is off), and the key ``"auto"`` found."""
         state: dict[str, Any] = {
