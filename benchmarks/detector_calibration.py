@@ -174,6 +174,10 @@ def replay(run: Run, spike: dict[str, Any] | None = None) -> Outcome:
             found = detector.update(value)
             if found is not None:
                 outcome.alerts.append((found.kind.value, row[0], found.reason))
+    at_end = getattr(made["val"], "at_end", None)  # the validation loss the run ended on (on_train_end)
+    found = at_end() if at_end is not None and run.rows else None
+    if found is not None:
+        outcome.alerts.append((found.kind.value, run.rows[-1][0], found.reason))
     return outcome
 
 

@@ -186,6 +186,39 @@ def test_diverging_validation_loss_warns_by_default_and_training_goes_on(tmp_pat
     assert trainer.global_step == 4 * len(val_losses) and monitor.stopping_reason is None
 
 
+@pytest.mark.parametrize("halt_on", [DEFAULT_HALT_ON, [*DEFAULT_HALT_ON, "diverging_val_loss"]])
+def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_end(tmp_path, halt_on):
+    """Three validations more than 10% above the best when the run ends, where `divergence_patience=4` waits for a
+    fourth: one warning at the end of training, in the run's alerts file too, and no halt, whatever `halt_on` says
+    (the run is over)."""
+    model = ScriptedModel(val_losses=[1.0, 0.8, 0.95, 0.9, 1.0])  # the best 0.8, then 1.19x, 1.125x and 1.25x it
+    monitor = TrainingMonitor(loss_divergence_factor=None, halt_on=halt_on)
+    trainer = fit(
+        tmp_path, model, monitor, max_steps=20, val_check_interval=4, num_sanity_val_steps=2, logger=CSVLogger(tmp_path)
+    )
+    assert model.val_runs == 5 and trainer.global_step == 20 and monitor.stopping_reason is None
+    (alert,) = monitor.alerts
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.DIVERGING_VAL_LOSS, 20, False)
+    assert alert.message.startswith(
+        "val_loss ended training more than 10% above its best 0.8, at its last 3 validations (0.95 -> 0.9 -> 1) at"
+        " step 20 (epoch 0)"
+    )
+    assert "halting" not in alert.message.lower()
+    (line,) = jsonl(f"{trainer.log_dir}/alerts.jsonl")
+    assert (line["kind"], line["step"], line["halted"]) == ("diverging_val_loss", 20, False)
+
+
+@pytest.mark.parametrize("val_losses", [[1.0, 0.8, 0.95, 0.9], [1.0, 0.8, 0.95, 0.9, 0.85, 1.0]])
+def test_a_run_that_ends_near_its_best_validation_loss_is_not_told_anything(tmp_path, val_losses):
+    """Two validations off the best at the end (fewer than `divergence_patience - 1`), or one after coming back within
+    10% of it: no alert."""
+    model = ScriptedModel(val_losses=val_losses)
+    monitor = TrainingMonitor(loss_divergence_factor=None)
+    fit(tmp_path, model, monitor, max_steps=4 * len(val_losses), val_check_interval=4, num_sanity_val_steps=2)
+    assert model.val_runs == len(val_losses)
+    assert monitor.alerts == []
+
+
 def test_observe_only_keeps_training_and_still_skips_bad_steps(tmp_path):
     model = ScriptedModel(loss_factor={2: float("nan"), 5: 1e5, 6: float("nan")})
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[])

@@ -159,7 +159,11 @@ def test_a_monitor_reused_for_a_new_fit_starts_afresh(tmp_path):
     model = ScriptedModel(loss_factor={2: 1e5}, val_losses=[1.0, 1.1, 1.2, 1.3])
     first.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
     assert first.global_step == 16 and monitor.stopping_reason is None  # three rises: one short of the patience
-    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.EXPLODING_GRAD, 2)]
+    # ... and three validations more than 10% above the best when the run ends: a warning at its end, no halt.
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
+        (AlertKind.EXPLODING_GRAD, 2, False),
+        (AlertKind.DIVERGING_VAL_LOSS, 16, False),
+    ]
 
     # A new trainer and model: a rise at its first validation would be the fourth in a row if fit 1's count carried.
     second = make_trainer(tmp_path, [monitor], max_steps=8, val_check_interval=4, logger=CSVLogger(tmp_path / "b"))

@@ -117,6 +117,24 @@ def test_trainer_state_with_a_jump_and_a_blowup(tmp_path: Path) -> None:
     assert (result.train_points, result.val_points, result.last_step) == (12, 5, 120)
 
 
+def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_last_step(tmp_path: Path) -> None:
+    # Three evaluations more than 10% above the best when the log ends (`divergence_patience=4` waits for a fourth):
+    # the monitor's warning at the end of training, at the last step, whatever `halt_on` says.
+    rows = ["step,loss,grad_norm,val_loss"] + [f"{s},1.0,1.0," for s in range(0, 25)]
+    rows += [f"{s},,,{v}" for s, v in zip(range(4, 25, 5), (1.0, 0.8, 0.95, 0.9, 1.0), strict=True)]
+    run = tmp_path / "run.csv"
+    run.write_text("\n".join(rows) + "\n")
+    for halt_on in ([], ["diverging_val_loss"]):
+        (alert,) = replay(run, halt_on=halt_on).alerts
+        assert (alert.kind, alert.step, alert.action) == ("diverging_val_loss", 24, "alert")
+        assert alert.reason == (
+            "val_loss ended training more than 10% above its best 0.8, at its last 3 validations (0.95 -> 0.9 -> 1)"
+        )
+    rows[-1] = "24,,,0.85"  # back within 10% of its best at the last evaluation: nothing
+    run.write_text("\n".join(rows) + "\n")
+    assert replay(run).alerts == ()
+
+
 def test_plain_csv_nan_and_keep_going(tmp_path: Path) -> None:
     rows = ["step,loss,grad_norm,val_loss"]
     rows += [f"{s},2.0,1.0," for s in range(0, 6)]
