@@ -482,7 +482,7 @@ class TrainingMonitor(Callback):
         # A validation loss that ended the run off its best, short of `divergence_patience`: said once, at the end.
         ended = decide_at_end(self._validation.at_end())
         if ended.rulings:
-            context = AlertContext(at=logging_step(trainer), epoch=self._epoch)  # the last epoch's, not the next
+            context = AlertContext(at=logging_step(trainer), epoch=self._epoch, ended=True)  # the last epoch's
             alerts = validation_alerts(ended.rulings, context, next(iter(trainer.optimizers), None))
             self._state.alerts += alerts
             self._writer.alerts(trainer, alerts, self._state.alerts)

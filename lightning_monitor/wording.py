@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADVICE",
+    "ENDED_ADVICE",
     "AlertContext",
     "alert_message",
     "blame",
@@ -86,6 +87,12 @@ ADVICE: dict[AlertKind, str] = {
     ),
 }
 
+#: The advice of an alert given at the end of training (a validation loss the run ended off its best): for the next run.
+ENDED_ADVICE = (
+    "The run ended there: its best weights are at its best validation (a checkpoint kept on the validation loss holds"
+    " them), not its last; for a next run, stop earlier, lower the learning rate or add regularisation."
+)
+
 
 @dataclass(frozen=True)
 class AlertContext:
@@ -109,6 +116,7 @@ class AlertContext:
         bundle: The post-mortem folder, or ``None``.
         halt_mode: ``"stop"`` or ``"raise"``.
         halt_after: The ladder's ``halt_after``, quoted on its rungs.
+        ended: Said at the end of training (``on_train_end``): its advice is for the next run.
     """
 
     at: int
@@ -127,6 +135,7 @@ class AlertContext:
     bundle: Path | None = None
     halt_mode: str = "stop"
     halt_after: int = 3
+    ended: bool = False
 
 
 def step_alerts(
@@ -227,7 +236,8 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
     first = detection.reason.split(" ", 1)[0]  # a logged key (`val_loss`, `eval/loss`) keeps its case
     keyed = any(mark in first for mark in "_/.")
     reason = detection.reason if keyed else detection.reason[:1].upper() + detection.reason[1:]
-    message = f"{reason}{where}.{context.blame} {action} {ADVICE[detection.kind]}".replace("  ", " ")
+    advice = ENDED_ADVICE if context.ended else ADVICE[detection.kind]
+    message = f"{reason}{where}.{context.blame} {action} {advice}".replace("  ", " ")
     if context.bundle is not None:
         message += f" Post-mortem bundle: {context.bundle}"
     return message

@@ -203,6 +203,10 @@ def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_end(tmp_
         "val_loss ended training more than 10% above its best 0.8, at its last 3 validations (0.95 -> 0.9 -> 1) at"
         " step 20 (epoch 0)"
     )
+    assert alert.message.endswith(
+        "The run ended there: its best weights are at its best validation (a checkpoint kept on the validation loss"
+        " holds them), not its last; for a next run, stop earlier, lower the learning rate or add regularisation."
+    )
     assert "halting" not in alert.message.lower()
     (line,) = jsonl(f"{trainer.log_dir}/alerts.jsonl")
     assert (line["kind"], line["step"], line["halted"]) == ("diverging_val_loss", 20, False)
