@@ -293,16 +293,19 @@ def decide_validation(detections: list[Detection], policy: Policy) -> Verdict:
     return Verdict(rulings=tuple(rulings), bundle=_bundles(rulings, policy))
 
 
-def decide_at_end(detections: list[Detection]) -> Verdict:
-    """What the detections made at the end of training call for: alerts only; nothing is left to halt or bundle.
+def decide_at_end(detections: list[Detection], policy: Policy) -> Verdict:
+    """What the detections made at the end of training call for: alerts, whatever ``halt_on`` says.
+
+    Nothing is left to halt; a bundle is written where ``postmortem="alert"`` asks for one at every alert.
 
     Example:
         >>> up = Detection(AlertKind.DIVERGING_VAL_LOSS, 2.0, 1.1, "val_loss ended training more than 10% above")
-        >>> verdict = decide_at_end([up])
+        >>> verdict = decide_at_end([up], Policy(frozenset({AlertKind.DIVERGING_VAL_LOSS})))
         >>> [r.rung.value for r in verdict.rulings], verdict.bundle
         (['alert'], False)
     """
-    return Verdict(rulings=tuple(Ruling(d, Rung.ALERT) for d in detections))
+    rulings = [Ruling(d, Rung.ALERT) for d in detections]
+    return Verdict(rulings=tuple(rulings), bundle=_bundles(rulings, policy))
 
 
 def _climbs(kind: AlertKind, facts: StepFacts) -> bool:

@@ -480,12 +480,9 @@ class TrainingMonitor(Callback):
             self._state.alerts.append(alert)
             self._writer.alerts(trainer, [alert], self._state.alerts)
         # A validation loss that ended the run off its best, short of `divergence_patience`: said once, at the end.
-        ended = decide_at_end(self._validation.at_end())
+        ended = decide_at_end(self._validation.at_end(), self._policy)
         if ended.rulings:
-            context = AlertContext(at=logging_step(trainer), epoch=self._epoch, ended=True)  # the last epoch's
-            alerts = validation_alerts(ended.rulings, context, next(iter(trainer.optimizers), None))
-            self._state.alerts += alerts
-            self._writer.alerts(trainer, alerts, self._state.alerts)
+            self._act_on_validation(trainer, ended, self._epoch, ended=True)  # the last epoch's, not the next
         self._close_hooks()
 
     @override
@@ -574,10 +571,10 @@ class TrainingMonitor(Callback):
         """Check a step the short way, where nothing but the loss and the norms is due; whether it did.
 
         The way of most steps of a run set up for it (``_lean``: one process, read before the step, no fp16 scaler,
-        a logger, a check at every step and none of the opt-in figures): a step that does not log, may not be the
-        run's last and carries no token counts. It measures, reads and judges as the full way does, with the same
-        functions on the same figures; a calm check is then only counted and recorded (what :meth:`_act_on` does with
-        nothing found), and any other goes on to :meth:`_act_on`.
+        a logger, a check at every step and none of the opt-in figures): a step that does not log and carries no
+        token counts (the run's last step is one like any other: every step is checked). It measures, reads and
+        judges as the full way does, with the same functions on the same figures; a calm check is then only counted
+        and recorded (what :meth:`_act_on` does with nothing found), and any other goes on to :meth:`_act_on`.
         """
         # Every step is checked (`check_every_n_steps=1`), so the last one needs no look-out here.
         if (at + 1) % self._every == 0 or trainer.should_stop:  # it logs
@@ -853,9 +850,12 @@ class TrainingMonitor(Callback):
 
         # Judge, decide, then act, word and write.
         verdict = decide_validation(self._validation.detect(found.val_loss, val_acc), self._policy)
-        if not verdict.rulings:
-            return
-        at, epoch = logging_step(trainer), trainer.current_epoch
+        if verdict.rulings:
+            self._act_on_validation(trainer, verdict, trainer.current_epoch)
+
+    def _act_on_validation(self, trainer: pl.Trainer, verdict: Verdict, epoch: int, ended: bool = False) -> None:
+        """Word, write and act on the rulings of a validation run, or (``ended``) of the end of training."""
+        at = logging_step(trainer)
         bundle = self._open_bundle(trainer, verdict, at)
         weights_ok = bundle is None or weights_finite(trainer)
         context = AlertContext(
@@ -865,6 +865,7 @@ class TrainingMonitor(Callback):
             bundle=bundle,
             halt_mode=self.config.response.halt_mode,
             halt_after=self._policy.halt_after,
+            ended=ended,
         )
         alerts = validation_alerts(verdict.rulings, context, next(iter(trainer.optimizers), None))
         self._state.alerts += alerts

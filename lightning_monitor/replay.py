@@ -386,7 +386,7 @@ def _judge_end(state: _ReplayState, step: int) -> list[ReplayAlert]:
     """The monitor's verdict at the end of training (``ValidationCheck.at_end``, ``decision.decide_at_end``)."""
     from lightning_monitor.decision import decide_at_end
 
-    return [_replay_alert(step, r, False) for r in decide_at_end(state.validation.at_end()).rulings]
+    return [_replay_alert(step, r, False) for r in decide_at_end(state.validation.at_end(), state.policy).rulings]
 
 
 def _replay_alert(step: int, ruling: Any, skipped: bool) -> ReplayAlert:

@@ -12,6 +12,7 @@ import logging
 import math
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -210,6 +211,18 @@ def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_end(tmp_
     assert "halting" not in alert.message.lower()
     (line,) = jsonl(f"{trainer.log_dir}/alerts.jsonl")
     assert (line["kind"], line["step"], line["halted"]) == ("diverging_val_loss", 20, False)
+
+
+def test_the_end_of_training_warning_brings_a_bundle_where_every_alert_does(tmp_path):
+    model = ScriptedModel(val_losses=[1.0, 0.8, 0.95, 0.9, 1.0])
+    monitor = TrainingMonitor(loss_divergence_factor=None, postmortem="alert")
+    trainer = fit(
+        tmp_path, model, monitor, max_steps=20, val_check_interval=4, num_sanity_val_steps=2, logger=CSVLogger(tmp_path)
+    )
+    (alert,) = monitor.alerts
+    bundle = Path(trainer.log_dir) / "postmortem" / "step0000020_diverging_val_loss"
+    assert not alert.halted and alert.message.endswith(f"Post-mortem bundle: {bundle}")
+    assert {"README.md", "alerts.jsonl", "last_good.ckpt"} <= {p.name for p in bundle.iterdir()}
 
 
 @pytest.mark.parametrize("val_losses", [[1.0, 0.8, 0.95, 0.9], [1.0, 0.8, 0.95, 0.9, 0.85, 1.0]])
