@@ -354,7 +354,8 @@ class RisingDetector:
         A run that ends while its last values are all off its best (as the second rule counts them), at least
         ``max(2, patience - 1)`` of them and fewer than ``patience`` (which would have fired), ended worse than its
         best: a short run that over-fits in its last validations is not told otherwise. ``None`` when it did not,
-        when that rule is off, or when the episode was alerted already.
+        when that rule is off, or when the episode was alerted already. It changes nothing: a fit that carries on
+        (the same trainer's again) still fires at the ``patience``-th value off the best, as it would have.
 
         Example:
             >>> det = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", patience=4)
@@ -368,7 +369,6 @@ class RisingDetector:
             return None
         if not max(2, self.patience - 1) <= self.off < self.patience:
             return None
-        self.active = True
         best = self.best
         limit = best + max(self.min_delta, self.margin * abs(best))
         gap = f"{format_value(100 * self.margin)}%" if limit - best > self.min_delta else "min_delta"

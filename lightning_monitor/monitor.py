@@ -431,6 +431,8 @@ class TrainingMonitor(Callback):
         self._checks.order = ForwardOrder.of_layers(pl_module)
         self._order_closed = self._checks.order is None
         self._activations = ActivationWatch(pl_module) if self.config.step.watch_activations else None
+        # The epoch, kept for the short way: a run resumed mid-epoch has no `on_train_epoch_start` for that epoch.
+        self._epoch = trainer.current_epoch
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
@@ -481,8 +483,8 @@ class TrainingMonitor(Callback):
             self._writer.alerts(trainer, [alert], self._state.alerts)
         # A validation loss that ended the run off its best, short of `divergence_patience`: said once, at the end.
         ended = decide_at_end(self._validation.at_end(), self._policy)
-        if ended.rulings:
-            self._act_on_validation(trainer, ended, self._epoch, ended=True)  # the last epoch's, not the next
+        if ended.rulings:  # at the last step trained (where Lightning logged it last), in its epoch
+            self._act_on_validation(trainer, ended, self._epoch, at=max(logging_step(trainer) - 1, 0), ended=True)
         self._close_hooks()
 
     @override
@@ -853,9 +855,14 @@ class TrainingMonitor(Callback):
         if verdict.rulings:
             self._act_on_validation(trainer, verdict, trainer.current_epoch)
 
-    def _act_on_validation(self, trainer: pl.Trainer, verdict: Verdict, epoch: int, ended: bool = False) -> None:
-        """Word, write and act on the rulings of a validation run, or (``ended``) of the end of training."""
-        at = logging_step(trainer)
+    def _act_on_validation(
+        self, trainer: pl.Trainer, verdict: Verdict, epoch: int, at: int | None = None, ended: bool = False
+    ) -> None:
+        """Word, write and act on the rulings of a validation run, or (``ended``) of the end of training.
+
+        ``at``: the step the alerts carry (by default :func:`logging_step`, where Lightning logs the validation).
+        """
+        at = logging_step(trainer) if at is None else at
         bundle = self._open_bundle(trainer, verdict, at)
         weights_ok = bundle is None or weights_finite(trainer)
         context = AlertContext(

@@ -38,6 +38,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_monitor import DEFAULT_HALT_ON, AlertKind, TrainingHalted, TrainingMonitor
+from lightning_monitor.replay import replay
 
 
 def fit(tmp_path, model, monitor, **kwargs):
@@ -199,10 +200,11 @@ def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_end(tmp_
     )
     assert model.val_runs == 5 and trainer.global_step == 20 and monitor.stopping_reason is None
     (alert,) = monitor.alerts
-    assert (alert.kind, alert.step, alert.halted) == (AlertKind.DIVERGING_VAL_LOSS, 20, False)
+    # At the last step trained, 19, where Lightning logged the last validation loss (as `replay` of the run's CSV).
+    assert (alert.kind, alert.step, alert.halted) == (AlertKind.DIVERGING_VAL_LOSS, 19, False)
     assert alert.message.startswith(
         "val_loss ended training more than 10% above its best 0.8, at its last 3 validations (0.95 -> 0.9 -> 1) at"
-        " step 20 (epoch 0)"
+        " step 19 (epoch 0)"
     )
     assert alert.message.endswith(
         "The run ended there: its best weights are at its best validation (a checkpoint kept on the validation loss"
@@ -210,7 +212,11 @@ def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_end(tmp_
     )
     assert "halting" not in alert.message.lower()
     (line,) = jsonl(f"{trainer.log_dir}/alerts.jsonl")
-    assert (line["kind"], line["step"], line["halted"]) == ("diverging_val_loss", 20, False)
+    assert (line["kind"], line["step"], line["halted"]) == ("diverging_val_loss", 19, False)
+    replayed = replay(f"{trainer.log_dir}/metrics.csv", halt_on=halt_on).alerts
+    assert [(a.kind, a.step, a.action, a.reason) for a in replayed] == [
+        ("diverging_val_loss", 19, "alert", alert.message.split(" at step ")[0])
+    ]
 
 
 def test_the_end_of_training_warning_brings_a_bundle_where_every_alert_does(tmp_path):
@@ -220,9 +226,27 @@ def test_the_end_of_training_warning_brings_a_bundle_where_every_alert_does(tmp_
         tmp_path, model, monitor, max_steps=20, val_check_interval=4, num_sanity_val_steps=2, logger=CSVLogger(tmp_path)
     )
     (alert,) = monitor.alerts
-    bundle = Path(trainer.log_dir) / "postmortem" / "step0000020_diverging_val_loss"
+    bundle = Path(trainer.log_dir) / "postmortem" / "step0000019_diverging_val_loss"
     assert not alert.halted and alert.message.endswith(f"Post-mortem bundle: {bundle}")
     assert {"README.md", "alerts.jsonl", "last_good.ckpt"} <= {p.name for p in bundle.iterdir()}
+
+
+def test_the_end_of_training_warning_does_not_stop_a_fit_that_carries_on_from_alerting(tmp_path):
+    """The same trainer fitted again carries on its run: the validation loss still off its best at its fourth
+    validation is `diverging_val_loss`, and halts where `halt_on` asks, as if no warning had been given at the end of
+    the first fit."""
+    model = ScriptedModel(val_losses=[1.0, 0.8, 0.95, 0.9, 1.0, 1.1, 1.2, 1.3])
+    monitor = TrainingMonitor(loss_divergence_factor=None, halt_on=[*DEFAULT_HALT_ON, "diverging_val_loss"])
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20, val_check_interval=4)
+    trainer.fit(model, train_dataloaders=loader(n=400), val_dataloaders=loader(8))
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [(AlertKind.DIVERGING_VAL_LOSS, 19, False)]
+    trainer.fit_loop.epoch_loop.max_steps = 40  # what `Trainer(max_steps=...)` sets
+    trainer.fit(model, train_dataloaders=loader(n=400), val_dataloaders=loader(8))
+    assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
+        (AlertKind.DIVERGING_VAL_LOSS, 19, False),
+        (AlertKind.DIVERGING_VAL_LOSS, 23, True),  # 0.95, 0.9, 1.0 and 1.1: four off the best 0.8
+    ]
+    assert trainer.global_step == 24 and monitor.stopping_reason is AlertKind.DIVERGING_VAL_LOSS
 
 
 @pytest.mark.parametrize("val_losses", [[1.0, 0.8, 0.95, 0.9], [1.0, 0.8, 0.95, 0.9, 0.85, 1.0]])

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from helpers import ScriptedModel, _equal, history_lines, jsonl, loader, make_trainer, weights
 from lightning.pytorch.loggers import CSVLogger
@@ -108,3 +109,36 @@ def test_calm_steps_take_the_short_way_and_decide_as_the_full_way(tmp_path: Path
     short_history = (Path(short_trainer.log_dir) / bundle).read_text()
     assert short_history == (Path(full_trainer.log_dir) / bundle).read_text()
     assert len(short_history.splitlines()) > 20
+
+
+def resumed_mid_epoch(tmp_path: Path, **settings: Any) -> TrainingMonitor:
+    """A run checkpointed at step 30 (epoch 1 of 20-batch epochs), resumed from there, with a NaN loss at step 33."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def model() -> ScriptedModel:
+        torch.manual_seed(0)
+        return ScriptedModel(loss_factor={33: float("nan")})
+
+    def saving(folder: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=30, save_top_k=-1)
+
+    kwargs: dict[str, Any] = {"logger": CSVLogger(tmp_path), "log_every_n_steps": 5, "enable_checkpointing": True}
+    first = TrainingMonitor(val_loss_key=None, **settings)
+    make_trainer(tmp_path, [first, saving("ckpt")], max_steps=31, **kwargs).fit(model(), loader(40))
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    monitor = TrainingMonitor(val_loss_key=None, **settings)
+    trainer = make_trainer(tmp_path, [monitor, saving("ckpt")], max_steps=40, **kwargs)
+    trainer.fit(model(), loader(40), ckpt_path=str(checkpoint))
+    return monitor
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_a_run_resumed_mid_epoch_names_the_epoch_either_way(tmp_path: Path) -> None:
+    # Lightning calls no `on_train_epoch_start` for the epoch a run resumes in the middle of.
+    short = resumed_mid_epoch(tmp_path / "short")
+    full = resumed_mid_epoch(tmp_path / "full", progress_bar=True)
+    assert [(a.kind.value, a.step, a.epoch) for a in short.alerts] == [("nonfinite_loss", 33, 1)]
+    assert [(a.kind.value, a.step, a.epoch, a.message) for a in short.alerts] == [
+        (a.kind.value, a.step, a.epoch, a.message) for a in full.alerts
+    ]

@@ -162,7 +162,7 @@ def test_a_monitor_reused_for_a_new_fit_starts_afresh(tmp_path):
     # ... and three validations more than 10% above the best when the run ends: a warning at its end, no halt.
     assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
         (AlertKind.EXPLODING_GRAD, 2, False),
-        (AlertKind.DIVERGING_VAL_LOSS, 16, False),
+        (AlertKind.DIVERGING_VAL_LOSS, 15, False),
     ]
 
     # A new trainer and model: a rise at its first validation would be the fourth in a row if fit 1's count carried.
