@@ -101,7 +101,7 @@ class OptimizerCheck:
         self._fills: tuple[torch.device, Tensor, Tensor] | None = None  # the device, a 0 and a 1 on it
         self._counts: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}
         self._layouts: dict[tuple[Any, ...], Layout] = {}
-        self._plain = self._layout(False, False, False).single_stack and not fused  # see `plain`
+        self._plain = self._plain_layout().single_stack and not fused  # see `plain`
 
     def measure(self, norms: LayerGradNorms) -> None:
         """Measure other parameters from now on (the optimizer changed); the detectors and held figures stay."""
@@ -109,7 +109,7 @@ class OptimizerCheck:
         self.norms = norms
         self.layer_keys = layer_keys(norms.names, self.suffix)
         self._layouts = {}
-        self._plain = self._layout(False, False, False).single_stack and not self.fused
+        self._plain = self._plain_layout().single_stack and not self.fused
 
     def count_step(self, every: int) -> bool:
         """Count one optimizer step; whether it is due for a check (the first, then every ``every``-th)."""
@@ -183,8 +183,7 @@ class OptimizerCheck:
         device, held = self.norms.device, self._held_steps  # `norms` is on this device
         ranks = world_size() if ranks is None else ranks
         present = self.norms.present if self.norms.present > self._present else self._present
-        fills = self._fills if self._fills is not None and self._fills[0] == device else self._new_fills(device)
-        _, zero, one = fills
+        _, zero, one = self._fills_on(device)
         amp = scaler is not None
         scale_now = scale_tensor(scaler, device) if amp else None
         if ranks > 1:  # host-known counts travel with the rest, so every rank decides on the same numbers
@@ -234,16 +233,17 @@ class OptimizerCheck:
         loss_sum, count = loss
         norms = self.norms.norm_list()
         if loss_sum is None:  # no backward since the last check (a loss of several elements): 0, as `pack` has it
-            fills = self._fills
-            loss_sum = (
-                fills if fills is not None and fills[0] == self.norms.device else self._new_fills(norms[0].device)
-            )[1]
+            loss_sum = self._fills_on(self.norms.device)[1]
         row = torch.stack([loss_sum, *norms]).tolist()  # the one host sync
         return StepFigures.plain(row, count, self.norms.present, self.norms.layer_squares(row[1:]))
 
     def plain_packing(self, count: int) -> Packing:
         """The :class:`Packing` that :meth:`pack` makes of a :meth:`read_plain` check of ``count`` micro-batches."""
-        return Packing(self._layout(False, False, False), 0, 1, False, (), self.norms, (count, self.norms.present))
+        return Packing(self._plain_layout(), 0, 1, False, (), self.norms, (count, self.norms.present))
+
+    def _plain_layout(self) -> Layout:
+        """The layout of a check with no held steps, one process, no fp16 scaler and no extras."""
+        return self._layout(False, False, False)
 
     def _layout(self, held: bool, several: bool, amp: bool, extras: Mapping[str, Part] | None = None) -> Layout:
         """The layout of this check's packed tensor, built once per pattern of parts (an extra keeps its size)."""
@@ -260,6 +260,11 @@ class OptimizerCheck:
             single = not held and not several and self.norms.dtype is PACK_DTYPE and flat
             layout = self._layouts[key] = Layout(parts, single_stack=single)
         return layout
+
+    def _fills_on(self, device: torch.device) -> tuple[torch.device, Tensor, Tensor]:
+        """The device, and a 0-d ``0`` and ``1`` on it (made once per device: :meth:`_new_fills`)."""
+        fills = self._fills
+        return fills if fills is not None and fills[0] == device else self._new_fills(device)
 
     def _new_fills(self, device: torch.device) -> tuple[torch.device, Tensor, Tensor]:
         """A 0-d ``0`` and ``1`` on ``device`` that stand in for figures a step does not have (made once)."""

@@ -43,6 +43,8 @@ class StepFigures(NamedTuple):
         """
         layout, held, ranks, amp, norms_of = packing.layout, packing.held, packing.ranks, packing.amp, packing.norms
         first, where = rows[0], layout.slices
+        if ranks == 1 and not (held or amp or packing.fused or packing.extras):  # a plain row: one way for its figures
+            return cls.plain(first, *packing.counts, norms_of.layer_squares(first[where["norms"]]))
         scale = first[1] if amp and ranks == 1 else first[where["scale"].start] if amp else 1.0
         if ranks > 1:
             per_rank = layout.read(rows)
