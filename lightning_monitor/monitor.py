@@ -785,7 +785,7 @@ class TrainingMonitor(Callback):
         if not self.config.tokens.token_accuracy:
             return
         # Read: the epoch's token counts and any step figure still waiting, in one read; then write.
-        step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device)
+        step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device, alone=self._ranks == 1)
         self._accuracy(trainer, "train", step, counted_at, warn=False)  # gather_epoch warned
         if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
             self._accuracy(trainer, "train", epoch, logging_step(trainer) - 1, epoch=True)

@@ -357,7 +357,7 @@ def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) ->
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(dict(settings), indent=2) + "\n")
+        write_atomic(path, json.dumps(dict(settings), indent=2) + "\n", sync=False)  # nothing waits on it
     except Exception as err:  # a full disk, a folder that is a file, a setting JSON cannot hold: never a crash
         rank_zero_warn(
             f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).",

@@ -27,6 +27,7 @@ Counts travel as rows ``[correct, total, invalid, nan]``: ``invalid`` labels are
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -190,10 +191,11 @@ class TokenAccuracyTracker:
         self.virtual_tokens = 0  # a PEFT prompt-learning model's virtual tokens, before the logits of the inputs
         self._per_example: bool | None = None  # one prediction per example ([B, C] logits): None until a batch says
         self._told_shift = False
-        self.metrics: dict[Stage, TokenAccuracy] = {
-            stage: TokenAccuracy(ignore_index=ignore_index, top_k=top_k, shift=shift is True, validate_args=False)
-            for stage in ("train", "val")
-        }
+        self.metrics = _Metrics(
+            functools.partial(
+                TokenAccuracy, ignore_index=ignore_index, top_k=top_k, shift=shift is True, validate_args=False
+            )
+        )
         self.disabled: set[Stage] = set()
         self._auto = False  # `token_accuracy="auto"`: a model with no logits is told once, quietly
         self._counted_train = False  # a training batch has been counted: the model gives logits
@@ -312,13 +314,19 @@ class TokenAccuracyTracker:
         (counts, step), self._pending = self._pending, None
         return counts.to(device, PACK_DTYPE).unbind(), step
 
-    def gather_epoch(self, device: torch.device) -> tuple[list[list[float]], list[list[float]], int | None]:
+    def gather_epoch(
+        self, device: torch.device, alone: bool = False
+    ) -> tuple[list[list[float]], list[list[float]], int | None]:
         """At the end of a training epoch, gather the counts of every rank in one collective and one host read.
 
         Returns every rank's ``[correct, total, invalid, nan]`` of the last logged step still waiting and of
         the epoch, and the step the waiting counts belong to (``None``: none wait). Warns once about positions left
-        out (:meth:`warn_counts`). Every rank must call it.
+        out (:meth:`warn_counts`). Every rank must call it. With ``alone`` (one process, no collective), a tracker
+        that counted nothing gives the zeros a read would bring, without the read.
         """
+        if alone and self._pending is None and "train" not in self.metrics and not self._held["train"]:
+            self._due = False  # as `take_step_counts` leaves it
+            return [[0.0] * COUNTS], [[0.0] * COUNTS], None  # nothing counted: the zeros a read would bring
         counts, step = self.take_step_counts(device)
         waiting = torch.stack(counts).to(host_dtype(device))
         rows = _EPOCH_END.read(gather_ranks(_EPOCH_END.pack([waiting, self.epoch_counts("train", device)])))
@@ -339,13 +347,16 @@ class TokenAccuracyTracker:
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
+        self.metrics.device = device  # where a metric built later starts
         for stage, metric in self.metrics.items():
             if stage not in self.disabled:
                 metric.to(device, non_blocking=copies_without_blocking(device))
 
     def reset(self, stage: Stage) -> None:
         """Start counting ``stage`` afresh (a new epoch, a new validation run)."""
-        self.metrics[stage].reset()
+        metric = self.metrics.get(stage)  # a metric not built yet has nothing to forget
+        if metric is not None:
+            metric.reset()
         self._held[stage].clear()
         if stage == "train" and self._mark is not None:
             self._mark = (self._mark[0], torch.zeros_like(self._mark[1]))
@@ -407,7 +418,7 @@ class TokenAccuracyTracker:
 
     def mark(self, tag: int) -> None:
         """Remember the training counts now, under ``tag`` (one copy of four numbers, on the metric's device)."""
-        self._mark = (tag, _states(self._add_held("train")))
+        self._mark = (tag, self._counts("train"))
 
     def marked(self, tag: int) -> bool:
         """Whether the last :meth:`mark` was tagged ``tag``."""
@@ -420,7 +431,7 @@ class TokenAccuracyTracker:
         """
         if self._mark is None or self._mark[0] != tag:
             return None
-        now = _states(self._add_held("train"))
+        now = self._counts("train")
         # The mark may predate the metric's move to the logits' device (a mark before the first batch).
         return now - self._mark[1].to(now.device)
 
@@ -431,7 +442,7 @@ class TokenAccuracyTracker:
         logits hold a NaN; both are left out of ``total``. The counts travel in
         :func:`~lightning_monitor._host.host_dtype`; a stage that counted nothing yet may still be on another device.
         """
-        return _states(self._add_held(stage)).to(device, host_dtype(device))
+        return self._counts(stage).to(device, host_dtype(device))
 
     def warn_counts(self, stage: Stage, rows: Sequence[Sequence[float]]) -> None:
         """Warn once per stage and cause about positions left out, from every rank's gathered counts rows.
@@ -482,6 +493,15 @@ class TokenAccuracyTracker:
                 " logits, pass `shift_labels=False`."
             )
         return False
+
+    def _counts(self, stage: Stage) -> Tensor:
+        """``stage``'s counts ``[correct, total, invalid, nan]`` (int64, on the metric's device), the held ones added.
+
+        Zeros where nothing was counted and no metric was built (none is built for that alone).
+        """
+        if stage not in self.metrics and not self._held[stage]:
+            return torch.zeros(COUNTS, dtype=torch.long, device=self.metrics.device)
+        return _states(self._add_held(stage))
 
     def _add_held(self, stage: Stage) -> TokenAccuracy:
         """Count the held batches of ``stage`` into its metric, and return the metric."""
@@ -544,6 +564,25 @@ def nan_message(key: str, nan: int, total: int) -> str:
         f" to score; {scored}. Look for the cause in the loss and gradient alerts (`watch_activations=True` names"
         " the first module whose output is not finite)."
     )
+
+
+class _Metrics(dict[Stage, TokenAccuracy]):
+    """Each stage's metric, built at its first use, on the device the counts were last moved to.
+
+    A run whose model gives no logits builds none: a ``TokenAccuracy`` costs about half a millisecond to make, which
+    a sweep or a test suite of short fits pays at every fit.
+    """
+
+    def __init__(self, make: Callable[[], TokenAccuracy]) -> None:
+        super().__init__()
+        self._make = make
+        self.device = torch.device("cpu")
+
+    def __missing__(self, stage: Stage) -> TokenAccuracy:
+        metric = self[stage] = self._make()
+        if self.device.type != "cpu":
+            metric.to(self.device, non_blocking=copies_without_blocking(self.device))
+        return metric
 
 
 def _states(metric: TokenAccuracy) -> Tensor:

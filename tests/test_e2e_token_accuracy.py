@@ -161,6 +161,46 @@ def test_missing_logits_warn_at_the_first_step_without_waiting_for_a_logging_ste
         )
 
 
+class LogitsFromTheSecondEpoch(TinyLM):
+    """Returns only the loss in its first epoch, and the logits too from its second."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.step(batch, "train")
+        return out["loss"] if self.current_epoch == 0 else out
+
+
+def test_an_epoch_that_counted_nothing_logs_nothing_and_builds_no_metric(tmp_path):
+    # One process: an epoch with nothing counted gives its zeros without a read, and no metric is built for it (the
+    # validation one neither, while validation returns nothing). The next epoch's figures are exact all the same.
+    built: list[list[str]] = []
+
+    class Built(pl.Callback):  # after the monitor: what its tracker holds at each epoch's end
+        def on_train_epoch_end(self, trainer, pl_module):
+            built.append(sorted(monitor._tokens.metrics))
+
+    class NoValidationOutput(LogitsFromTheSecondEpoch):
+        def validation_step(self, batch, batch_idx):
+            super().validation_step(batch, batch_idx)
+
+    model = NoValidationOutput()
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=True, epoch_token_accuracy=True, postmortem=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, model, monitor, callbacks=[Built()], logger=csv, max_steps=24, log_every_n_steps=4)
+    left_out = sorted(m[1] for w in caught if (m := re.search(r"left a batch out of (\w+)", str(w.message))))
+    assert left_out == ["train_token_acc", "val_token_acc"]  # once each
+    assert built == [[], ["train"]]
+    seen = model.seen["train"]  # 12 batches an epoch
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == [15, 19, 23]
+    for step, value in logged:
+        assert value == pytest.approx(reference([seen[step]]), abs=1e-12)
+    assert csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch") == [
+        (23, pytest.approx(reference(seen[12:])))
+    ]
+
+
 @pytest.mark.parametrize("postmortem", ["halt", None])
 def test_accumulated_step_counts_every_micro_batch(tmp_path, postmortem):
     model = TinyLM()
