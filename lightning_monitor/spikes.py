@@ -13,7 +13,16 @@ from typing import Any
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
-__all__ = ["AT_ONCE", "CONFIRM", "MIN_SPIKE_WINDOW", "PEAK_MARGIN", "PEAK_MEMORY", "RECENT", "SpikeDetector"]
+__all__ = [
+    "ALWAYS_AT_ONCE",
+    "AT_ONCE",
+    "CONFIRM",
+    "MIN_SPIKE_WINDOW",
+    "PEAK_MARGIN",
+    "PEAK_MEMORY",
+    "RECENT",
+    "SpikeDetector",
+]
 
 
 #: The number of last values whose moving average :class:`SpikeDetector` also judges a value against.
@@ -24,14 +33,17 @@ MIN_SPIKE_WINDOW = 8
 PEAK_MARGIN = 3.0
 #: The half-life of that largest rise, in ``window`` lengths: it is forgotten slowly, as a heavy tail is seen rarely.
 PEAK_MEMORY = 4
-#: In log space, a spike at least this many times its recent level alerts at its own check; a smaller one only if
-#: the next check stays up.
+#: In log space, a spike at least this many times its recent level alerts at its own check, if it also rises more than
+#: ``PEAK_MARGIN`` times the largest rise of the figure's recent course; a smaller one only if the next check stays up.
 AT_ONCE = 2.5
+#: In log space, a spike at least this many times its recent level alerts at its own check whatever the recent course.
+ALWAYS_AT_ONCE = 5.0
 #: The next check stays up when it is above the level the spike was judged against by this fraction of the spike's
 #: bar (1: it is an outlier against that same level too).
 CONFIRM = 1.0
 #: How fast the recent level follows once it has ``RECENT`` values.
 _PER_RECENT = 1.0 / RECENT
+_LOG_ALWAYS = math.log(ALWAYS_AT_ONCE)
 
 
 class SpikeDetector:
@@ -62,12 +74,15 @@ class SpikeDetector:
     negative) non-positive values are ignored.
 
     **Which outliers alert.** A heavy-tailed loss (every-step pretraining logs) has single batches 1.4 to 2 times
-    its level, many spreads above it, after which the next batch is back where it was: noise, not a problem. So
-    ``patience`` outliers in a row alert at once only when the last is at least ``at_once`` (2.5) times the
-    reference (in log space; in linear space, where the largest recent rise already bars them, every one does).
-    A smaller one alerts one check later, if the next finite value is still up: above the same reference by
-    ``confirm`` (1) times the bar the spike crossed, a spike that persists or a level that moved. The alert then
-    carries the later step, and its message both values.
+    its level, many spreads above it, after which the next batch is back where it was: noise, not a problem; and a
+    loss of one example per step (batch size 1) has single steps 3 times its level late in a run, when its spread
+    has narrowed. So ``patience`` outliers in a row alert at once only when the last is at least ``at_once`` (2.5)
+    times the reference and rises more than ``PEAK_MARGIN`` (3) times the largest rise of the figure's recent course
+    (in log space, where that rise is tracked for this alone unless ``tail_margin``), or is at least
+    ``ALWAYS_AT_ONCE`` (5) times the reference; in linear space, where the largest recent rise already bars them,
+    every one does. A smaller one alerts one check later, if the next finite value is still up: above the same
+    reference by ``confirm`` (1) times the bar the spike crossed, a spike that persists or a level that moved. The
+    alert then carries the later step, and its message both values.
 
     The statistics cannot be poisoned: NaN and infinite values are ignored, and after warm-up an outlier enters the
     averages clipped to ``reference + threshold * std`` (winsorised), so one spike barely moves them, while a
@@ -93,8 +108,8 @@ class SpikeDetector:
     Attributes:
         outlier: Whether the last value was an outlier (whether or not it completed ``patience``).
         linear: Whether the detector works on the raw values (after a value at or below zero with ``signed``).
-        peak: The largest rise above the reference of the values that were not outliers, decaying (in linear space,
-            or with ``tail_margin``).
+        peak: The largest rise above the reference of the values that were not outliers, decaying (it bars outliers
+            in linear space or with ``tail_margin``, and decides which spikes alert at their own check).
         pending: A spike under ``at_once`` waiting for the next check (its value, reference, spread and bar), else
             ``None``.
 
@@ -166,7 +181,7 @@ class SpikeDetector:
         self.magnitude = 0.0  # EMA of |x|, in linear space only
         self.linear = False
         self.linear_seen = 0  # values seen in linear space
-        self.peak = 0.0  # the largest recent rise above the reference, where it is tracked
+        self.peak = 0.0  # the largest recent rise above the reference (of the values that were not outliers)
         self.count = 0
         self.outlier = False
         # A spike under `at_once` waiting for the next check: (value, reference, std, bar, peaked).
@@ -221,8 +236,7 @@ class SpikeDetector:
         predicted = self.recent
         rise = y - predicted
         bar = cap = self.threshold * std
-        tracked = linear or self.tail_margin  # the largest recent rise is tracked, and bars a spike
-        peaked = tracked and PEAK_MARGIN * self.peak > bar
+        peaked = (linear or self.tail_margin) and PEAK_MARGIN * self.peak > bar  # the largest recent rise bars it
         if peaked:
             bar = PEAK_MARGIN * self.peak
         judged = seen >= self.warmup and (not linear or self.linear_seen >= self.warmup)
@@ -232,10 +246,10 @@ class SpikeDetector:
             clipped = predicted + cap
         if linear:
             self.linear_seen += 1
-        if tracked:
-            self.peak *= self._peak_decay
-            if not outlier and rise > self.peak:
-                self.peak = rise
+        largest = self.peak * self._peak_decay  # the largest recent rise, tracked in any case
+        if not outlier and rise > largest:
+            largest = rise
+        self.peak = largest
         # Plain averages until the windows fill up, then exponential ones.
         seen += 1
         self.seen = seen
@@ -260,7 +274,9 @@ class SpikeDetector:
             if y - reference > self.confirm * high:
                 found = self._detection(first, reference, spread, high, peak, after=value)
         if self.count == self.patience and found is None and not self.alerted:
-            big = linear or rise >= math.log(self.at_once)
+            # Large against its level and its recent course alike, or very large: at once (an outlier does not raise
+            # the largest recent rise it is compared with).
+            big = linear or rise >= _LOG_ALWAYS or (rise >= math.log(self.at_once) and rise > PEAK_MARGIN * largest)
             if big:
                 found = self._detection(value, predicted, std, bar, peaked)
             else:
