@@ -16,7 +16,7 @@ points on healthy every-step runs, and the sick runs caught. ``--spike-curve`` a
 rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share
 of injected spikes caught within ``spike_patience + 1`` checks. ``--drift-curve`` adds the trade-off of the
 ``loss_drift`` rule over its factor and the share of its fall a loss must give back (``DRIFT_GIVE_BACK``), on every
-labelled run but round 13's (kept for one replay of the package as it stands). Run (from the repository root)::
+labelled run but round 14's (kept for one replay of the package as it stands). Run (from the repository root)::
 
     python benchmarks/detector_calibration.py                                  # the table of every run
     python benchmarks/detector_calibration.py --spike-curve                    # and the spike rule's trade-off
@@ -260,11 +260,11 @@ def drift_curve(runs: list[Run], factors: list[float], shares: list[float]) -> l
     share (the module constant, restored after). A sick run is caught by the first ``loss_drift`` at or after its
     labelled onset; one before it counts as a warning on that run.
     """
-    seen = [r for r in runs if r.label in ("healthy", "sick") and r.group != "round13"]
+    seen = [r for r in runs if r.label in ("healthy", "sick") and r.group != "round14"]
     healthy = [r for r in seen if r.label == "healthy"]
     sick = [r for r in seen if r.label == "sick"]
     lines = [
-        f"loss_drift on {len(seen)} labelled runs ({len(healthy)} healthy, {len(sick)} sick; round 13 left out): "
+        f"loss_drift on {len(seen)} labelled runs ({len(healthy)} healthy, {len(sick)} sick; round 14 left out): "
         "healthy runs warned (warnings), sick runs caught (steps after the onset)",
         "| factor | give back | healthy warned | sick caught |",
         "|---|---|---|---|",

@@ -29,8 +29,9 @@ seventh round's (``heldout: "round7"``, every run added in round 7) apart again,
 "round8"``, every run added in round 8) apart again, the ninth round's (``heldout: "round9"``, every run added in
 round 9) apart again, the tenth round's (``heldout: "round10"``, every run added in round 10) apart again, the
 eleventh round's (``heldout: "round11"``, every run added in round 11) apart again, the twelfth round's
-(``heldout: "round12"``, every run added in round 12) apart again, and the thirteenth round's (``heldout:
-"round13"``, every run added in round 13) apart again.
+(``heldout: "round12"``, every run added in round 12) apart again, the thirteenth round's (``heldout:
+"round13"``, every run added in round 13) apart again, and the fourteenth round's (``heldout: "round14"``, every
+run added in round 14) apart again.
 Runs marked ``fp16_amp`` (the logs show a GradScaler skipping a step) are replayed as fp16 runs by the two rules that
 know AMP (the package, with ``amp=True``, and the seed); the peers' rules take no such notion.
 
@@ -39,7 +40,7 @@ Usage::
     PYTHONPATH=$PWD python benchmarks/real_runs.py            # the tables, as Markdown
     PYTHONPATH=$PWD python benchmarks/real_runs.py --runs     # and one row per run
     PYTHONPATH=$PWD python benchmarks/real_runs.py --set KEY=VALUE ...   # the package with other settings
-    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round13)
+    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round14)
 """
 
 from __future__ import annotations
@@ -386,14 +387,15 @@ def per_run(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Sequenc
             "round11": " (held out, round 11)",
             "round12": " (held out, round 12)",
             "round13": " (held out, round 13)",
+            "round14": " (held out, round 14)",
         }.get(run.meta["heldout"], "")
         lines.append(f"| {run.id}{held} | {run.meta['kind']} | {run.steps} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
 #: The sets of runs reported apart: ``heldout`` false, true, ``"round2"``, ``"round3"``, ``"round4"``, ``"round5"``,
-#: ``"round6"``, ``"round7"``, ``"round8"``, ``"round9"``, ``"round10"``, ``"round11"``, ``"round12"``
-#: and ``"round13"`` in ``runs.json``.
+#: ``"round6"``, ``"round7"``, ``"round8"``, ``"round9"``, ``"round10"``, ``"round11"``, ``"round12"``,
+#: ``"round13"`` and ``"round14"`` in ``runs.json``.
 GROUPS = {
     "open": "Runs open to tuning",
     "heldout": "Held-out runs, reported apart, not to be tuned on",
@@ -409,6 +411,7 @@ GROUPS = {
     "round11": "Held-out runs of round 11, reported apart, not to be tuned on",
     "round12": "Held-out runs of round 12, reported apart, not to be tuned on",
     "round13": "Held-out runs of round 13, reported apart, not to be tuned on",
+    "round14": "Held-out runs of round 14, reported apart, not to be tuned on",
 }
 
 
@@ -428,6 +431,7 @@ def group(run: Run) -> str:
         "round11",
         "round12",
         "round13",
+        "round14",
     ):
         return held
     return "heldout" if held else "open"
