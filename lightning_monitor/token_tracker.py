@@ -324,10 +324,9 @@ class TokenAccuracyTracker:
         out (:meth:`warn_counts`). Every rank must call it. With ``alone`` (one process, no collective), a tracker
         that counted nothing gives the zeros a read would bring, without the read.
         """
-        if alone and self._pending is None and "train" not in self.metrics and not self._held["train"]:
-            self._due = False  # as `take_step_counts` leaves it
-            return [[0.0] * COUNTS], [[0.0] * COUNTS], None  # nothing counted: the zeros a read would bring
         counts, step = self.take_step_counts(device)
+        if alone and step is None and self._nothing_counted("train"):
+            return [[0.0] * COUNTS], [[0.0] * COUNTS], None  # nothing counted: the zeros a read would bring
         waiting = torch.stack(counts).to(host_dtype(device))
         rows = _EPOCH_END.read(gather_ranks(_EPOCH_END.pack([waiting, self.epoch_counts("train", device)])))
         self.warn_counts("train", rows["epoch_token_counts"])
@@ -499,9 +498,13 @@ class TokenAccuracyTracker:
 
         Zeros where nothing was counted and no metric was built (none is built for that alone).
         """
-        if stage not in self.metrics and not self._held[stage]:
+        if self._nothing_counted(stage):
             return torch.zeros(COUNTS, dtype=torch.long, device=self.metrics.device)
         return _states(self._add_held(stage))
+
+    def _nothing_counted(self, stage: Stage) -> bool:
+        """Whether ``stage`` has counted nothing yet: no metric built, no batch held."""
+        return stage not in self.metrics and not self._held[stage]
 
     def _add_held(self, stage: Stage) -> TokenAccuracy:
         """Count the held batches of ``stage`` into its metric, and return the metric."""
