@@ -21,17 +21,8 @@ had not stopped it); sick runs caught (any alert at or after the labelled onset)
 checks of the signal that shows the fault: evaluations for a validation fault, whose catch must be a validation
 alert); halts before the onset of a sick run.
 The held-out runs (``heldout: true``, a quarter picked with a fixed seed before any rule ran) are reported apart, and
-the second round's held-out runs (``heldout: "round2"``, a third of the runs added in round 2) apart again, and the
-third round's (``heldout: "round3"``, every run added in round 3) apart again, the fourth round's (``heldout:
-"round4"``, every run added in round 4) apart again, the fifth round's (``heldout: "round5"``, every run added in
-round 5) apart again, the sixth round's (``heldout: "round6"``, every run added in round 6) apart again, the
-seventh round's (``heldout: "round7"``, every run added in round 7) apart again, the eighth round's (``heldout:
-"round8"``, every run added in round 8) apart again, the ninth round's (``heldout: "round9"``, every run added in
-round 9) apart again, the tenth round's (``heldout: "round10"``, every run added in round 10) apart again, the
-eleventh round's (``heldout: "round11"``, every run added in round 11) apart again, the twelfth round's
-(``heldout: "round12"``, every run added in round 12) apart again, the thirteenth round's (``heldout:
-"round13"``, every run added in round 13) apart again, and the fourteenth round's (``heldout: "round14"``, every
-run added in round 14) apart again.
+each later round's apart again (``heldout: "round2"``, a third of the runs added in round 2; ``"round3"`` to
+``"round14"``, every run added in that round: :data:`ROUNDS`).
 Runs marked ``fp16_amp`` (the logs show a GradScaler skipping a step) are replayed as fp16 runs by the two rules that
 know AMP (the package, with ``amp=True``, and the seed); the peers' rules take no such notion.
 
@@ -373,66 +364,26 @@ def per_run(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Sequenc
                 )
             cells.append(", ".join(c for c in cell if c) or "-")
         label = run.meta["label"] + (f" ({run.meta['onset_step']})" if run.sick else "")
-        held = {
-            True: " (held out)",
-            "round2": " (held out, round 2)",
-            "round3": " (held out, round 3)",
-            "round4": " (held out, round 4)",
-            "round5": " (held out, round 5)",
-            "round6": " (held out, round 6)",
-            "round7": " (held out, round 7)",
-            "round8": " (held out, round 8)",
-            "round9": " (held out, round 9)",
-            "round10": " (held out, round 10)",
-            "round11": " (held out, round 11)",
-            "round12": " (held out, round 12)",
-            "round13": " (held out, round 13)",
-            "round14": " (held out, round 14)",
-        }.get(run.meta["heldout"], "")
+        where = group(run)
+        held = {"open": "", "heldout": " (held out)"}.get(where, f" (held out, round {where[len('round') :]})")
         lines.append(f"| {run.id}{held} | {run.meta['kind']} | {run.steps} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
-#: The sets of runs reported apart: ``heldout`` false, true, ``"round2"``, ``"round3"``, ``"round4"``, ``"round5"``,
-#: ``"round6"``, ``"round7"``, ``"round8"``, ``"round9"``, ``"round10"``, ``"round11"``, ``"round12"``,
-#: ``"round13"`` and ``"round14"`` in ``runs.json``.
+#: The held-out rounds after the first, each reported apart: ``heldout`` ``"round2"`` ... in ``runs.json``.
+ROUNDS = tuple(f"round{n}" for n in range(2, 15))
+#: The sets of runs reported apart: ``heldout`` false, true, and each of :data:`ROUNDS`.
 GROUPS = {
     "open": "Runs open to tuning",
     "heldout": "Held-out runs, reported apart, not to be tuned on",
-    "round2": "Held-out runs of round 2, reported apart, not to be tuned on",
-    "round3": "Held-out runs of round 3, reported apart, not to be tuned on",
-    "round4": "Held-out runs of round 4, reported apart, not to be tuned on",
-    "round5": "Held-out runs of round 5, reported apart, not to be tuned on",
-    "round6": "Held-out runs of round 6, reported apart, not to be tuned on",
-    "round7": "Held-out runs of round 7, reported apart, not to be tuned on",
-    "round8": "Held-out runs of round 8, reported apart, not to be tuned on",
-    "round9": "Held-out runs of round 9, reported apart, not to be tuned on",
-    "round10": "Held-out runs of round 10, reported apart, not to be tuned on",
-    "round11": "Held-out runs of round 11, reported apart, not to be tuned on",
-    "round12": "Held-out runs of round 12, reported apart, not to be tuned on",
-    "round13": "Held-out runs of round 13, reported apart, not to be tuned on",
-    "round14": "Held-out runs of round 14, reported apart, not to be tuned on",
+    **{r: f"Held-out runs of round {r[len('round') :]}, reported apart, not to be tuned on" for r in ROUNDS},
 }
 
 
 def group(run: Run) -> str:
     """The set a run is reported in."""
     held = run.meta["heldout"]
-    if held in (
-        "round2",
-        "round3",
-        "round4",
-        "round5",
-        "round6",
-        "round7",
-        "round8",
-        "round9",
-        "round10",
-        "round11",
-        "round12",
-        "round13",
-        "round14",
-    ):
+    if held in ROUNDS:
         return held
     return "heldout" if held else "open"
 
