@@ -174,8 +174,7 @@ class ExplodingDetector:
         self._tail = 0.0
         if self.seen >= self.early and n:
             if self._rank[0] != n:  # once the window is full, n no longer changes
-                from_top = max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK)
-                self._rank = (n, min(from_top, n))
+                self._rank = (n, _tail_rank(n, self.quantile))
             if len(self.top) < self._rank[1]:  # a new tail's rank below the cut: set it again
                 self._cut_again()
             self._tail = self.top[len(self.top) - self._rank[1]]
@@ -227,32 +226,41 @@ class ExplodingDetector:
         return Detection(self.kind, value, limit, reason)
 
     def _take(self, value: float) -> None:
-        """Put a norm into the tail, dropping the oldest beyond ``window``."""
-        recent, top, cut = self.recent, self.top, self._cut
+        """Put a norm into the tail, dropping the oldest beyond ``window``; refresh the tail if it can have changed."""
+        recent, top, cut, tail = self.recent, self.top, self._cut, self._tail
         recent.append(value)
-        changed = self.seen < self.early or len(recent) <= self.window  # the count or the window grows
-        if self.seen < self.early:
+        n = len(recent)
+        # The tail, the rank-th largest norm of the window, can change only while it is learnt (fewer than `early`
+        # norms), when the window's growth moves its rank, or when a norm above it comes or one at or above it goes.
+        # Otherwise the tail and the limit are as they were: no refresh (the common step).
+        changed = self.seen < self.early
+        if changed:
             self.seen += 1
+        grows = n <= self.window
+        if grows and not changed:
+            changed = _tail_rank(n, self.quantile) != self._rank[1]
+        moved = False  # `top` changed
         if value > cut:
             bisect.insort(top, value)
-            changed = True
-        if len(recent) > self.window:
+            moved = True
+            changed = changed or value > tail
+        if not grows:
             old = recent.popleft()
             if old > cut:
                 del top[bisect.bisect_left(top, old)]
-                changed = True
-        if not changed:  # the window is full and nothing above the cut came or went: tail and limit are as they were
-            return
+                moved = True
+                changed = changed or old >= tail
         # The tail's rank (at most TAIL_RANK or 1% of the window from the top) must lie above the cut.
-        if len(top) > self._recut_above or (len(top) <= self._rank[1] and cut > -math.inf):
+        if (moved or grows) and (len(top) > self._recut_above or (len(top) <= self._rank[1] and cut > -math.inf)):
             self._cut_again()
-        self._refresh()
+        if changed:
+            self._refresh()
 
     def _cut_again(self) -> None:
         """Keep the window's largest norms, about twice the tail's rank and a margin, sorted in :attr:`top`."""
         ordered = sorted(self.recent)
         n = len(ordered)
-        keep = 2 * max(n - math.ceil(self.quantile * n) + 1, TAIL_RANK) + _TOP_MARGIN
+        keep = 2 * _tail_rank(n, self.quantile) + _TOP_MARGIN
         first = 0 if keep >= n else bisect.bisect_left(ordered, ordered[n - keep])  # ties with the last kept, kept
         self._cut = ordered[first - 1] if first else -math.inf
         self.top = ordered[first:]
@@ -289,6 +297,11 @@ class ExplodingDetector:
         A resumed run calls it, so that a problem still there after the resume is reported (and halts) again.
         """
         self.count = 0
+
+
+def _tail_rank(n: int, quantile: float) -> int:
+    """The tail's rank from the top among ``n`` norms: the ``quantile``'s, at least ``TAIL_RANK``, at most ``n``."""
+    return min(max(n - math.ceil(quantile * n) + 1, TAIL_RANK), n)
 
 
 def _ordinal(quantile: float) -> str:

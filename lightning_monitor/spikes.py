@@ -191,6 +191,7 @@ class SpikeDetector:
         self._per_window = 1.0 / window
         self._level_rate = 4.0 / window
         self._peak_decay = 0.5 ** (1.0 / (PEAK_MEMORY * window))
+        self._rates = (self._per_window, self._level_rate, _PER_RECENT)  # from `window` values on
 
     @property
     def std(self) -> float:
@@ -250,17 +251,21 @@ class SpikeDetector:
         if not outlier and rise > largest:
             largest = rise
         self.peak = largest
-        # Plain averages until the windows fill up, then exponential ones.
+        # Plain averages until the windows fill up, then exponential ones (at fixed rates from `window` values on).
         seen += 1
         self.seen = seen
-        per_seen = 1.0 / seen
-        rate = per_seen if per_seen > self._per_window else self._per_window
-        level_rate = per_seen if per_seen > self._level_rate else self._level_rate
-        recent_rate = per_seen if per_seen > _PER_RECENT else _PER_RECENT
+        if seen < self.window:
+            per_seen = 1.0 / seen
+            rate = per_seen if per_seen > self._per_window else self._per_window
+            level_rate = per_seen if per_seen > self._level_rate else self._level_rate
+            recent_rate = per_seen if per_seen > _PER_RECENT else _PER_RECENT
+        else:
+            rate, level_rate, recent_rate = self._rates
         self.level += level_rate * (clipped - self.level)
         self.recent += recent_rate * (clipped - predicted)
         self.var += rate * ((clipped - self.previous) ** 2 / 2 - self.var)
-        self.magnitude += rate * (abs(clipped) - self.magnitude)
+        if linear:  # the floor of the spread in linear space (log space starts it afresh there: `_go_linear`)
+            self.magnitude += rate * (abs(clipped) - self.magnitude)
         self.previous = clipped
         if not outlier and self.pending is None:  # the common step: nothing pending, nothing to report
             self.count = 0

@@ -4,6 +4,7 @@ Trainer, re-arming after an episode included."""
 from __future__ import annotations
 
 import math
+import random
 import re
 
 import pytest
@@ -299,6 +300,26 @@ def test_exploding_tail_is_a_long_window_quantile_of_the_runs_norms():
     assert det.tail == 5.0
     fired(det, [1.0] * 1000)
     assert det.tail == 1.0
+
+
+def test_exploding_tail_at_every_step_is_the_quantile_of_the_window_sorted_afresh():
+    # The tail is kept incrementally (a sorted top above a cut, refreshed only when it can have changed); here it is
+    # checked at every step against its definition computed from scratch: the `quantile` of the last `window` finite
+    # norms, at least the TAIL_RANK-th largest. Heavy tails, ties, zeros, NaN and a window that wraps around.
+    rng = random.Random(0)
+    det = ExplodingDetector("gradient norm", early=30, window=1000)  # the rank moves from 5 at 500 norms on
+    taken: list[float] = []
+    for step in range(3000):
+        norm = rng.choice([0.0, 1.0, 1.0, round(rng.paretovariate(1.5), 1), rng.lognormvariate(0, 1), math.nan])
+        if step % 700 == 650:
+            norm = 1e4  # an explosion: alerted, and kept out of the tail
+        det.update(norm)
+        if math.isfinite(norm) and not det.beyond:  # a norm beyond the limit is kept out of the tail
+            taken.append(norm)
+        window = sorted(taken[-1000:])
+        n = len(window)
+        rank = min(max(n - math.ceil(0.99 * n) + 1, 5), n)
+        assert det.tail == (window[n - rank] if len(taken) >= 30 else 0.0), step
 
 
 def test_exploding_rejects_bad_arguments():
