@@ -8,8 +8,9 @@ out. ``docs/design.md`` sets its statistics beside the peers' rules.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning_monitor.alerts import AlertKind, Detection, format_value
 
@@ -17,9 +18,12 @@ __all__ = [
     "ALWAYS_AT_ONCE",
     "AT_ONCE",
     "CONFIRM",
+    "FAMILIAR",
+    "FAMILIAR_MEMORY",
     "MIN_SPIKE_WINDOW",
     "PEAK_MARGIN",
     "PEAK_MEMORY",
+    "PendingSpike",
     "RECENT",
     "SpikeDetector",
 ]
@@ -41,9 +45,28 @@ ALWAYS_AT_ONCE = 5.0
 #: The next check stays up when it is above the level the spike was judged against by this fraction of the spike's
 #: bar (1: it is an outlier against that same level too).
 CONFIRM = 1.0
+#: A spike that would alert at its own check waits for the next one instead when the figure has had this many spikes
+#: at least half its size (in log space: half its multiple) that came straight back: a loss of one example per step
+#: (batch size 1) has single hard examples 5 to 50 times its level, after which the next step is back.
+FAMILIAR = 3
+#: How many of the last spikes that came straight back :data:`FAMILIAR` counts among.
+FAMILIAR_MEMORY = 16
 #: How fast the recent level follows once it has ``RECENT`` values.
 _PER_RECENT = 1.0 / RECENT
 _LOG_ALWAYS = math.log(ALWAYS_AT_ONCE)
+_LOG_HALF = math.log(2.0)
+
+
+class PendingSpike(NamedTuple):
+    """A spike whose next check is awaited: to confirm it (if it did not alert), and to learn whether it came back."""
+
+    value: float
+    reference: float  # the recent level it was judged against (log space unless the detector is linear)
+    std: float
+    bar: float  # the rise above the reference it crossed
+    peaked: bool  # the bar was the largest recent rise's
+    alerted: bool = False  # it alerted at its own check
+    familiar: bool = False  # it would have alerted at its own check, but the figure had FAMILIAR spikes like it
 
 
 class SpikeDetector:
@@ -82,7 +105,11 @@ class SpikeDetector:
     ``ALWAYS_AT_ONCE`` (5) times the reference; in linear space, where the largest recent rise already bars them,
     every one does. A smaller one alerts one check later, if the next finite value is still up: above the same
     reference by ``confirm`` (1) times the bar the spike crossed, a spike that persists or a level that moved. The
-    alert then carries the later step, and its message both values.
+    alert then carries the later step, and its message both values. A loss of one example per step also has single
+    hard examples 5 to 50 times its level, each back at the next step, several times in a long run; so even a spike
+    that would alert at its own check waits for the next one when the figure has already had ``FAMILIAR`` (3)
+    spikes at least half its size (half its multiple, in log space) that came straight back, among the last
+    ``FAMILIAR_MEMORY`` (16) that did: the first ones alert, and one like them that stays up still does.
 
     The statistics cannot be poisoned: NaN and infinite values are ignored, and after warm-up an outlier enters the
     averages clipped to ``reference + threshold * std`` (winsorised), so one spike barely moves them, while a
@@ -110,8 +137,8 @@ class SpikeDetector:
         linear: Whether the detector works on the raw values (after a value at or below zero with ``signed``).
         peak: The largest rise above the reference of the values that were not outliers, decaying (it bars outliers
             in linear space or with ``tail_margin``, and decides which spikes alert at their own check).
-        pending: A spike under ``at_once`` waiting for the next check (its value, reference, spread and bar), else
-            ``None``.
+        pending: The last spike, waiting for the next check (a :class:`PendingSpike`: its value, reference, spread,
+            bar, whether it alerted), else ``None``.
 
     Example:
         >>> det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss", warmup=5)
@@ -184,8 +211,9 @@ class SpikeDetector:
         self.peak = 0.0  # the largest recent rise above the reference (of the values that were not outliers)
         self.count = 0
         self.outlier = False
-        # A spike under `at_once` waiting for the next check: (value, reference, std, bar, peaked).
-        self.pending: tuple[float, float, float, float, bool] | None = None
+        self.pending: PendingSpike | None = None  # the last spike, waiting for the next check
+        # The rises of the last spikes that came straight back (log space unless linear): the figure's own tail.
+        self.came_back: deque[float] = deque(maxlen=FAMILIAR_MEMORY)
         self.alerted = False  # the episode under way has been reported
         # Rates and the peak's decay, computed once (each step reads them; the same floats as computed there).
         self._per_window = 1.0 / window
@@ -204,6 +232,7 @@ class SpikeDetector:
         self.linear = True
         self.linear_seen, self.peak = 0, 0.0  # the rises it bars a spike with are learnt afresh on raw values
         self.pending = None
+        self.came_back.clear()
         if self.seen == 0:
             return
         typical = math.exp(self.level)
@@ -273,30 +302,39 @@ class SpikeDetector:
             return None
         self.count = self.count + 1 if outlier else 0
         found = None
-        if self.pending is not None:  # the check after a spike too small to alert alone: is the level still up?
-            first, reference, spread, high, peak = self.pending
+        pending = self.pending
+        if pending is not None:  # the check after a spike: did it stay up?
             self.pending = None
-            if y - reference > self.confirm * high:
-                found = self._detection(first, reference, spread, high, peak, after=value)
+            if y - pending.reference > self.confirm * pending.bar:
+                if not pending.alerted:  # too small, or too familiar, to alert alone: it persists, or the level moved
+                    found = self._detection(pending, after=value)
+            else:  # it came straight back: part of the figure's own tail
+                self.came_back.append((pending.value if linear else math.log(pending.value)) - pending.reference)
         if self.count == self.patience and found is None and not self.alerted:
             # Large against its level and its recent course alike, or very large: at once (an outlier does not raise
-            # the largest recent rise it is compared with).
-            big = linear or rise >= _LOG_ALWAYS or (rise >= math.log(self.at_once) and rise > PEAK_MARGIN * largest)
-            if big:
-                found = self._detection(value, predicted, std, bar, peaked)
-            else:
-                self.pending = (value, predicted, std, bar, peaked)
+            # the largest recent rise it is compared with), unless the figure has had spikes like it that came back.
+            very = linear or rise >= _LOG_ALWAYS
+            big = very or (rise >= math.log(self.at_once) and rise > PEAK_MARGIN * largest)
+            familiar = very and self._familiar(rise, linear)
+            spike = PendingSpike(value, predicted, std, bar, peaked, big and not familiar, familiar)
+            if spike.alerted:
+                found = self._detection(spike)
+            self.pending = spike
         if found is not None:
             self.alerted = True
         elif self.count == 0 and self.pending is None:
             self.alerted = False
         return found
 
-    def _detection(
-        self, value: float, predicted: float, std: float, bar: float, peaked: bool, after: float | None = None
-    ) -> Detection:
-        """The alert for a spike of ``value`` over ``predicted`` (``bar`` above it), confirmed by ``after`` if given."""
-        z = ((value if self.linear else math.log(value)) - predicted) / std
+    def _familiar(self, rise: float, linear: bool) -> bool:
+        """Whether ``FAMILIAR`` of the last spikes that came straight back rose at least half as far as ``rise``."""
+        least = rise / 2 if linear else rise - _LOG_HALF
+        return sum(r >= least for r in self.came_back) >= FAMILIAR
+
+    def _detection(self, spike: PendingSpike, after: float | None = None) -> Detection:
+        """The alert for ``spike``, confirmed by the next check's ``after`` if given."""
+        value, predicted, bar, peaked = spike.value, spike.reference, spike.bar, spike.peaked
+        z = ((value if self.linear else math.log(value)) - predicted) / spike.std
         if after is not None:  # what the next step had to stay above
             bar *= self.confirm
         if self.linear:
@@ -319,6 +357,8 @@ class SpikeDetector:
             return Detection(self.kind, value, limit, reason)
         stayed = f"+{format_value(after - typical)}" if self.linear else f"{after / typical:.2g}x"
         reason += f", and the next step stayed up at {format_value(after)} ({stayed})"
+        if spike.familiar:  # why it waited for the next step
+            reason += f" (it waited a step: {FAMILIAR} or more spikes at least half its size had come straight back)"
         return Detection(self.kind, after, limit, reason)
 
     @property
@@ -340,6 +380,7 @@ class SpikeDetector:
             "peak": self.peak,
             "count": self.count,
             "pending": None if self.pending is None else list(self.pending),
+            "came_back": list(self.came_back),
             "alerted": self.alerted,
         }
 
@@ -357,9 +398,12 @@ class SpikeDetector:
         self.count = int(state.get("count", 0))
         pending = state.get("pending")
         self.pending = None
-        if pending is not None:
-            value, reference, spread, bar, peaked = pending
-            self.pending = (float(value), float(reference), float(spread), float(bar), bool(peaked))
+        if pending is not None:  # saved before `alerted` and `familiar` were kept: a spike that had not alerted
+            value, reference, spread, bar, peaked, *flags = pending
+            alerted, familiar = (bool(flag) for flag in (*flags, False, False)[:2])
+            self.pending = PendingSpike(float(value), float(reference), float(spread), float(bar), bool(peaked),
+                                        alerted, familiar)  # fmt: skip
+        self.came_back = deque((float(r) for r in state.get("came_back", [])), maxlen=FAMILIAR_MEMORY)
         self.alerted = bool(state.get("alerted", self.count >= self.patience))
 
     def rearm(self) -> None:

@@ -454,6 +454,41 @@ def test_a_spike_no_larger_than_the_courses_own_jumps_alerts_only_if_it_stays_up
     assert fired(det, [5 * level, level]) == [True, False]  # 5x: at once, whatever the course
 
 
+def hard_examples(n: int = 150, spike: float = 7.0) -> list[float]:
+    """A loss of one example per step: 0.07 +-2%, and one hard example at ``spike`` x its level, at step 100."""
+    return [0.07 * (spike if i == 100 else 1 + 0.01 * ((i * 7) % 5 - 2)) for i in range(n)]
+
+
+def test_spikes_like_ones_that_came_straight_back_wait_a_step():
+    # Round 15's `llama32_3b_lora_bs1_fp16_every10_150018`: a LoRA at batch size 1 whose loss has a single hard
+    # example at 5.5x-8.8x its level every few thousand steps, back at the next step. The first three alert; once
+    # the loss has had three spikes at least half as large that came straight back, one like them waits a step.
+    det = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss")
+    alerts = [any(fired(det, hard_examples(spike=s))) for s in (7.0, 6.0, 8.0, 7.5, 5.5, 8.8)]
+    assert alerts == [True, True, True, False, False, False]
+    assert [round(math.exp(r), 1) for r in det.came_back] == [7.0, 6.0, 8.0, 7.5, 5.5, 8.8]
+    # One like them that stays up alerts at the next step, saying why it waited.
+    fired(det, hard_examples()[:100])
+    found = [det.update(v) for v in (0.07 * 7, 0.07 * 6, 0.07)]
+    assert [f is not None for f in found] == [False, True, False]
+    assert found[1].reason.endswith(
+        "and the next step stayed up at 0.42 (6x) (it waited a step: 3 or more spikes at least half its size had "
+        "come straight back)"
+    )
+    # Twice the size of four of them waits (13x: 7x, 8x, 7.5x and 8.8x came back); of one only, at once (17x).
+    fired(det, hard_examples()[:100])
+    assert fired(det, [0.07 * 13, 0.07]) == [False, False]
+    fired(det, hard_examples()[:100])
+    assert fired(det, [0.07 * 17, 0.07]) == [True, False]
+    # The spikes that came back survive a checkpoint; one from before they were kept starts with none.
+    again = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss")
+    again.load_state_dict(det.state_dict())
+    assert again.came_back == det.came_back and again.state_dict() == det.state_dict()
+    before = SpikeDetector(AlertKind.LOSS_SPIKE, "training loss")
+    before.load_state_dict({k: v for k, v in det.state_dict().items() if k != "came_back"})
+    assert not before.came_back and fired(before, [0.07 * 7, 0.07]) == [True, False]
+
+
 def test_a_confirmed_spike_is_one_alert_and_a_nan_does_not_confirm_or_clear_it():
     det = SpikeDetector(AlertKind.LOSS_SPIKE, "loss")
     fired(det, quiet_loss())
@@ -521,6 +556,9 @@ def test_spike_rejects_bad_rule_arguments(argument, value):
         ([NAN, 1.0, 1.0, 5.0, INF, 5.0, 5.0], 6),  # non-finite losses are another detector's
         ([0.0, 5.0, 5.0, 5.0, 5.0], None),  # a start at or below zero has no ratio: off
         ([-1.0, 5.0, 5.0, 5.0, 5.0], None),
+        # Round 15's GRPO run, its loss zero by construction: 12x its first step, all of it under 1e-8.
+        ([2.764e-10, 3.684e-09, 3.661e-09, 3.646e-09, 0.0, 5.5e-07], None),
+        ([2e-5, 2e-5, 9e-5, 9e-5, 9e-5, 2e-4, 2e-4, 2e-4, 2e-4], 8),  # near zero: 4.5x is not enough, 1e-4 is
     ],
 )
 def test_loss_divergence_against_the_starting_level(values, expected_index):
@@ -542,6 +580,14 @@ def test_loss_divergence_message_episode_and_rearm():
     # 64 checks in a row under it do: the next divergence is a new episode.
     assert fired(det, [1.0] * 64 + [12.0] * 3) == [False] * 66 + [True]
     assert fired(det, [1.0] * 63 + [12.0] * 3) == [False] * 66  # one fewer: the same episode
+    # A start near zero: the floor binds, and the message says it did.
+    det = LossDivergenceDetector()
+    found = [det.update(v) for v in (3e-10, 0.5, 0.6, 0.7)][-1]
+    assert (found.value, found.threshold) == (0.7, 1e-4)
+    assert found.reason == (
+        "training loss 0.7 > 0.0001, the least loss that counts as diverging (4x its starting level 3e-10, its first"
+        " step, is below it) for 3 steps in a row"
+    )
 
 
 @pytest.mark.parametrize(
