@@ -1,9 +1,10 @@
 """Pull the logged values of public training runs into small CSVs (provenance of benchmarks/real_runs).
 
 Each source is a public GitHub repository read from a local snapshot (``git --git-dir MIRROR show
-COMMIT:PATH``): a Hugging Face ``trainer_state.json``, a modded-nanogpt record log, or a Lightning CSVLogger
-``metrics.csv`` (``format`` in ``sources.json``); only the logged figures are kept:
-``step,loss,grad_norm,val_loss,lr``. Run from the worktree root after the snapshots are on this machine::
+COMMIT:PATH``): a Hugging Face ``trainer_state.json``, a LLaMA-Factory ``trainer_log.jsonl``, a modded-nanogpt
+record log, a printed nanoGPT training log, or a Lightning CSVLogger ``metrics.csv`` (``format`` in
+``sources.json``); only the logged figures are kept: ``step,loss,grad_norm,val_loss,lr``. Run from the worktree
+root after the snapshots are on this machine::
 
     python benchmarks/real_runs/extract.py /work/.mirror
 """
@@ -58,6 +59,27 @@ def from_trainer_state(text: str) -> list[dict[str, str]]:
     return [rows[s] for s in sorted(rows)]
 
 
+def from_llamafactory_jsonl(text: str) -> list[dict[str, str]]:
+    """Rows of a LLaMA-Factory ``trainer_log.jsonl`` (one JSON object a line: ``current_steps``, ``loss``,
+    ``grad_norm`` where logged, ``lr``, ``eval_loss``), merged by step; the closing line without a loss is skipped."""
+    rows: dict[int, dict[str, str]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "current_steps" not in entry or ("loss" not in entry and "eval_loss" not in entry):
+            continue
+        step = int(entry["current_steps"])
+        row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+        if "loss" in entry:
+            row["loss"] = _num(entry["loss"])
+            row["grad_norm"] = _num(entry.get("grad_norm"))
+            row["lr"] = _num(entry.get("lr", entry.get("learning_rate")))
+        if "eval_loss" in entry:
+            row["val_loss"] = _num(entry["eval_loss"])
+    return [rows[s] for s in sorted(rows)]
+
+
 _TRAIN = re.compile(r"^step:(\d+)/\d+ train_loss:(\S+)")
 _VAL = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+)")
 
@@ -73,6 +95,25 @@ def from_nanogpt_log(text: str) -> list[dict[str, str]]:
                 row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
                 row[key] = _num(float(match.group(2)))
     # Step 0's validation is taken before any update; keep it.
+    return [rows[s] for s in sorted(rows)]
+
+
+_ITER = re.compile(r"^iter (\d+): loss ([^,\s]+),")
+_EVAL = re.compile(r"^step (\d+): train loss [^,\s]+, val loss ([^,\s]+)")
+
+
+def from_nanogpt_print(text: str) -> list[dict[str, str]]:
+    """Rows of a log printed by karpathy/nanoGPT's ``train.py`` (``iter N: loss X, time ...``, one batch's loss at
+    each ``log_interval``; ``step N: train loss A, val loss B``, estimates at each ``eval_interval``, of which the
+    validation loss is kept), merged by step; other lines (the config echo, samples) are skipped."""
+    rows: dict[int, dict[str, str]] = {}
+    for line in text.splitlines():
+        for pattern, key in ((_ITER, "loss"), (_EVAL, "val_loss")):
+            match = pattern.match(line.strip())
+            if match:
+                step = int(match.group(1))
+                row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+                row[key] = _num(float(match.group(2)))
     return [rows[s] for s in sorted(rows)]
 
 
@@ -104,6 +145,10 @@ def main(mirrors: Path) -> None:
         text = _git(mirrors, source["repo"], "show", f"{source['commit']}:{source['path']}")
         if source["format"] == "trainer_state":
             rows = from_trainer_state(text)
+        elif source["format"] == "llamafactory_jsonl":
+            rows = from_llamafactory_jsonl(text)
+        elif source["format"] == "nanogpt_print":
+            rows = from_nanogpt_print(text)
         elif source["format"] == "lightning_csv":
             rows = from_lightning_csv(text, source["columns"])
         else:
