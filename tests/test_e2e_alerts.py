@@ -579,6 +579,22 @@ def test_patience_counts_consecutive_outliers(tmp_path, length, fires):
     assert spikes(monitor) == ([("loss_spike", 152)] if fires else [])
 
 
+def test_hard_examples_like_ones_that_came_straight_back_wait_a_step(tmp_path):
+    # A loss of one example per step has single hard examples far above its level, back at the next step. The first
+    # three alert; the fourth, like them, waits for the next step and is not alerted; the fifth stays up for a second
+    # step and alerts at that step, saying why it waited (round 15's batch-size-1 LoRA, issue 33).
+    model = SpikyLM({60: 8.0, 90: 8.0, 120: 8.0, 150: 8.0, 200: 8.0, 201: 8.0})
+    monitor, trainer = fit_spiky(tmp_path, model)
+    assert spikes(monitor) == [
+        ("loss_spike", 60), ("grad_spike", 60), ("loss_spike", 90), ("grad_spike", 90),
+        ("loss_spike", 120), ("grad_spike", 120), ("loss_spike", 201), ("grad_spike", 201),
+    ]  # fmt: skip
+    waited = [a for a in monitor.alerts if a.step == 201]
+    assert all("it waited a step: 3 or more spikes at least half its size had come straight back" in a.message
+               for a in waited)  # fmt: skip
+    assert trainer.global_step == 240
+
+
 def test_skip_on_spikes_leaves_the_weights_untouched(tmp_path):
     model = SpikyLM({150: 4.0})
     monitor, trainer = fit_spiky(tmp_path, model, skip_on=["loss_spike"])
