@@ -27,9 +27,9 @@ DIVERGENCE_MARGIN = 0.1
 LOSS_DIVERGENCE_FACTOR = 4.0
 #: Consecutive checks above that level that make ``diverging_loss``.
 LOSS_DIVERGENCE_PATIENCE = 3
-#: The least training loss that counts for ``diverging_loss``, whatever its start: a loss that starts nearer zero
-#: than a quarter of it (an RL objective or a KL term, zero by construction at the first step: 3e-10 then 4e-9) has no
-#: starting level to be several times of.
+#: The least training loss that counts for ``diverging_loss``, whatever its start: a loss whose start times the factor
+#: is below it (at the default factor of 4, a start under a quarter of it: an RL objective or a KL term, zero by
+#: construction at the first step, 3e-10 then 4e-9) has no starting level to be several times of.
 LOSS_DIVERGENCE_FLOOR = 1e-4
 #: :class:`LossDivergenceDetector` judges a loss against its start times ``exp(NOISE_MARGIN * s)``, ``s`` the run's
 #: step-to-step noise in log space over the last ``NOISE_WINDOW`` checks.
@@ -434,9 +434,9 @@ class LossDivergenceDetector:
     where it starts; one several times above its start has diverged. A loss that starts at or below zero (a
     likelihood) has no such ratio, and the rule stays off for it. After an alert, the episode lasts until the loss
     has been back under the limit for ``NOISE_WINDOW`` (64) checks in a row: a diverged loss that swings across the
-    limit from batch to batch is one episode, not an alert every few steps. A loss that starts within a quarter of
-    ``LOSS_DIVERGENCE_FLOOR`` (1e-4) of zero (an RL objective, a KL term) is judged against that floor instead of
-    ``factor`` times its start: a loss of 3e-10 that goes to 4e-9 has not blown up.
+    limit from batch to batch is one episode, not an alert every few steps. A loss whose start times ``factor`` is
+    below ``LOSS_DIVERGENCE_FLOOR`` (1e-4; a start under 2.5e-5 at the default factor: an RL objective, a KL term) is
+    judged against that floor instead: a loss of 3e-10 that goes to 4e-9 has not blown up.
 
     A loss read from one small batch can start far below its own level by chance (a regression on one sample), and
     then sit above ``factor`` times it for checks in a row while it is healthy. So a check counts only where the
@@ -521,7 +521,8 @@ class LossDivergenceDetector:
             f"{self.name} {format_value(value)} > {format_value(self.factor)}x its starting level "
             f"{format_value(self.reference)} (its first step)"
         )
-        if limit > self.factor * self.reference:  # the floor binds: say so
+        floored = limit > self.factor * self.reference
+        if floored:  # the floor binds: say so
             reason = (
                 f"{self.name} {format_value(value)} > {format_value(limit)}, the least loss that counts as diverging"
                 f" ({format_value(self.factor)}x its starting level {format_value(self.reference)}, its first step,"
@@ -531,7 +532,8 @@ class LossDivergenceDetector:
             reason += f" for {self.patience} steps in a row"
         margin = math.exp(NOISE_MARGIN * self.noise)
         if margin > 1.5:  # the noise asked for more than the factor alone: say how much
-            reason += f", and above {format_value(limit * margin)}, its start beyond its step-to-step noise"
+            beyond = "the floor" if floored else "its start"
+            reason += f", and above {format_value(limit * margin)}, {beyond} beyond its step-to-step noise"
         return Detection(self.kind, value, limit, reason)
 
     @property

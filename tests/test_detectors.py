@@ -588,6 +588,11 @@ def test_loss_divergence_message_episode_and_rearm():
         "training loss 0.7 > 0.0001, the least loss that counts as diverging (4x its starting level 3e-10, its first"
         " step, is below it) for 3 steps in a row"
     )
+    # A noisy loss near zero: the noise raised the floor, not the start.
+    det = LossDivergenceDetector()
+    found = [det.update(v) for v in [1e-9] + [1e-6 if i % 2 else 3e-6 for i in range(60)] + [5e-3] * 4]
+    assert [i for i, f in enumerate(found) if f is not None] == [63]
+    assert found[63].reason.endswith("for 3 steps in a row, and above 0.0027, the floor beyond its step-to-step noise")
 
 
 @pytest.mark.parametrize(
