@@ -17,7 +17,9 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -42,41 +44,49 @@ def _num(value: object) -> str:
     return repr(number)
 
 
-def from_trainer_state(text: str) -> list[dict[str, str]]:
-    """Rows of a Hugging Face ``trainer_state.json``: train entries and eval entries merged by step."""
+def _row(rows: dict[int, dict[str, str]], step: int) -> dict[str, str]:
+    """The row of ``step`` in ``rows``, made empty on its first use."""
+    return rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+
+
+def _merged(entries: Iterable[dict[str, Any]], step_key: str, lr_keys: tuple[str, str]) -> list[dict[str, str]]:
+    """Rows of logged entries merged by step: a training entry's loss, gradient norm and learning rate (the first of
+    ``lr_keys`` present), an evaluation entry's ``eval_loss``; an entry without ``step_key`` is skipped."""
     rows: dict[int, dict[str, str]] = {}
-    for entry in json.loads(text)["log_history"]:
-        if "step" not in entry:
+    for entry in entries:
+        if step_key not in entry:
             continue
-        step = int(entry["step"])
-        row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+        row = _row(rows, int(entry[step_key]))
         if "loss" in entry:
             row["loss"] = _num(entry["loss"])
             row["grad_norm"] = _num(entry.get("grad_norm"))
-            row["lr"] = _num(entry.get("learning_rate", entry.get("lr")))
+            row["lr"] = _num(entry.get(lr_keys[0], entry.get(lr_keys[1])))
         if "eval_loss" in entry:
             row["val_loss"] = _num(entry["eval_loss"])
     return [rows[s] for s in sorted(rows)]
 
 
+def from_trainer_state(text: str) -> list[dict[str, str]]:
+    """Rows of a Hugging Face ``trainer_state.json``: train entries and eval entries merged by step."""
+    return _merged(json.loads(text)["log_history"], "step", ("learning_rate", "lr"))
+
+
 def from_llamafactory_jsonl(text: str) -> list[dict[str, str]]:
     """Rows of a LLaMA-Factory ``trainer_log.jsonl`` (one JSON object a line: ``current_steps``, ``loss``,
     ``grad_norm`` where logged, ``lr``, ``eval_loss``), merged by step; the closing line without a loss is skipped."""
+    entries = (json.loads(line) for line in text.splitlines() if line.strip())
+    logged = (e for e in entries if "loss" in e or "eval_loss" in e)
+    return _merged(logged, "current_steps", ("lr", "learning_rate"))
+
+
+def _matched(lines: Iterable[str], patterns: tuple[tuple[re.Pattern[str], str], ...]) -> list[dict[str, str]]:
+    """Rows of printed log lines merged by step: each pattern's match gives its step and the value of its key."""
     rows: dict[int, dict[str, str]] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        entry = json.loads(line)
-        if "current_steps" not in entry or ("loss" not in entry and "eval_loss" not in entry):
-            continue
-        step = int(entry["current_steps"])
-        row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
-        if "loss" in entry:
-            row["loss"] = _num(entry["loss"])
-            row["grad_norm"] = _num(entry.get("grad_norm"))
-            row["lr"] = _num(entry.get("lr", entry.get("learning_rate")))
-        if "eval_loss" in entry:
-            row["val_loss"] = _num(entry["eval_loss"])
+    for line in lines:
+        for pattern, key in patterns:
+            match = pattern.match(line)
+            if match:
+                _row(rows, int(match.group(1)))[key] = _num(float(match.group(2)))
     return [rows[s] for s in sorted(rows)]
 
 
@@ -86,16 +96,7 @@ _VAL = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+)")
 
 def from_nanogpt_log(text: str) -> list[dict[str, str]]:
     """Rows of a modded-nanogpt record log (``step:N/M train_loss:X``, ``step:N/M val_loss:Y``)."""
-    rows: dict[int, dict[str, str]] = {}
-    for line in text.splitlines():
-        for pattern, key in ((_TRAIN, "loss"), (_VAL, "val_loss")):
-            match = pattern.match(line)
-            if match:
-                step = int(match.group(1))
-                row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
-                row[key] = _num(float(match.group(2)))
-    # Step 0's validation is taken before any update; keep it.
-    return [rows[s] for s in sorted(rows)]
+    return _matched(text.splitlines(), ((_TRAIN, "loss"), (_VAL, "val_loss")))  # step 0's validation kept
 
 
 _ITER = re.compile(r"^iter (\d+): loss ([^,\s]+),")
@@ -106,15 +107,7 @@ def from_nanogpt_print(text: str) -> list[dict[str, str]]:
     """Rows of a log printed by karpathy/nanoGPT's ``train.py`` (``iter N: loss X, time ...``, one batch's loss at
     each ``log_interval``; ``step N: train loss A, val loss B``, estimates at each ``eval_interval``, of which the
     validation loss is kept), merged by step; other lines (the config echo, samples) are skipped."""
-    rows: dict[int, dict[str, str]] = {}
-    for line in text.splitlines():
-        for pattern, key in ((_ITER, "loss"), (_EVAL, "val_loss")):
-            match = pattern.match(line.strip())
-            if match:
-                step = int(match.group(1))
-                row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
-                row[key] = _num(float(match.group(2)))
-    return [rows[s] for s in sorted(rows)]
+    return _matched((line.strip() for line in text.splitlines()), ((_ITER, "loss"), (_EVAL, "val_loss")))
 
 
 def from_lightning_csv(text: str, columns: dict[str, str]) -> list[dict[str, str]]:
@@ -127,7 +120,7 @@ def from_lightning_csv(text: str, columns: dict[str, str]) -> list[dict[str, str
         step = int(float(line["step"]))
         for key, column in columns.items():
             if line.get(column) not in (None, ""):
-                row = rows.setdefault(step, {"step": str(step), "loss": "", "grad_norm": "", "val_loss": "", "lr": ""})
+                row = _row(rows, step)
                 row[key] = _num(float(line[column]))
     return [rows[s] for s in sorted(rows)]
 
