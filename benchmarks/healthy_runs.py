@@ -20,7 +20,7 @@ Into each the same five faults are injected at step ``at``: ``nan_loss`` (the lo
 value moved up by nine times its magnitude, 10x for a positive loss, at least 9 for the NLL, whose loss crosses
 zero; gradients unchanged, one step) and ``collapse``
 (every gradient times 1e-6 from ``at`` on). Each must be caught within its patience + 1 steps, with no alert
-before it; a one-step fault is skipped and training goes on, a lasting NaN gradient halts at its third check. Run::
+before it; a one-step fault is skipped and training goes on, a lasting NaN gradient halts at its fourth check. Run::
 
     python benchmarks/healthy_runs.py                       # 3000 healthy steps per run, then the faults
     python benchmarks/healthy_runs.py --steps 500 --runs lora fp16
@@ -295,10 +295,10 @@ RUNS: dict[str, Run] = {
     "bf16": Run(Mlp, Mlp.data, precision="bf16-mixed"),
 }
 #: The alert each fault must raise, whether the run halts, and the steps it may take (its patience) under the defaults.
-#: One bad step is skipped and alerted (the escalation ladder); a NaN gradient from ``at`` on halts at its third check.
+#: One bad step is skipped and alerted (the escalation ladder); a NaN gradient from ``at`` on halts at its fourth check.
 EXPECTED: dict[str, tuple[AlertKind, bool, int]] = {
     "nan_loss": (AlertKind.NONFINITE_LOSS, False, 1),
-    "nan_grad": (AlertKind.NONFINITE_GRAD, True, 3),  # under fp16: amp_overflow_patience, 16
+    "nan_grad": (AlertKind.NONFINITE_GRAD, True, 4),  # halt_after checks in a row; under fp16 amp_overflow_patience
     "explode": (AlertKind.EXPLODING_GRAD, False, 1),
     "loss_spike": (AlertKind.LOSS_SPIKE, False, 1),
     "collapse": (AlertKind.VANISHING_GRAD, False, 50),

@@ -24,8 +24,8 @@ Command                                             What the monitor does
                                                     with it, and ``exploding_grad`` halts training
 ``--inject-nan-at 40``                              ``nonfinite_loss`` at step 40 (the loss is multiplied by NaN):
                                                     an isolated bad step, skipped, and training goes on
-``--inject-nan-at 40 --nan-steps 5``                NaN from step 40 on: steps 40 and 41 are skipped, the third in
-                                                    a row halts training (``halt_after=3``), weights stay finite
+``--inject-nan-at 40 --nan-steps 5``                NaN from step 40 on: steps 40 to 42 are skipped, the fourth in
+                                                    a row halts training (``halt_after=4``), weights stay finite
 ``--inject-nan-at 40 --halt-after 1``               the first NaN halts training
 ``--inject-nan-at 40 --nan-steps 5 --halt-mode raise``  the same, but ``trainer.fit`` raises ``TrainingHalted``
 ``--inject-nan-at 40 --nan-steps 5 --observe-only``  the alert only (``halt_on=[]``); the NaN steps are still
@@ -34,7 +34,7 @@ Command                                             What the monitor does
                                                     ``--spike-factor`` 10 for ``--spike-steps`` 1 step), no halt.
                                                     Spikes are judged after 64 steps of warm-up
 ``--inject-spike-at 100 --spike-factor 1000``       ``loss_spike`` plus ``exploding_grad`` (the gradients are scaled
-                                                    too), which halts
+                                                    too): an isolated bad step, skipped, and training goes on
 ``--inject-spike-at 100 --skip-spikes``             the same alert, and the spiking step is skipped (``skip_on``);
                                                     training goes on and ``skipped_steps`` counts it
 ``--precision bf16-mixed``                          the same checks under bf16 autocast (``16-mixed`` needs a GPU;
@@ -335,9 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     monitor.add_argument("--watch-activations", action="store_true", help="name the first module with NaN/Inf output")
     monitor.add_argument("--check-every", type=int, default=1, help="check_every_n_steps")
     monitor.add_argument("--halt-mode", choices=["stop", "raise"], default="stop")
-    monitor.add_argument(
-        "--halt-after", type=int, default=3, help="bad steps in the last 16 checks that halt (1: the first)"
-    )
+    monitor.add_argument("--halt-after", type=int, default=4, help="bad checks in a row that halt (1: the first)")
     monitor.add_argument("--observe-only", action="store_true", help="report alerts but never halt (halt_on=[])")
     monitor.add_argument("--no-layer-norms", action="store_true", help="log only the total gradient norm")
     return parser.parse_args(argv)

@@ -9,12 +9,14 @@ whether a post-mortem bundle is written, whether a good state is kept or restore
 trainer, a file or a tensor, so every rule is tested with plain values (``tests/test_decision.py``).
 
 **The escalation ladder.** A step-level problem (a non-finite loss or gradient, an exploding gradient) of a kind in
-``halt_on`` is never applied to the weights. On one isolated step it is skipped and alerted, and training goes on;
-once it has been beyond its limit at ``halt_after`` of the last :data:`HALT_WINDOW` checks of its optimizer, training
-halts. A problem present at every check from some step therefore halts at its ``halt_after``-th check; ``halt_after=1``
-halts at the first. The other kinds halt at their first alert when they are in ``halt_on`` (they count a patience of
-their own): a diverging validation or training loss or vanishing gradients the user put there, fp16 overflows that
-the GradScaler could not absorb, a spike, and a recovery that is exhausted.
+``halt_on`` is never applied to the weights. On one isolated step it is skipped and alerted, and training goes on; once
+it has been beyond its limit at ``halt_after`` checks of its optimizer in a row, or at :data:`HALT_RECURRENCES` of its
+last :data:`HALT_WINDOW` checks (a problem that comes back at every other check), training halts. A problem present at
+every check from some step therefore halts at its ``halt_after``-th check; ``halt_after=1`` halts at the first. A storm
+that comes and goes (found at most checks for a while, but never at ``halt_after`` in a row, nor at half of the window)
+is skipped step by step and does not halt the run. The other kinds halt at their first alert when they are in
+``halt_on`` (they count a patience of their own): a diverging validation or training loss or vanishing gradients the
+user put there, fp16 overflows that the GradScaler could not absorb, a spike, and a recovery that is exhausted.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from lightning_monitor.alerts import AlertKind, Detection, Judgement
-from lightning_monitor.settings import HALT_WINDOW
+from lightning_monitor.settings import HALT_RECURRENCES, HALT_WINDOW
 
 if TYPE_CHECKING:
     from lightning_monitor.recovery import RecoveryRecord
     from lightning_monitor.settings import ResponseSettings
 
 __all__ = [
+    "HALT_RECURRENCES",
     "HALT_WINDOW",
     "LADDER_KINDS",
     "Judgement",
@@ -97,14 +100,14 @@ class Policy:
     """What the user asked for: which kinds halt, skip, how soon a recurring problem halts, when to bundle.
 
     Example:
-        >>> policy = Policy(frozenset({AlertKind.NONFINITE_LOSS}), halt_after=3)
+        >>> policy = Policy(frozenset({AlertKind.NONFINITE_LOSS}), halt_after=2)
         >>> policy.halt_after, policy.postmortem
-        (3, 'halt')
+        (2, 'halt')
     """
 
     halt_on: frozenset[AlertKind]
     skip_on: frozenset[AlertKind] = frozenset()
-    halt_after: int = 3
+    halt_after: int = 4
     postmortem: Literal["halt", "alert"] | None = "halt"
 
     @classmethod
@@ -144,9 +147,14 @@ class Ladder:
 
     Example:
         >>> ladder = Ladder().record(0, {AlertKind.NONFINITE_LOSS}, check=5)
-        >>> ladder = ladder.record(0, {AlertKind.NONFINITE_LOSS}, check=30)  # 25 checks later: the first left
+        >>> ladder = ladder.record(0, {AlertKind.NONFINITE_LOSS}, check=40)  # 35 checks later: the first left
         >>> ladder.count(0, AlertKind.NONFINITE_LOSS)
         1
+        >>> ladder = ladder.record(0, {AlertKind.NONFINITE_LOSS}, check=41)
+        >>> ladder.streak(0, AlertKind.NONFINITE_LOSS, check=41), ladder.streak(0, AlertKind.NONFINITE_LOSS, check=42)
+        (2, 0)
+        >>> ladder.halts(0, AlertKind.NONFINITE_LOSS, check=41, halt_after=2)
+        True
         >>> Ladder.from_state(ladder.state_dict()) == ladder
         True
     """
@@ -166,6 +174,22 @@ class Ladder:
     def count(self, optimizer: int, kind: AlertKind) -> int:
         """How many of the last :data:`HALT_WINDOW` checks of ``optimizer`` found ``kind`` beyond its limit."""
         return len(self.hits.get((optimizer, kind), ()))
+
+    def streak(self, optimizer: int, kind: AlertKind, check: int) -> int:
+        """How many checks of ``optimizer`` in a row, ending at ``check``, found ``kind`` beyond its limit."""
+        run, last = 0, check
+        for hit in reversed(self.hits.get((optimizer, kind), ())):
+            if hit != last:
+                break
+            run, last = run + 1, last - 1
+        return run
+
+    def halts(self, optimizer: int, kind: AlertKind, check: int, halt_after: int) -> bool:
+        """Whether ``kind`` has recurred enough to halt: ``halt_after`` checks in a row, or most of the window.
+
+        Most of the window: :data:`HALT_RECURRENCES` of the last :data:`HALT_WINDOW` checks.
+        """
+        return self.streak(optimizer, kind, check) >= halt_after or self.count(optimizer, kind) >= HALT_RECURRENCES
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
@@ -190,11 +214,14 @@ class Ruling:
         rung: What it does.
         recurrences: For a step-level kind on the ladder, at how many of the last :data:`HALT_WINDOW` checks it was
             beyond its limit (this one included); 0 for the others.
+        streak: For a step-level kind on the ladder, at how many checks in a row, ending at this one; 0 for the
+            others.
     """
 
     detection: Detection
     rung: Rung
     recurrences: int = 0
+    streak: int = 0
 
 
 class Verdict(NamedTuple):
@@ -240,25 +267,27 @@ def decide(judgement: Judgement, facts: StepFacts, plan: RecoveryPlan, ladder: L
         >>> judged = Judgement((nan,), {AlertKind.NONFINITE_LOSS: nan})
         >>> policy, ladder = Policy(frozenset({AlertKind.NONFINITE_LOSS})), Ladder()
         >>> rungs = []
-        >>> for check in range(3):  # NaN at every check: skipped, skipped, then halts at the third
+        >>> for check in range(4):  # NaN at every check: skipped three times, then halts at the fourth
         ...     verdict = decide(judged, StepFacts(check=check, unsafe=True), RecoveryPlan([nan]), ladder, policy)
         ...     ladder = verdict.ladder
         ...     rungs.append((verdict.skip, verdict.rulings[0].rung.value))
         >>> rungs
-        [(True, 'skip'), (True, 'skip'), (True, 'halt')]
+        [(True, 'skip'), (True, 'skip'), (True, 'skip'), (True, 'halt')]
     """
     detections, beyond = plan.detections, judgement.beyond
     if not (detections or beyond or facts.unsafe or facts.halted or plan.skip or plan.keep or plan.finished):
         return Verdict(ladder=ladder)  # the common case: a healthy step
     halt_on = plan.halt_on(policy.halt_on)
     climbing = {k for k in beyond if k in halt_on and k in LADDER_KINDS and _climbs(k, facts)}
-    ladder = ladder.record(facts.optimizer, climbing, facts.check)
+    before, ladder = ladder, ladder.record(facts.optimizer, climbing, facts.check)
     rulings = [_rule(detection, halt_on, plan, ladder, facts, policy) for detection in detections]
     fired = {d.kind for d in detections}
-    rulings += [  # a problem that came back within its episode (no new alert), and now halts
-        Ruling(beyond[kind], Rung.HALT, policy.halt_after)
+    rulings += [  # a problem that came back within its episode (no new alert), and halts from this check
+        _on_ladder(beyond[kind], Rung.HALT, ladder, facts)
         for kind in sorted(climbing - fired, key=lambda k: k.value)
-        if ladder.count(facts.optimizer, kind) == policy.halt_after and kind not in plan.forced
+        if kind not in plan.forced
+        and ladder.halts(facts.optimizer, kind, facts.check, policy.halt_after)
+        and not before.halts(facts.optimizer, kind, facts.check - 1, policy.halt_after)
     ]
     halting = any(r.rung is Rung.HALT for r in rulings)
     skip = not facts.read_after_step and (
@@ -327,8 +356,14 @@ def _rule(
         return Ruling(detection, Rung.ALERT)
     if kind in plan.forced or kind not in LADDER_KINDS or not _climbs(kind, facts):
         return Ruling(detection, Rung.HALT)
-    count = ladder.count(facts.optimizer, kind)
-    return Ruling(detection, Rung.HALT if count >= policy.halt_after else Rung.SKIP, count)
+    halts = ladder.halts(facts.optimizer, kind, facts.check, policy.halt_after)
+    return _on_ladder(detection, Rung.HALT if halts else Rung.SKIP, ladder, facts)
+
+
+def _on_ladder(detection: Detection, rung: Rung, ladder: Ladder, facts: StepFacts) -> Ruling:
+    """The ruling of a step-level kind on the ladder, with how far it has climbed."""
+    kind, optimizer = detection.kind, facts.optimizer
+    return Ruling(detection, rung, ladder.count(optimizer, kind), ladder.streak(optimizer, kind, facts.check))
 
 
 def _bundles(rulings: list[Ruling], policy: Policy) -> bool:

@@ -110,13 +110,13 @@ class TrainingMonitor(Callback):
 
     A non-finite gradient or loss never reaches the weights: the monitor skips that step (under fp16 AMP the GradScaler
     skips overflows), and one that halts or is beyond ``skip_on`` (``host_sync="deferred"``: non-finite ones only).
-    **Escalation ladder**: a step-level problem in ``halt_on`` (a non-finite loss or gradient, an exploding gradient)
-    on one isolated step is skipped and alerted, and training goes on; one that comes back at ``halt_after`` of the
-    last 16 checks halts (:mod:`~lightning_monitor.decision`). Other kinds in ``halt_on`` halt at their first alert.
-    Halting sets ``trainer.should_stop`` (like ``EarlyStopping``), or raises :class:`TrainingHalted` on every rank
-    with ``halt_mode="raise"``, and writes a post-mortem bundle (:mod:`lightning_monitor.postmortem`). Each check
-    gathers every rank's figures in one ``all_gather`` and one host read, the monitor's only host synchronisation,
-    so every rank decides alike on the same numbers.
+    **Escalation ladder**: a step-level problem in ``halt_on`` (a non-finite loss or gradient, an exploding
+    gradient) on one isolated step is skipped and alerted, and training goes on; one found at ``halt_after`` checks
+    in a row, or at 16 of the last 32, halts (:mod:`~lightning_monitor.decision`). Other kinds in ``halt_on`` halt
+    at their first alert. Halting sets ``trainer.should_stop`` (like ``EarlyStopping``), or raises
+    :class:`TrainingHalted` on every rank with ``halt_mode="raise"``, and writes a post-mortem bundle
+    (:mod:`lightning_monitor.postmortem`). Each check gathers every rank's figures in one ``all_gather`` and one
+    host read, the monitor's only host synchronisation, so every rank decides alike on the same numbers.
 
     **Logged metrics** (to every logger, on Lightning's logging steps; with several optimizers ``grad_norm`` and
     ``grad_norm_layers`` get an ``_opt<i>`` suffix; none is a path prefix of another):
@@ -168,9 +168,10 @@ class TrainingMonitor(Callback):
             this many times its best level (and beyond its block-to-block noise) for 2 blocks in a row: a loss that
             creeps back up after it had converged. ``None`` turns it off.
         halt_on: The alert kinds that stop training; an empty collection only observes.
-        halt_after: How many of the last 16 checks of an optimizer a step-level problem of a ``halt_on`` kind (a
-            non-finite loss or gradient, an exploding gradient) must be found at before training halts; until then
-            each such step is skipped and alerted. ``1`` halts at the first.
+        halt_after: At how many checks of an optimizer in a row a step-level problem of a ``halt_on`` kind (a
+            non-finite loss or gradient, an exploding gradient) must be found before training halts; until then each
+            such step is skipped and alerted. One found at 16 of the last 32 checks halts too, in a row or not.
+            ``1`` halts at the first; at most 16.
         halt_mode: ``"stop"`` sets ``trainer.should_stop``; ``"raise"`` raises :class:`TrainingHalted`.
         loss_spike_threshold: Z-score of the training loss (in log space while positive) above which a step is a
             loss spike (6: OLMo-core's 6 sigma; see the detector). ``None`` turns the check off.
@@ -279,7 +280,7 @@ class TrainingMonitor(Callback):
         loss_divergence_factor: float | None = 4.0,
         loss_drift_factor: float | None = 2.0,
         halt_on: Sequence[AlertKindName] = DEFAULT_HALT_ON,
-        halt_after: int = 3,
+        halt_after: int = 4,
         halt_mode: Literal["stop", "raise"] = "stop",
         loss_spike_threshold: float | None = 6.0,
         grad_spike_threshold: float | None = 6.0,

@@ -25,6 +25,7 @@ from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 __all__ = [
     "AlertKindName",
     "DEFAULT_HALT_ON",
+    "HALT_RECURRENCES",
     "HALT_WINDOW",
     "StepKindName",
     "FigureSettings",
@@ -70,8 +71,11 @@ DEFAULT_HALT_ON: tuple[AlertKindName, ...] = (
     "nonfinite_grad",
     "exploding_grad",
 )
-#: The checks of one optimizer over which a step-level problem's recurrences count towards a halt (``halt_after``).
-HALT_WINDOW = 16
+#: The checks of one optimizer over which a step-level problem's recurrences count towards a halt.
+HALT_WINDOW = 32
+#: A step-level problem found at this many of the last :data:`HALT_WINDOW` checks halts, in a row or not: one that
+#: comes back at every other check never makes ``halt_after`` in a row.
+HALT_RECURRENCES = HALT_WINDOW // 2
 #: Alert kinds raised at an optimizer step, whose step can be skipped (``skip_on``) or recovered from (``recover_on``).
 STEP_KINDS = frozenset(AlertKind) - {AlertKind.DIVERGING_VAL_LOSS, AlertKind.TOKEN_ACC_STALL, AlertKind.RECOVERED}
 
@@ -208,7 +212,7 @@ class ResponseSettings:
     postmortem: Literal["halt", "alert"] | None
     alerts_file: str | None
     summary_on_fit_end: bool
-    halt_after: int = 3
+    halt_after: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "halt_on", _kinds("halt_on", self.halt_on))
@@ -224,10 +228,10 @@ class ResponseSettings:
         _file_name(self, "alerts_file")
         _flag(self, "summary_on_fit_end")
         _count(self, "halt_after", 1)
-        if self.halt_after > HALT_WINDOW:
+        if self.halt_after > HALT_RECURRENCES:
             raise ValueError(
-                f"Expected argument `halt_after` to be at most {HALT_WINDOW} (the checks it counts over), but got"
-                f" {self.halt_after!r}"
+                f"Expected argument `halt_after` to be at most {HALT_RECURRENCES} (a problem at {HALT_RECURRENCES} of"
+                f" the last {HALT_WINDOW} checks halts whatever it is), but got {self.halt_after!r}"
             )
 
 

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_monitor._host import fsum
 from lightning_monitor.alerts import Alert, AlertKind, format_value
-from lightning_monitor.decision import HALT_WINDOW, Ruling, Rung
+from lightning_monitor.decision import HALT_RECURRENCES, HALT_WINDOW, Ruling, Rung
 from lightning_monitor.deferred import OnDevice
 from lightning_monitor.step_figures import StepFigures
 
@@ -134,7 +134,7 @@ class AlertContext:
     weights_ok: bool = True
     bundle: Path | None = None
     halt_mode: str = "stop"
-    halt_after: int = 3
+    halt_after: int = 4
     ended: bool = False
 
 
@@ -192,9 +192,9 @@ def make_alert(ruling: Ruling, context: AlertContext) -> Alert:
         >>> alert = make_alert(Ruling(nan, Rung.SKIP, 1), AlertContext(at=4, epoch=0, skipped=True))
         >>> print(alert.message)  # doctest: +NORMALIZE_WHITESPACE
         Training loss is nan at step 4 (epoch 0). The optimizer step was skipped, so the weights are unchanged.
-        Training goes on: an isolated bad step is skipped, and 3 of the last 16 checks halt (halt_after=3). Check
-        the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over fp16 if
-        activations overflow.
+        Training goes on: an isolated bad step is skipped, and 4 checks in a row (halt_after=4), or 16 of the last
+        32, halt. Check the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over
+        fp16 if activations overflow.
     """
     detection = ruling.detection
     return Alert(
@@ -222,13 +222,15 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
     done = _what_was_done(context)
     if ruling.rung is Rung.HALT:
         step = "Training is halting." if context.halt_mode == "stop" else "Raising TrainingHalted."
-        if ruling.recurrences and after > 1:
-            step = f"It came back at {ruling.recurrences} of the last {HALT_WINDOW} checks (halt_after={after}): {step}"
+        if ruling.streak >= after > 1:
+            step = f"It was found at {ruling.streak} checks in a row (halt_after={after}): {step}"
+        elif ruling.recurrences >= HALT_RECURRENCES:
+            step = f"It came back at {ruling.recurrences} of the last {HALT_WINDOW} checks: {step}"
         rung_words = step
     elif ruling.rung is Rung.SKIP:
         rung_words = (
-            f"Training goes on: an isolated bad step is skipped, and {after} of the last {HALT_WINDOW} checks halt"
-            f" (halt_after={after})."
+            f"Training goes on: an isolated bad step is skipped, and {after} checks in a row (halt_after={after}),"
+            f" or {HALT_RECURRENCES} of the last {HALT_WINDOW}, halt."
         )
     else:
         rung_words = ""

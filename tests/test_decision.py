@@ -59,20 +59,34 @@ def run(checks: str, policy: Policy = DEFAULT, **facts: bool) -> list[tuple[bool
         ("....", [(False, "")] * 4),
         # One isolated NaN: skipped and alerted, training goes on.
         ("..N..", [(False, ""), (False, ""), (True, "s"), (False, ""), (False, "")]),
-        # A NaN at every check from some step: skipped twice, halts at the third (within 4 checks of the first).
-        (".Nnn", [(False, ""), (True, "s"), (True, ""), (True, "h")]),
-        # The same problem coming back in new episodes: each alerts; the third in the window halts.
-        ("N.N.N", [(True, "s"), (False, ""), (True, "s"), (False, ""), (True, "h")]),
-        # Three NaNs further apart than the window: each one isolated, never a halt.
-        ("N" + "." * HALT_WINDOW + "N" + "." * HALT_WINDOW + "N", None),
-        # An exploding gradient that stays up: one alert, then the halt at its third check.
-        ("Eee.", [(True, "s"), (True, ""), (True, "h"), (False, "")]),
+        # A NaN at every check from some step: skipped three times, halts at the fourth (within 4 checks of the first).
+        (".Nnnn", [(False, ""), (True, "s"), (True, ""), (True, ""), (True, "h")]),
+        # The same problem coming back in new episodes, with healthy checks between: each alerts and is skipped...
+        ("N.N.N.N", [(True, "s"), (False, ""), (True, "s"), (False, ""), (True, "s"), (False, ""), (True, "s")]),
+        # ... until it has been found at half of the last 32 checks: every other check, the 16th halts.
+        ("N." * 15 + "N", [(True, "s"), (False, "")] * 15 + [(True, "h")]),
+        # A storm that comes and goes (7 of 11 checks, never 4 in a row, as a real LoRA run had): never a halt.
+        (
+            "N.Nn..Nnn.N" + "." * 30,
+            [(True, "s"), (False, ""), (True, "s"), (True, ""), (False, ""), (False, ""), (True, "s")]
+            + [(True, ""), (True, ""), (False, ""), (True, "s")]
+            + [(False, "")] * 30,
+        ),
+        # Many NaNs further apart than the window: each one isolated, never a halt.
+        (("N" + "." * HALT_WINDOW) * 6, None),
+        # An exploding gradient that stays up: one alert, then the halt at its fourth check.
+        ("Eeee.", [(True, "s"), (True, ""), (True, ""), (True, "h"), (False, "")]),
+        # halt_after counts the checks in a row: two in a row, two healthy checks, then the fourth in a row halts.
+        (
+            "Nn..Nnnn",
+            [(True, "s"), (True, ""), (False, ""), (False, ""), (True, "s"), (True, ""), (True, ""), (True, "h")],
+        ),
     ],
 )
 def test_the_ladder_skips_an_isolated_bad_step_and_halts_a_recurring_one(checks, expected):
     verdicts = run(checks)
     if expected is None:  # the isolated case over a long run: every bad check skipped, none halts
-        assert [v for v in verdicts if v != (False, "")] == [(True, "s")] * 3
+        assert [v for v in verdicts if v != (False, "")] == [(True, "s")] * checks.count("N")
     else:
         assert verdicts == expected
 
@@ -87,12 +101,13 @@ def test_halt_after_counts_its_own_recurrences():
 
 def test_the_halting_ruling_says_how_often_the_problem_came():
     ladder, verdict = Ladder(), None
-    for number in range(3):
+    for number in range(4):
         judged = Judgement((NAN_LOSS,), {AlertKind.NONFINITE_LOSS: NAN_LOSS})
         verdict = decide(judged, StepFacts(check=number, unsafe=True), RecoveryPlan([NAN_LOSS]), ladder, DEFAULT)
         ladder = verdict.ladder
     assert verdict is not None and verdict.halt is not None
-    assert (verdict.halt.rung, verdict.halt.recurrences, verdict.bundle) == (Rung.HALT, 3, True)
+    halt = verdict.halt
+    assert (halt.rung, halt.recurrences, halt.streak, verdict.bundle) == (Rung.HALT, 4, 4, True)
 
 
 def test_each_optimizer_climbs_its_own_ladder():

@@ -26,7 +26,7 @@ from lightning_monitor import TrainingMonitor
 
 LOG_EVERY = 10
 #: The faults, all off the logging steps (step + 1 a multiple of 10 logs): the steps the short way takes.
-LOSS_FACTORS = {23: float("nan"), 47: 1e6, 84: float("nan"), 85: float("nan"), 86: float("nan")}
+LOSS_FACTORS = {23: float("nan"), 47: 1e6, **dict.fromkeys(range(84, 88), float("nan"))}
 NAN_GRADIENT = {36: 0}
 
 
@@ -66,10 +66,10 @@ def test_calm_steps_take_the_short_way_and_decide_as_the_full_way(tmp_path: Path
     full_trainer, full, full_weights, full_calm = run(tmp_path / "full", progress_bar=True)
 
     assert full_calm == []  # `progress_bar` sends every step the full way
-    # The short way read every step up to the halt at step 86 but the first (the layers' forward order is learnt
+    # The short way read every step up to the halt at step 87 but the first (the layers' forward order is learnt
     # there), the logging steps and the steps after them (they carry the logged step's token counts), and handed the
     # faulty ones on to be alerted.
-    assert calm == [step for step in range(87) if (step + 1) % LOG_EVERY and step % LOG_EVERY]
+    assert calm == [step for step in range(88) if (step + 1) % LOG_EVERY and step % LOG_EVERY]
     assert {*LOSS_FACTORS, *NAN_GRADIENT} <= set(calm)
 
     def summary(monitor: TrainingMonitor, folder: Path) -> list[tuple[str, int, str]]:
@@ -82,11 +82,11 @@ def test_calm_steps_take_the_short_way_and_decide_as_the_full_way(tmp_path: Path
         ("loss_spike", 47),
         ("exploding_grad", 47),
         ("nonfinite_loss", 84),
-        ("nonfinite_loss", 86),  # the third of the last 16 checks: it halts
+        ("nonfinite_loss", 87),  # the fourth check in a row: it halts
     ]
     assert short.stopping_reason is not None and short.stopping_reason.value == "nonfinite_loss"
-    assert short_trainer.global_step == full_trainer.global_step == 87
-    assert short.skipped_steps == full.skipped_steps == 6  # 23, 36, 47 and 84-86: never applied
+    assert short_trainer.global_step == full_trainer.global_step == 88
+    assert short.skipped_steps == full.skipped_steps == 7  # 23, 36, 47 and 84-87: never applied
     assert _equal(short_weights, full_weights)
     assert dumped(short.state_dict(), tmp_path / "short") == dumped(full.state_dict(), tmp_path / "full")
     assert dumped(short.latest, tmp_path) == dumped(full.latest, tmp_path)  # NaN figures: compared as text
@@ -105,7 +105,7 @@ def test_calm_steps_take_the_short_way_and_decide_as_the_full_way(tmp_path: Path
     assert len(lines(short_trainer, tmp_path / "short")) == 6
     assert history_lines(Path(short_trainer.log_dir)) == history_lines(Path(full_trainer.log_dir))
     # The bundle's history holds the last checks' records, the short way's among them.
-    bundle = Path("postmortem", "step0000086_nonfinite_loss", "history.jsonl")
+    bundle = Path("postmortem", "step0000087_nonfinite_loss", "history.jsonl")
     short_history = (Path(short_trainer.log_dir) / bundle).read_text()
     assert short_history == (Path(full_trainer.log_dir) / bundle).read_text()
     assert len(short_history.splitlines()) > 20

@@ -253,22 +253,25 @@ NAN = float("nan")
 
 
 def test_the_ladder_survives_a_resume(tmp_path):
-    model = ScriptedModel(loss_factor={3: NAN, 6: NAN})
+    model = ScriptedModel(loss_factor={2: NAN, 5: NAN, 6: NAN, 7: NAN})
     first = TrainingMonitor(val_loss_key=None, postmortem=None)
     trainer = make_trainer(tmp_path, [first], max_steps=8)
     trainer.fit(model, loader(16), loader(8))  # one epoch of 8 steps: the checkpoint is at its end
-    assert [(a.step, a.halted) for a in first.alerts] == [(3, False), (6, False)]
+    assert [(a.step, a.halted) for a in first.alerts] == [(2, False), (5, False)]
     path = tmp_path / "mid.ckpt"
     trainer.save_checkpoint(path)
     (saved,) = torch.load(path, weights_only=True)["callbacks"].values()
-    assert saved["ladder"] == {"hits": [[0, "nonfinite_loss", [3, 6]]]} and saved["checks"] == {"0": 8}
+    assert saved["ladder"] == {"hits": [[0, "nonfinite_loss", [2, 5, 6, 7]]]} and saved["checks"] == {"0": 8}
 
     resumed = TrainingMonitor(val_loss_key=None, postmortem=None)
-    model = ScriptedModel(loss_factor={9: NAN})
-    make_trainer(tmp_path, [resumed], max_steps=20).fit(model, loader(16), loader(8), ckpt_path=path)
-    # The two alerts restored, then the third NaN within the window halts.
-    assert [a.halted for a in resumed.alerts] == [False, False, True]
-    assert resumed.stopping_reason is AlertKind.NONFINITE_LOSS
+    model = ScriptedModel(loss_factor={8: NAN})
+    trainer = make_trainer(tmp_path, [resumed], max_steps=20)
+    trainer.fit(model, loader(16), loader(8), ckpt_path=path)
+    # The two alerts restored, then the NaN of the first step after the resume is the fourth in a row: it halts. (An
+    # alert's step is Lightning's logging step, which this resume, from a checkpoint saved after `fit`, puts at 9.)
+    assert [(a.step, a.halted) for a in resumed.alerts] == [(2, False), (5, False), (9, True)]
+    assert "It was found at 4 checks in a row" in resumed.alerts[-1].message
+    assert resumed.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 9
 
 
 class Killed(ScriptedModel):

@@ -102,18 +102,18 @@ def test_an_isolated_nan_is_skipped_and_training_goes_on(example, tmp_path):
     assert monitor.skipped_steps == 1
 
 
-def test_a_nan_that_persists_halts_at_its_third_check(example, tmp_path):
+def test_a_nan_that_persists_halts_at_its_fourth_check(example, tmp_path):
     monitor, _ = run(example, tmp_path, "--inject-nan-at", "5", "--nan-steps", "5", "--max-steps", "20")
 
     assert monitor.stopping_reason == "nonfinite_loss"
-    assert [(a.step, a.halted) for a in monitor.alerts] == [(5, False), (7, True)]
-    assert "It came back at 3 of the last 16 checks (halt_after=3)" in monitor.alerts[1].message
-    assert monitor.skipped_steps == 3
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(5, False), (8, True)]
+    assert "It was found at 4 checks in a row (halt_after=4)" in monitor.alerts[1].message
+    assert monitor.skipped_steps == 4
 
 
 def test_huge_learning_rate_warns_then_the_exploding_gradient_halts(example, tmp_path):
     """The README's `--lr 50`, at the example's own size: the loss far above its start is a warning (a loss may rise
-    by design), and the gradient norm that explodes with it halts at its third recurrence."""
+    by design), and the gradient norm that explodes with it halts at its fourth check in a row."""
     flags = ["--max-steps", "30", "--corpus-chars", "200000", "--accelerator", "cpu", "--no-progress-bar"]
     monitor = example.main([*flags, "--logdir", str(tmp_path), "--lr", "50"])
     (log_dir,) = (tmp_path / "tiny_lm").iterdir()
@@ -121,7 +121,7 @@ def test_huge_learning_rate_warns_then_the_exploding_gradient_halts(example, tmp
     assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [
         ("diverging_loss", 3, False),
         ("exploding_grad", 3, False),
-        ("exploding_grad", 5, True),
+        ("exploding_grad", 6, True),
     ]
     assert monitor.stopping_reason == "exploding_grad"
     assert all(a.value > a.threshold for a in monitor.alerts)  # above the limit each names

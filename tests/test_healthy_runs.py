@@ -67,7 +67,7 @@ def test_fault_is_caught_within_its_patience(runs, run, fault):
     assert first == kind.value
     assert at <= step <= at + patience - 1  # caught on the step, or once its patience is spent
     halted = [s for s, k, h in outcome.alerts if h]
-    if halts:  # a lasting fault halts within its patience (the escalation ladder: at its third check)
+    if halts:  # a lasting fault halts within its patience (the escalation ladder: at its fourth check in a row)
         assert halted[0] <= at + patience - 1
         assert outcome.steps == halted[0] + 1
     else:  # a one-step fault is skipped and alerted, and training goes on
