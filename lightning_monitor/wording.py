@@ -228,10 +228,12 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
             step = f"It came back at {ruling.recurrences} of the last {HALT_WINDOW} checks: {step}"
         rung_words = step
     elif ruling.rung is Rung.SKIP:
-        rung_words = (
-            f"Training goes on: an isolated bad step is skipped, and {after} checks in a row (halt_after={after}),"
-            f" or {HALT_RECURRENCES} of the last {HALT_WINDOW}, halt."
-        )
+        rule = f"{after} checks in a row (halt_after={after}), or {HALT_RECURRENCES} of the last {HALT_WINDOW}, halt."
+        if ruling.recurrences > 1:  # a storm that comes and goes: how close it has come
+            found = f"it was found at {ruling.recurrences} of the last {HALT_WINDOW} checks"
+            rung_words = f"Training goes on: {found}; {rule}"
+        else:
+            rung_words = f"Training goes on: an isolated bad step is skipped, and {rule}"
     else:
         rung_words = ""
     action = " ".join(part for part in (done, rung_words) if part)

@@ -483,6 +483,9 @@ def test_a_storm_that_comes_and_goes_is_skipped_step_by_step_and_never_halts(tmp
     trainer = fit_ladder(tmp_path, model, monitor)
 
     assert [(a.step, a.halted) for a in monitor.alerts] == [(3, False), (5, False), (9, False), (13, False)]
+    assert "Training goes on: an isolated bad step is skipped, and 4 checks in a row" in monitor.alerts[0].message
+    said = [a.message.split("Training goes on: ")[1].split(";")[0] for a in monitor.alerts[1:]]
+    assert said == [f"it was found at {n} of the last 32 checks" for n in (2, 4, 7)]
     assert (monitor.stopping_reason, trainer.global_step, monitor.skipped_steps) == (None, 20, 7)
     assert all(same_weights(model.weights_before[s], model.weights_before[s + 1]) for s in bad)
     assert not (monitor.log_dir / "postmortem").exists()
