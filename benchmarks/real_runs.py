@@ -30,6 +30,7 @@ Usage::
 
     PYTHONPATH=$PWD python benchmarks/real_runs.py            # the tables, as Markdown
     PYTHONPATH=$PWD python benchmarks/real_runs.py --runs     # and one row per run
+    PYTHONPATH=$PWD python benchmarks/real_runs.py --ladder   # and how high each run climbs the escalation ladder
     PYTHONPATH=$PWD python benchmarks/real_runs.py --set KEY=VALUE ...   # the package with other settings
     PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round18)
 """
@@ -388,9 +389,41 @@ def group(run: Run) -> str:
     return "heldout" if held else "open"
 
 
+def ladder_heights(runs: Sequence[Run], settings: dict[str, Any]) -> list[str]:
+    """How high each run climbs the package's escalation ladder: for each run where a step-level kind was ever beyond
+    its limit, the most checks of the last 32 and the most in a row it was found at (the package, replayed as above).
+
+    The ladder is the decision's own (``lightning_monitor.decision.Ladder``); its ``record`` is wrapped for the time
+    of the replays to read each height as it is reached.
+    """
+    import lightning_monitor.decision as decision
+
+    record, height = decision.Ladder.record, {"window": 0, "row": 0}
+
+    def recorded(ladder: Any, optimizer: int, kinds: Any, check: int) -> Any:
+        after = record(ladder, optimizer, kinds, check)
+        for kind in kinds:
+            height["window"] = max(height["window"], after.count(optimizer, kind))
+            height["row"] = max(height["row"], after.streak(optimizer, kind, check))
+        return after
+
+    lines = ["| run | label | most of the last 32 checks | most checks in a row |", "|---|---|---|---|"]
+    decision.Ladder.record = recorded  # type: ignore[method-assign]
+    try:
+        for run in runs:
+            height.update(window=0, row=0)
+            rule_package(run.points, run.meta["fp16_amp"], settings)
+            if height["window"]:
+                lines.append(f"| {run.id} | {run.meta['label']} | {height['window']} | {height['row']} |")
+    finally:
+        decision.Ladder.record = record  # type: ignore[method-assign]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", action="store_true", help="also print one row per run")
+    parser.add_argument("--ladder", action="store_true", help="also print how high each run climbs the ladder")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--group", choices=[*GROUPS, "all"], default="all", help="report one set of runs only (default: all)"
@@ -422,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.runs:
         print("\nPer run (halt: first halting step; w: warnings; caught: first alert at or after the onset, +steps):\n")
         print("\n".join(per_run(runs, scores, list(rules))))
+    if args.ladder:
+        print("\nThe escalation ladder, for each run that climbs it (the package):\n")
+        print("\n".join(ladder_heights(runs, settings)))
 
 
 if __name__ == "__main__":
