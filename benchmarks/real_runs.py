@@ -391,7 +391,8 @@ def group(run: Run) -> str:
 
 def ladder_heights(runs: Sequence[Run], settings: dict[str, Any]) -> list[str]:
     """How high each run climbs the package's escalation ladder: for each run where a step-level kind was ever beyond
-    its limit, the most checks of the last 32 and the most in a row it was found at (the package, replayed as above).
+    its limit, the most of the last 32 checks and the most checks in a row that were bad (the package, replayed as
+    above).
 
     The ladder is the decision's own (``lightning_monitor.decision.Ladder``); its ``record`` is wrapped for the time
     of the replays to read each height as it is reached.
@@ -402,9 +403,9 @@ def ladder_heights(runs: Sequence[Run], settings: dict[str, Any]) -> list[str]:
 
     def recorded(ladder: Any, optimizer: int, kinds: Any, check: int) -> Any:
         after = record(ladder, optimizer, kinds, check)
-        for kind in kinds:
-            height["window"] = max(height["window"], after.count(optimizer, kind))
-            height["row"] = max(height["row"], after.streak(optimizer, kind, check))
+        if kinds:
+            height["window"] = max(height["window"], after.count(optimizer))
+            height["row"] = max(height["row"], after.streak(optimizer, check))
         return after
 
     lines = ["| run | label | most of the last 32 checks | most checks in a row |", "|---|---|---|---|"]

@@ -9,14 +9,17 @@ whether a post-mortem bundle is written, whether a good state is kept or restore
 trainer, a file or a tensor, so every rule is tested with plain values (``tests/test_decision.py``).
 
 **The escalation ladder.** A step-level problem (a non-finite loss or gradient, an exploding gradient) of a kind in
-``halt_on`` is never applied to the weights. On one isolated step it is skipped and alerted, and training goes on; once
-it has been beyond its limit at ``halt_after`` checks of its optimizer in a row, or at :data:`HALT_RECURRENCES` of its
-last :data:`HALT_WINDOW` checks (a problem that comes back at every other check), training halts. A problem present at
+``halt_on`` is never applied to the weights. The ladder counts each optimizer's bad checks, whatever their kind (a NaN
+loss at one check and a NaN gradient at the next are two in a row). One bad check is skipped and alerted, and training
+goes on; once an optimizer's checks have been bad at ``halt_after`` checks in a row, or at :data:`HALT_RECURRENCES` of
+its last :data:`HALT_WINDOW` (a problem that comes back at every other check), training halts. A problem present at
 every check from some step therefore halts at its ``halt_after``-th check; ``halt_after=1`` halts at the first. A storm
-that comes and goes (found at most checks for a while, but never at ``halt_after`` in a row, nor at half of the window)
-is skipped step by step and does not halt the run. The other kinds halt at their first alert when they are in
-``halt_on`` (they count a patience of their own): a diverging validation or training loss or vanishing gradients the
-user put there, fp16 overflows that the GradScaler could not absorb, a spike, and a recovery that is exhausted.
+that comes and goes (bad at most checks for a while, but never ``halt_after`` in a row, nor at half of the window) is
+skipped step by step and does not halt the run; after a halt (``min_steps`` trains on) each bad step is skipped; a
+resumed run has not halted, and a problem still there halts it again. The other kinds halt at their first alert when
+they are in ``halt_on`` (they count a patience of their own): a diverging validation or training loss or vanishing
+gradients the user put there, fp16 overflows that the GradScaler could not absorb, a spike, and a recovery that is
+exhausted.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ __all__ = [
 
 #: The step-level kinds that climb the ladder: skipped when isolated, halting when they recur.
 LADDER_KINDS = frozenset({AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD, AlertKind.EXPLODING_GRAD})
+#: The ladder's kinds, causes first: the one that halts when several came back at one check.
+_LADDER_ORDER = (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD, AlertKind.EXPLODING_GRAD)
 
 
 class Rung(str, Enum):
@@ -143,62 +148,69 @@ class StepFacts(NamedTuple):
 
 @dataclass(frozen=True)
 class Ladder:
-    """The recent checks, per optimizer and step-level kind, at which a problem was beyond its limit.
+    """The recent checks of each optimizer that found a step-level problem (of any kind on the ladder) beyond its limit.
+
+    The ladder counts bad steps, whatever their kind: a NaN loss at one check and a NaN gradient (with a finite loss)
+    at the next are two bad checks in a row.
 
     Example:
         >>> ladder = Ladder().record(0, {AlertKind.NONFINITE_LOSS}, check=5)
-        >>> ladder = ladder.record(0, {AlertKind.NONFINITE_LOSS}, check=40)  # 35 checks later: the first left
-        >>> ladder.count(0, AlertKind.NONFINITE_LOSS)
+        >>> ladder = ladder.record(0, {AlertKind.NONFINITE_GRAD}, check=40)  # 35 checks later: the first left
+        >>> ladder.count(0)
         1
-        >>> ladder = ladder.record(0, {AlertKind.NONFINITE_LOSS}, check=41)
-        >>> ladder.streak(0, AlertKind.NONFINITE_LOSS, check=41), ladder.streak(0, AlertKind.NONFINITE_LOSS, check=42)
+        >>> ladder = ladder.record(0, {AlertKind.EXPLODING_GRAD}, check=41)
+        >>> ladder.streak(0, check=41), ladder.streak(0, check=42)
         (2, 0)
-        >>> ladder.halts(0, AlertKind.NONFINITE_LOSS, check=41, halt_after=2)
+        >>> ladder.halts(0, check=41, halt_after=2)
         True
         >>> Ladder.from_state(ladder.state_dict()) == ladder
         True
     """
 
-    hits: Mapping[tuple[int, AlertKind], tuple[int, ...]] = field(default_factory=dict)
+    hits: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     def record(self, optimizer: int, kinds: frozenset[AlertKind] | set[AlertKind], check: int) -> Ladder:
         """The ladder after a check of ``optimizer`` at which ``kinds`` were beyond their limits (itself if none)."""
         if not kinds:
             return self
-        hits = dict(self.hits)
-        for kind in kinds:
-            recent = (*hits.get((optimizer, kind), ()), check)
-            hits[(optimizer, kind)] = tuple(c for c in recent if c > check - HALT_WINDOW)
-        return Ladder(hits)
+        recent = (*self.hits.get(optimizer, ()), check)
+        return Ladder({**self.hits, optimizer: tuple(c for c in recent if c > check - HALT_WINDOW)})
 
-    def count(self, optimizer: int, kind: AlertKind) -> int:
-        """How many of the last :data:`HALT_WINDOW` checks of ``optimizer`` found ``kind`` beyond its limit."""
-        return len(self.hits.get((optimizer, kind), ()))
+    def count(self, optimizer: int) -> int:
+        """How many of the last :data:`HALT_WINDOW` checks of ``optimizer`` found a problem beyond its limit."""
+        return len(self.hits.get(optimizer, ()))
 
-    def streak(self, optimizer: int, kind: AlertKind, check: int) -> int:
-        """How many checks of ``optimizer`` in a row, ending at ``check``, found ``kind`` beyond its limit."""
+    def streak(self, optimizer: int, check: int) -> int:
+        """How many checks of ``optimizer`` in a row, ending at ``check``, found a problem beyond its limit."""
         run, last = 0, check
-        for hit in reversed(self.hits.get((optimizer, kind), ())):
+        for hit in reversed(self.hits.get(optimizer, ())):
             if hit != last:
                 break
             run, last = run + 1, last - 1
         return run
 
-    def halts(self, optimizer: int, kind: AlertKind, check: int, halt_after: int) -> bool:
-        """Whether ``kind`` has recurred enough to halt: ``halt_after`` checks in a row, or most of the window.
+    def halts(self, optimizer: int, check: int, halt_after: int) -> bool:
+        """Whether the problems of ``optimizer`` recurred enough to halt: ``halt_after`` checks in a row, or most.
 
-        Most of the window: :data:`HALT_RECURRENCES` of the last :data:`HALT_WINDOW` checks.
+        Most: :data:`HALT_RECURRENCES` of the last :data:`HALT_WINDOW` checks.
         """
-        return self.streak(optimizer, kind, check) >= halt_after or self.count(optimizer, kind) >= HALT_RECURRENCES
+        return self.streak(optimizer, check) >= halt_after or self.count(optimizer) >= HALT_RECURRENCES
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for a checkpoint."""
-        return {"hits": [[opt, kind.value, list(checks)] for (opt, kind), checks in self.hits.items()]}
+        return {"hits": [[opt, list(checks)] for opt, checks in self.hits.items()]}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Ladder:
-        """The ladder saved by :meth:`state_dict` (an empty one for a checkpoint without it)."""
-        return cls({(int(opt), AlertKind(kind)): tuple(int(c) for c in checks) for opt, kind, checks in state["hits"]})
+        """The ladder saved by :meth:`state_dict` (an empty one for a checkpoint without it).
+
+        A checkpoint of a version that kept the checks per kind (``[optimizer, kind, checks]``) is read as the union of
+        its kinds' checks.
+        """
+        hits: dict[int, set[int]] = {}
+        for entry in state["hits"]:
+            hits.setdefault(int(entry[0]), set()).update(int(c) for c in entry[-1])
+        return cls({opt: tuple(sorted(checks)) for opt, checks in hits.items()})
 
 
 #: The ladder of a run with no problem yet (a :class:`Verdict`'s default).
@@ -212,16 +224,18 @@ class Ruling:
     Attributes:
         detection: What was found.
         rung: What it does.
-        recurrences: For a step-level kind on the ladder, at how many of the last :data:`HALT_WINDOW` checks it was
-            beyond its limit (this one included); 0 for the others.
+        recurrences: For a step-level kind on the ladder, at how many of the last ``window`` checks of its optimizer
+            a problem (of any kind on the ladder) was beyond its limit, this one included; 0 for the others.
         streak: For a step-level kind on the ladder, at how many checks in a row, ending at this one; 0 for the
             others.
+        window: The checks ``recurrences`` counts over: :data:`HALT_WINDOW`, or fewer early in a run.
     """
 
     detection: Detection
     rung: Rung
     recurrences: int = 0
     streak: int = 0
+    window: int = HALT_WINDOW
 
 
 class Verdict(NamedTuple):
@@ -280,15 +294,16 @@ def decide(judgement: Judgement, facts: StepFacts, plan: RecoveryPlan, ladder: L
     halt_on = plan.halt_on(policy.halt_on)
     climbing = {k for k in beyond if k in halt_on and k in LADDER_KINDS and _climbs(k, facts)}
     before, ladder = ladder, ladder.record(facts.optimizer, climbing, facts.check)
-    rulings = [_rule(detection, halt_on, plan, ladder, facts, policy) for detection in detections]
-    fired = {d.kind for d in detections}
-    rulings += [  # a problem that came back within its episode (no new alert), and halts from this check
-        _on_ladder(beyond[kind], Rung.HALT, ladder, facts)
-        for kind in sorted(climbing - fired, key=lambda k: k.value)
-        if kind not in plan.forced
-        and ladder.halts(facts.optimizer, kind, facts.check, policy.halt_after)
-        and not before.halts(facts.optimizer, kind, facts.check - 1, policy.halt_after)
-    ]
+    # Not after a halt (`min_steps` trains on): each later bad step is skipped. A resumed run has not halted: a new
+    # alert of a problem still there halts again.
+    halts = bool(climbing) and not facts.halted and ladder.halts(facts.optimizer, facts.check, policy.halt_after)
+    rulings = [_rule(detection, halt_on, plan, halts, ladder, facts) for detection in detections]
+    came_back = sorted(climbing - {d.kind for d in detections} - plan.forced, key=_LADDER_ORDER.index)
+    crossing = halts and not before.halts(facts.optimizer, facts.check - 1, policy.halt_after)
+    if crossing and came_back and not any(r.rung is Rung.HALT for r in rulings):
+        # A problem that came back within its episode (no new alert) halts at the check that reaches the limit, and
+        # one alert says so (`replay(keep_going=True)` goes on past a halt: not at every check of the episode after).
+        rulings.append(_on_ladder(beyond[came_back[0]], Rung.HALT, ladder, facts))
     halting = any(r.rung is Rung.HALT for r in rulings)
     skip = not facts.read_after_step and (
         any(r.rung is not Rung.ALERT for r in rulings)
@@ -346,24 +361,24 @@ def _rule(
     detection: Detection,
     halt_on: frozenset[AlertKind],
     plan: RecoveryPlan,
+    halts: bool,
     ladder: Ladder,
     facts: StepFacts,
-    policy: Policy,
 ) -> Ruling:
-    """The rung of one detection."""
+    """The rung of one detection (``halts``: the ladder halts at this check)."""
     kind = detection.kind
     if kind not in halt_on:
         return Ruling(detection, Rung.ALERT)
     if kind in plan.forced or kind not in LADDER_KINDS or not _climbs(kind, facts):
         return Ruling(detection, Rung.HALT)
-    halts = ladder.halts(facts.optimizer, kind, facts.check, policy.halt_after)
     return _on_ladder(detection, Rung.HALT if halts else Rung.SKIP, ladder, facts)
 
 
 def _on_ladder(detection: Detection, rung: Rung, ladder: Ladder, facts: StepFacts) -> Ruling:
-    """The ruling of a step-level kind on the ladder, with how far it has climbed."""
-    kind, optimizer = detection.kind, facts.optimizer
-    return Ruling(detection, rung, ladder.count(optimizer, kind), ladder.streak(optimizer, kind, facts.check))
+    """The ruling of a step-level kind on the ladder, with how far its optimizer's problems have climbed."""
+    optimizer, check = facts.optimizer, facts.check
+    window = min(HALT_WINDOW, check + 1)
+    return Ruling(detection, rung, ladder.count(optimizer), ladder.streak(optimizer, check), window)
 
 
 def _bundles(rulings: list[Ruling], policy: Policy) -> bool:

@@ -83,7 +83,9 @@ class ExplodingDetector:
         limit_now: The norm above which the next check fires (``math.inf`` when none): read it to guard a step.
         notice: Set by the update that finds the run starting above ``limit`` (once per detector), else ``None``:
             a warning for the user, not an alert.
-        count: Consecutive figures beyond the limit (0 or more), as :class:`ThresholdDetector` counts them.
+        count: Consecutive figures beyond the limit (0 or more), as :class:`ThresholdDetector` counts them; a
+            figure that is not finite (``nonfinite_grad``'s) leaves it as it was.
+        nonfinite: Whether the last figure was not finite: then it is not :attr:`beyond` the limit.
 
     Example:
         >>> det = ExplodingDetector("gradient norm", early=3)
@@ -133,6 +135,7 @@ class ExplodingDetector:
         self.recent: deque[float] = deque()  # the last `window` norms taken, in order
         self.top: list[float] = []  # those of them above `_cut`, sorted: the largest, the tail among them
         self.count = 0
+        self.nonfinite = False  # the last figure was not finite
         self.notice: str | None = None
         self._tail, self._limit = 0.0, math.inf
         self._cut = -math.inf  # every norm of the window above it is in `top`
@@ -188,8 +191,10 @@ class ExplodingDetector:
     def update(self, value: float) -> Detection | None:
         """Take one figure; return a detection when it is the first beyond the limit of an episode."""
         self.notice = None
-        if not math.isfinite(value):
+        if not math.isfinite(value):  # `nonfinite_grad`'s: not beyond this limit (an episode under way goes on)
+            self.nonfinite = True
             return None
+        self.nonfinite = False
         if not self.warned and not self.starts_below:  # the first finite norm decides
             self.starts_below = value <= self.limit
             self.warned = not self.starts_below
@@ -269,7 +274,7 @@ class ExplodingDetector:
     @property
     def beyond(self) -> bool:
         """Whether the last figure was above a limit."""
-        return self.count > 0
+        return self.count > 0 and not self.nonfinite
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""

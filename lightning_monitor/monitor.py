@@ -716,6 +716,7 @@ class TrainingMonitor(Callback):
                 bundle=bundle,
                 halt_mode=self.config.response.halt_mode,
                 halt_after=self._policy.halt_after,
+                after_halt=facts.halted,
             )
             order = None if self._checks.order is None else self._checks.order.sort
             names = check.norms.names

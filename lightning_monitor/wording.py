@@ -116,6 +116,7 @@ class AlertContext:
         bundle: The post-mortem folder, or ``None``.
         halt_mode: ``"stop"`` or ``"raise"``.
         halt_after: The ladder's ``halt_after``, quoted on its rungs.
+        after_halt: Training had halted already (``min_steps`` keeps it going): a bad step is only skipped.
         ended: Said at the end of training (``on_train_end``): its advice is for the next run.
     """
 
@@ -135,6 +136,7 @@ class AlertContext:
     bundle: Path | None = None
     halt_mode: str = "stop"
     halt_after: int = 4
+    after_halt: bool = False
     ended: bool = False
 
 
@@ -192,9 +194,9 @@ def make_alert(ruling: Ruling, context: AlertContext) -> Alert:
         >>> alert = make_alert(Ruling(nan, Rung.SKIP, 1), AlertContext(at=4, epoch=0, skipped=True))
         >>> print(alert.message)  # doctest: +NORMALIZE_WHITESPACE
         Training loss is nan at step 4 (epoch 0). The optimizer step was skipped, so the weights are unchanged.
-        Training goes on: an isolated bad step is skipped, and 4 checks in a row (halt_after=4), or 16 of the last
-        32, halt. Check the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over
-        fp16 if activations overflow.
+        Training goes on: one bad step does not halt; 4 checks in a row (halt_after=4), or 16 of the last 32, do.
+        Check the batch for NaN/Inf inputs or empty targets, lower the learning rate, and prefer bf16 over fp16 if
+        activations overflow.
     """
     detection = ruling.detection
     return Alert(
@@ -223,17 +225,19 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
     if ruling.rung is Rung.HALT:
         step = "Training is halting." if context.halt_mode == "stop" else "Raising TrainingHalted."
         if ruling.streak >= after > 1:
-            step = f"It was found at {ruling.streak} checks in a row (halt_after={after}): {step}"
+            step = f"Bad steps were found at {ruling.streak} checks in a row (halt_after={after}): {step}"
         elif ruling.recurrences >= HALT_RECURRENCES:
-            step = f"It came back at {ruling.recurrences} of the last {HALT_WINDOW} checks: {step}"
+            step = f"Bad steps were found at {ruling.recurrences} of the last {ruling.window} checks: {step}"
         rung_words = step
+    elif ruling.rung is Rung.SKIP and context.after_halt:
+        rung_words = "Training has halted already (min_steps keeps it going until then)."
     elif ruling.rung is Rung.SKIP:
-        rule = f"{after} checks in a row (halt_after={after}), or {HALT_RECURRENCES} of the last {HALT_WINDOW}, halt."
+        rule = f"{after} checks in a row (halt_after={after}), or {HALT_RECURRENCES} of the last {HALT_WINDOW}"
         if ruling.recurrences > 1:  # a storm that comes and goes: how close it has come
-            found = f"it was found at {ruling.recurrences} of the last {HALT_WINDOW} checks"
-            rung_words = f"Training goes on: {found}; {rule}"
+            found = f"bad steps were found at {ruling.recurrences} of the last {ruling.window} checks"
+            rung_words = f"Training goes on: {found}; {rule}, halt."
         else:
-            rung_words = f"Training goes on: an isolated bad step is skipped, and {rule}"
+            rung_words = f"Training goes on: one bad step does not halt; {rule}, do."
     else:
         rung_words = ""
     action = " ".join(part for part in (done, rung_words) if part)

@@ -465,7 +465,7 @@ def test_a_nan_at_every_step_halts_at_its_fourth_check_with_the_bundle(tmp_path)
         (AlertKind.NONFINITE_LOSS, 9, True),
     ]
     halt = monitor.alerts[1]
-    assert "It was found at 4 checks in a row (halt_after=4): Training is halting." in halt.message
+    assert "Bad steps were found at 4 checks in a row (halt_after=4): Training is halting." in halt.message
     assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
     assert trainer.global_step == 10  # steps 6 to 9 skipped, then the halt
     assert monitor.skipped_steps == 4
@@ -483,9 +483,10 @@ def test_a_storm_that_comes_and_goes_is_skipped_step_by_step_and_never_halts(tmp
     trainer = fit_ladder(tmp_path, model, monitor)
 
     assert [(a.step, a.halted) for a in monitor.alerts] == [(3, False), (5, False), (9, False), (13, False)]
-    assert "Training goes on: an isolated bad step is skipped, and 4 checks in a row" in monitor.alerts[0].message
+    assert "Training goes on: one bad step does not halt; 4 checks in a row" in monitor.alerts[0].message
     said = [a.message.split("Training goes on: ")[1].split(";")[0] for a in monitor.alerts[1:]]
-    assert said == [f"it was found at {n} of the last 32 checks" for n in (2, 4, 7)]
+    # Of the checks so far (6, 10 and 14 of them), until there are 32.
+    assert said == [f"bad steps were found at {n} of the last {m} checks" for n, m in ((2, 6), (4, 10), (7, 14))]
     assert (monitor.stopping_reason, trainer.global_step, monitor.skipped_steps) == (None, 20, 7)
     assert all(same_weights(model.weights_before[s], model.weights_before[s + 1]) for s in bad)
     assert not (monitor.log_dir / "postmortem").exists()
@@ -497,8 +498,53 @@ def test_a_problem_at_every_other_step_halts_at_half_of_the_last_32_checks(tmp_p
     trainer = fit_ladder(tmp_path, model, monitor, max_steps=40)
 
     assert [(a.step, a.halted) for a in monitor.alerts] == [(s, False) for s in range(0, 30, 2)] + [(30, True)]
-    assert "It came back at 16 of the last 32 checks: Training is halting." in monitor.alerts[-1].message
+    assert "Bad steps were found at 16 of the last 31 checks: Training is halting." in monitor.alerts[-1].message
     assert (trainer.global_step, monitor.skipped_steps) == (31, 16)
+
+
+def test_bad_steps_of_switching_kinds_climb_one_ladder(tmp_path):
+    # From step 5 every step is bad: a NaN loss at the odd steps, a NaN gradient with a finite loss at the even ones.
+    # The ladder counts bad checks whatever their kind: the fourth in a row halts. (The NaN gradient's episode began
+    # at step 5, as the NaN loss's echo: it alerts only when it halts.)
+    model = ScriptedModel(loss_factor={5: NAN, 7: NAN, 9: NAN}, grad_poison={6: 0, 8: 0})
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    trainer = fit_ladder(tmp_path, model, monitor)
+
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts] == [
+        ("nonfinite_loss", 5, False),
+        ("nonfinite_loss", 7, False),
+        ("nonfinite_grad", 8, True),
+    ]
+    assert "Bad steps were found at 4 checks in a row (halt_after=4)" in monitor.alerts[-1].message
+    assert (trainer.global_step, monitor.skipped_steps) == (9, 4)
+
+
+def test_an_explosion_then_nans_halts_on_the_nans_and_says_what_happened(tmp_path):
+    # Step 4's gradient explodes, then the loss is NaN from step 5: the NaN checks are not beyond the exploding limit
+    # (a NaN norm is `nonfinite_grad`'s), so the halt, at the fourth bad check, is the NaN loss's.
+    model = ScriptedModel(loss_factor={4: 1e4, **dict.fromkeys(range(5, 20), NAN)})
+    monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=50.0, postmortem=None)
+    fit_ladder(tmp_path, model, monitor)
+
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts] == [
+        ("exploding_grad", 4, False),
+        ("nonfinite_loss", 5, False),
+        ("nonfinite_loss", 7, True),
+    ]
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS
+
+
+def test_after_a_halt_min_steps_trains_on_and_bad_steps_are_only_skipped(tmp_path):
+    model = ScriptedModel(loss_factor=dict.fromkeys((5, 6, 7, 8, 10, 11, 12, 13, 15), NAN))
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    trainer = fit_ladder(tmp_path, model, monitor, min_steps=20)
+
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(5, False), (8, True), (10, False), (15, False)]
+    for alert in monitor.alerts[2:]:  # neither "Training goes on" nor a second halt
+        assert "Training has halted already (min_steps keeps it going until then)." in alert.message
+    # After the halt no step is applied: `min_steps` only keeps the loop going (5-8 skipped, then 9-19).
+    assert (monitor.stopping_reason, trainer.global_step, monitor.skipped_steps) == (AlertKind.NONFINITE_LOSS, 20, 15)
+    assert all_finite(model)
 
 
 def test_bad_steps_further_apart_than_the_window_never_halt(tmp_path):

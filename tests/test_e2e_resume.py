@@ -261,7 +261,7 @@ def test_the_ladder_survives_a_resume(tmp_path):
     path = tmp_path / "mid.ckpt"
     trainer.save_checkpoint(path)
     (saved,) = torch.load(path, weights_only=True)["callbacks"].values()
-    assert saved["ladder"] == {"hits": [[0, "nonfinite_loss", [2, 5, 6, 7]]]} and saved["checks"] == {"0": 8}
+    assert saved["ladder"] == {"hits": [[0, [2, 5, 6, 7]]]} and saved["checks"] == {"0": 8}
 
     resumed = TrainingMonitor(val_loss_key=None, postmortem=None)
     model = ScriptedModel(loss_factor={8: NAN})
@@ -270,7 +270,7 @@ def test_the_ladder_survives_a_resume(tmp_path):
     # The two alerts restored, then the NaN of the first step after the resume is the fourth in a row: it halts. (An
     # alert's step is Lightning's logging step, which this resume, from a checkpoint saved after `fit`, puts at 9.)
     assert [(a.step, a.halted) for a in resumed.alerts] == [(2, False), (5, False), (9, True)]
-    assert "It was found at 4 checks in a row" in resumed.alerts[-1].message
+    assert "Bad steps were found at 4 checks in a row" in resumed.alerts[-1].message
     assert resumed.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 9
 
 

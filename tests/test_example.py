@@ -98,7 +98,7 @@ def test_an_isolated_nan_is_skipped_and_training_goes_on(example, tmp_path):
 
     assert monitor.stopping_reason is None
     assert [(a.kind, a.step, a.halted) for a in monitor.alerts] == [("nonfinite_loss", 5, False)]
-    assert "Training goes on: an isolated bad step is skipped" in monitor.alerts[0].message
+    assert "Training goes on: one bad step does not halt" in monitor.alerts[0].message
     assert monitor.skipped_steps == 1
 
 
@@ -107,7 +107,7 @@ def test_a_nan_that_persists_halts_at_its_fourth_check(example, tmp_path):
 
     assert monitor.stopping_reason == "nonfinite_loss"
     assert [(a.step, a.halted) for a in monitor.alerts] == [(5, False), (8, True)]
-    assert "It was found at 4 checks in a row (halt_after=4)" in monitor.alerts[1].message
+    assert "Bad steps were found at 4 checks in a row (halt_after=4)" in monitor.alerts[1].message
     assert monitor.skipped_steps == 4
 
 
