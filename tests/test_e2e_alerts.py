@@ -399,6 +399,45 @@ def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
     assert all_finite(model)
 
 
+class NanPerOptimizer(TwoOptimizers):
+    """:class:`TwoOptimizers` whose first optimizer's loss is NaN at the batches of ``bad[0]``, the second's at ``bad[1]``."""
+
+    def __init__(self, bad: tuple[set[int], set[int]]) -> None:
+        super().__init__(nan_at_batch=-1)
+        self.bad = bad
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        for index, optimizer in enumerate((first, second)):
+            loss = self.loss(self(batch)) * (float("nan") if batch_idx in self.bad[index] else 1.0)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+
+@pytest.mark.parametrize(
+    ("bad", "halted", "skipped"),
+    [
+        # The first optimizer's steps are bad from batch 3 on, the second's never: its fourth in a row halts (and the
+        # halt keeps the second optimizer's step of that batch from the weights too: 4 + 1 skipped).
+        (({3, 4, 5, 6, 7, 8}, set()), [(3, 0, False), (6, 0, True)], 5),
+        # Bad steps take turns between the optimizers: each optimizer's ladder has one bad check in two, never two in a
+        # row, so nothing halts, though some optimizer's step was bad at every batch from 2 on.
+        (({2, 4, 6, 8}, {3, 5, 7, 9}), [(s, s % 2, False) for s in range(2, 10)], 8),
+    ],
+    ids=["one-optimizer-persists", "optimizers-take-turns"],
+)
+def test_each_optimizer_climbs_its_own_ladder(tmp_path, bad, halted, skipped):
+    model = NanPerOptimizer(bad)
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=20)
+    trainer.fit(model, train_dataloaders=loader())
+    got = [(a.step, int(a.message.split("for optimizer ")[1][0]), a.halted) for a in monitor.alerts]
+    assert got == halted
+    assert monitor.skipped_steps == skipped
+    assert trainer.global_step == (14 if halted[-1][2] else 20)
+
+
 def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tmp_path):
     # Checks at steps 0, 4, 8 (and the logging steps 4, 9, ...): the explosion at step 5 is caught at step 8.
     torch.manual_seed(0)
