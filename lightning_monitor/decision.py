@@ -136,6 +136,9 @@ class StepFacts(NamedTuple):
         read_after_step: The check was read after its step (``host_sync="deferred"``): the device guard already
             acted, nothing on the host can skip it.
         halted: Training has halted already (``min_steps`` keeps it going): no later step is applied.
+        weights_lost: The weights are not finite already (a step applied unchecked, between checks or before a
+            deferred read, made them so): skipping this step cannot save them, so a problem on the ladder halts at
+            once.
     """
 
     optimizer: int = 0
@@ -144,6 +147,7 @@ class StepFacts(NamedTuple):
     amp: bool = False
     read_after_step: bool = False
     halted: bool = False
+    weights_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,8 @@ class Ruling:
         streak: For a step-level kind on the ladder, at how many checks in a row, ending at this one; 0 for the
             others.
         window: The checks ``recurrences`` counts over: :data:`HALT_WINDOW`, or fewer early in a run.
+        weights_lost: A step-level kind on the ladder that halts because the weights are not finite already, however
+            few checks it has recurred at.
     """
 
     detection: Detection
@@ -236,6 +242,7 @@ class Ruling:
     recurrences: int = 0
     streak: int = 0
     window: int = HALT_WINDOW
+    weights_lost: bool = False
 
 
 class Verdict(NamedTuple):
@@ -295,11 +302,13 @@ def decide(judgement: Judgement, facts: StepFacts, plan: RecoveryPlan, ladder: L
     climbing = {k for k in beyond if k in halt_on and k in LADDER_KINDS and _climbs(k, facts)}
     before, ladder = ladder, ladder.record(facts.optimizer, climbing, facts.check)
     # Not after a halt (`min_steps` trains on): each later bad step is skipped. A resumed run has not halted: a new
-    # alert of a problem still there halts again.
-    halts = bool(climbing) and not facts.halted and ladder.halts(facts.optimizer, facts.check, policy.halt_after)
+    # alert of a problem still there halts again. Weights that are not finite already halt at once: skipping the
+    # steps that follow cannot make them finite again, and every one of them will be bad.
+    recurs = facts.weights_lost or ladder.halts(facts.optimizer, facts.check, policy.halt_after)
+    halts = bool(climbing) and not facts.halted and recurs
     rulings = [_rule(detection, halt_on, plan, halts, ladder, facts) for detection in detections]
     came_back = sorted(climbing - {d.kind for d in detections} - plan.forced, key=_LADDER_ORDER.index)
-    crossing = halts and not before.halts(facts.optimizer, facts.check - 1, policy.halt_after)
+    crossing = halts and (facts.weights_lost or not before.halts(facts.optimizer, facts.check - 1, policy.halt_after))
     if crossing and came_back and not any(r.rung is Rung.HALT for r in rulings):
         # A problem that came back within its episode (no new alert) halts at the check that reaches the limit, and
         # one alert says so (`replay(keep_going=True)` goes on past a halt: not at every check of the episode after).
@@ -378,7 +387,8 @@ def _on_ladder(detection: Detection, rung: Rung, ladder: Ladder, facts: StepFact
     """The ruling of a step-level kind on the ladder, with how far its optimizer's problems have climbed."""
     optimizer, check = facts.optimizer, facts.check
     window = min(HALT_WINDOW, check + 1)
-    return Ruling(detection, rung, ladder.count(optimizer), ladder.streak(optimizer, check), window)
+    lost = rung is Rung.HALT and facts.weights_lost
+    return Ruling(detection, rung, ladder.count(optimizer), ladder.streak(optimizer, check), window, lost)
 
 
 def _bundles(rulings: list[Ruling], policy: Policy) -> bool:

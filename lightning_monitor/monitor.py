@@ -661,8 +661,13 @@ class TrainingMonitor(Callback):
         detectors = check.detectors
         plan = self._recovery_plan(judged, figures, pending)
         unsafe = figures.unsafe
+        # Steps applied unchecked (between checks, or before a deferred read) can have made the weights non-finite:
+        # then skipping this one cannot save them, and the decision halts at once. Read only where something was
+        # found or is beyond a limit (the same on every rank: the figures are the ranks' combined ones).
+        unchecked = figures.checked_steps > 1 or pending.on_device is not None
+        weights_ok = not (unchecked and (judged.detections or judged.beyond)) or weights_finite(trainer)
         facts = StepFacts(check.index, self._state.next_check(check.index), unsafe, figures.amp,
-                          pending.on_device is not None, self._state.halted)  # fmt: skip
+                          pending.on_device is not None, self._state.halted, not weights_ok)  # fmt: skip
         verdict = decide(judged, facts, plan, self._state.ladder, self._policy)
         self._state.ladder = verdict.ladder
 
@@ -698,10 +703,10 @@ class TrainingMonitor(Callback):
         if self._state.skipped_steps:  # absent means none: no constant zero written at every logging step
             logged["skipped_steps"] = float(self._state.skipped_steps)
         latest = record.latest(logged)
-        bundle, weights_ok, alerts = None, True, []
+        bundle, alerts = None, []
         if verdict.rulings:  # word the alerts with what acting on the step did
             bundle = self._open_bundle(trainer, verdict, pending.at)
-            if bundle is not None or figures.checked_steps > 1 or pending.on_device is not None:
+            if bundle is not None and not unchecked:  # the others were read above
                 weights_ok = weights_finite(trainer)
             context = AlertContext(
                 at=pending.at,

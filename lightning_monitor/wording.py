@@ -224,7 +224,9 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
     done = _what_was_done(context)
     if ruling.rung is Rung.HALT:
         step = "Training is halting." if context.halt_mode == "stop" else "Raising TrainingHalted."
-        if ruling.streak >= after > 1:
+        if ruling.weights_lost:  # the reason, whatever the ladder's count: no skip can save these weights
+            step = f"Skipping the steps that follow cannot make the weights finite again: {step}"
+        elif ruling.streak >= after > 1:
             step = f"Bad steps were found at {ruling.streak} checks in a row (halt_after={after}): {step}"
         elif ruling.recurrences >= HALT_RECURRENCES:
             step = f"Bad steps were found at {ruling.recurrences} of the last {ruling.window} checks: {step}"

@@ -99,6 +99,21 @@ def test_halt_after_one_halts_at_the_first_occurrence():
     assert run("..N", Policy(DEFAULT.halt_on, halt_after=1)) == [(False, ""), (False, ""), (True, "h")]
 
 
+@pytest.mark.parametrize(
+    ("checks", "expected"),
+    [
+        ("..N", [(False, ""), (False, ""), (True, "h")]),  # the first bad check halts
+        ("Nn", [(True, "h"), (True, "h")]),  # and, within an episode, so does the next (no new alert: a ruling)
+        ("E", [(True, "h")]),  # any kind on the ladder
+    ],
+)
+def test_weights_already_lost_halt_at_once(checks, expected):
+    # Steps applied unchecked made the weights non-finite: no skip can save them, whatever the ladder's count.
+    verdicts = run(checks, weights_lost=True)
+    assert verdicts == expected
+    assert run("N", Policy(frozenset()), weights_lost=True) == [(True, "a")]  # halt_on=[]: never a halt
+
+
 def test_halt_after_counts_its_own_recurrences():
     assert run("Nnnnn", Policy(DEFAULT.halt_on, halt_after=5))[-2:] == [(True, ""), (True, "h")]
 

@@ -400,7 +400,10 @@ def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
 
 
 class NanPerOptimizer(TwoOptimizers):
-    """:class:`TwoOptimizers` whose first optimizer's loss is NaN at the batches of ``bad[0]``, the second's at ``bad[1]``."""
+    """:class:`TwoOptimizers` whose optimizers get a NaN loss at the batches of ``bad[0]`` and ``bad[1]``.
+
+    Each optimizer steps on its own loss, after its own backward.
+    """
 
     def __init__(self, bad: tuple[set[int], set[int]]) -> None:
         super().__init__(nan_at_batch=-1)
@@ -846,19 +849,36 @@ def test_a_nan_between_checks_is_reported_as_applied_and_no_bad_checkpoint_is_ke
     )
 
 
-def test_a_skipped_step_on_weights_already_not_finite_does_not_say_they_are_unchanged(tmp_path):
-    # check_every_n_steps=4 checks steps 0, 4, 8 and, logging every 5, step 9 too. The NaN loss of step 1 reaches the
-    # weights unchecked; step 4 is skipped and alerted, step 8 skipped, and step 9's check, covering it alone, halts
-    # (halt_after=3: the third in a row) with a bundle, which reads the weights: not finite. "Unchanged" would read as
-    # "sound".
+def test_weights_made_non_finite_between_checks_halt_at_once(tmp_path):
+    # check_every_n_steps=4 checks steps 0, 4, 8. The NaN loss of step 1 reaches the weights unchecked; step 4's check
+    # finds a NaN loss and the weights not finite: skipping the steps that follow cannot save them, so it halts there,
+    # the first bad check, without waiting for halt_after (4) in a row.
     model = ScriptedModel(loss_factor={1: float("nan")})
-    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, token_accuracy=False, halt_after=3)
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, token_accuracy=False, postmortem=None)
     trainer = make_trainer(tmp_path, [monitor], max_steps=20, log_every_n_steps=5, logger=CSVLogger(tmp_path))
     trainer.fit(model, train_dataloaders=loader())
-    assert [(a.step, a.halted) for a in monitor.alerts] == [(4, False), (9, True)]
-    last = monitor.alerts[-1].message
-    assert "The optimizer step was skipped. The weights are not finite (a step applied unchecked made them so)" in last
-    assert "unchanged" not in last
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(4, True)]
+    assert trainer.global_step == 5 and not all_finite(model)
+    message = monitor.alerts[0].message
+    assert (
+        "This optimizer step was skipped, but the 3 before it since the last check (check_every_n_steps=4) were applied"
+        " unchecked. The weights are not finite (a step applied unchecked made them so): no checkpoint of them is kept."
+        " Skipping the steps that follow cannot make the weights finite again: Training is halting." in message
+    )
+    assert "unchanged" not in message
+
+
+def test_weights_lost_between_checks_train_on_where_halt_on_is_empty(tmp_path):
+    # halt_on=[]: the user asked for no halt, and gets none. Each check from step 4 on finds the NaN weights: one
+    # episode, one alert, which says the weights are not finite and states no rung of a ladder it does not climb.
+    model = ScriptedModel(loss_factor={1: float("nan")})
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, token_accuracy=False, halt_on=[])
+    trainer = make_trainer(tmp_path, [monitor], max_steps=12, log_every_n_steps=5, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(4, False)]  # one episode: NaN at every check from 4 on
+    assert trainer.global_step == 12 and monitor.stopping_reason is None
+    assert "The weights are not finite (a step applied unchecked made them so)" in monitor.alerts[0].message
+    assert "Training goes on" not in monitor.alerts[0].message  # halt_on=[]: no ladder to climb, no rung to state
 
 
 def test_raise_mode_in_one_process_raises_training_halted(tmp_path):
