@@ -663,9 +663,12 @@ class TrainingMonitor(Callback):
         unsafe = figures.unsafe
         # Steps applied unchecked (between checks, or before a deferred read) can have made the weights non-finite:
         # then skipping this one cannot save them, and the decision halts at once. Read only where something was
-        # found or is beyond a limit (the same on every rank: the figures are the ranks' combined ones).
+        # found or is beyond a limit (the same on every rank: the figures are the ranks' combined ones), and not at
+        # a closure evaluation after the first of a step (`LBFGS`): there the step itself has moved the weights, and
+        # its skip puts back the ones it began with.
         unchecked = figures.checked_steps > 1 or pending.on_device is not None
-        weights_ok = not (unchecked and (judged.detections or judged.beyond)) or weights_finite(trainer)
+        lost_read = unchecked and not pending.inner and bool(judged.detections or judged.beyond)
+        weights_ok = not lost_read or weights_finite(trainer)
         facts = StepFacts(check.index, self._state.next_check(check.index), unsafe, figures.amp,
                           pending.on_device is not None, self._state.halted, not weights_ok)  # fmt: skip
         verdict = decide(judged, facts, plan, self._state.ladder, self._policy)
@@ -706,7 +709,7 @@ class TrainingMonitor(Callback):
         bundle, alerts = None, []
         if verdict.rulings:  # word the alerts with what acting on the step did
             bundle = self._open_bundle(trainer, verdict, pending.at)
-            if bundle is not None and not unchecked:  # the others were read above
+            if (bundle is not None or unchecked) and not lost_read:  # else read above
                 weights_ok = weights_finite(trainer)
             context = AlertContext(
                 at=pending.at,
