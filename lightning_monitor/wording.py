@@ -266,8 +266,8 @@ def _what_was_done(context: AlertContext) -> str:
         )
     elif context.skipped and covered > 1:
         done = (
-            f"This optimizer step was skipped, but the {covered - 1} before it since the last check"
-            f" (check_every_n_steps={every}) were applied unchecked."
+            f"This optimizer step was skipped, but {_steps_before(covered)} since the last check"
+            f" (check_every_n_steps={every}) {'was' if covered == 2 else 'were'} applied unchecked."
         )
     elif context.skipped and context.weights_ok:
         done = "The optimizer step was skipped, so the weights are unchanged."
@@ -307,8 +307,15 @@ def what_was_done(on_device: OnDevice, covered: int, every: int) -> str:
     else:
         done = "The optimizer step was applied: with host_sync='deferred' a check is read one step later."
     if covered > 1:
-        done += f" The {covered - 1} steps before it since the last check (check_every_n_steps={every}) were applied."
+        steps = _steps_before(covered)
+        done += f" {steps[:1].upper()}{steps[1:]} since the last check (check_every_n_steps={every})"
+        done += f" {'was' if covered == 2 else 'were'} applied."
     return done
+
+
+def _steps_before(covered: int) -> str:
+    """The steps a check of ``covered`` steps holds before its own: "the step before it", "the 3 steps before it"."""
+    return "the step before it" if covered == 2 else f"the {covered - 1} steps before it"
 
 
 #: Kinds whose alert names no layer: a trend over many checks, or a validation figure, is no one step's layers.

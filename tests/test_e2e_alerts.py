@@ -455,7 +455,7 @@ def test_a_check_covering_held_steps_says_so_and_a_halt_logs_off_the_interval(tm
     assert alert.value == pytest.approx(max(model.after_backward[5:9]), rel=1e-5)  # the worst of the held steps
     # Step 8 was skipped, but not the held steps 5 to 7 (their weights stayed finite): the message says just that.
     assert (
-        "This optimizer step was skipped, but the 3 before it since the last check (check_every_n_steps=4) were"
+        "This optimizer step was skipped, but the 3 steps before it since the last check (check_every_n_steps=4) were"
         " applied unchecked. Training is halting."
     ) in alert.message
     assert "the weights are unchanged" not in alert.message
@@ -861,9 +861,9 @@ def test_weights_made_non_finite_between_checks_halt_at_once(tmp_path):
     assert trainer.global_step == 5 and not all_finite(model)
     message = monitor.alerts[0].message
     assert (
-        "This optimizer step was skipped, but the 3 before it since the last check (check_every_n_steps=4) were applied"
-        " unchecked. The weights are not finite (a step applied unchecked made them so): no checkpoint of them is kept."
-        " Skipping the steps that follow cannot make the weights finite again: Training is halting." in message
+        "This optimizer step was skipped, but the 3 steps before it since the last check (check_every_n_steps=4) were"
+        " applied unchecked. The weights are not finite (a step applied unchecked made them so): no checkpoint of them"
+        " is kept. Skipping the steps that follow cannot make the weights finite again: Training is halting." in message
     )
     assert "unchanged" not in message
 
