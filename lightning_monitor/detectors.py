@@ -343,14 +343,16 @@ class RisingDetector:
         self.active = True
         if climbed:
             values = " -> ".join(format_value(v) for v in self.history)
-            reason = f"{self.name} rose {self.patience} times in a row ({values})"
+            times = "once" if self.patience == 1 else f"{self.patience} times in a row"
+            reason = f"{self.name} rose {times} ({values})"
             return Detection(self.kind, value, self.history[0], reason)
         values = " -> ".join(format_value(v) for v in self.history[1:])
         gap = f"{format_value(100 * (self.margin or 0.0))}%" if limit - best > self.min_delta else "min_delta"
-        reason = (
-            f"{self.name} has stayed more than {gap} above its best {format_value(best)} for {self.patience} "
-            f"validations in a row ({values})"
-        )
+        above_best = f"more than {gap} above its best {format_value(best)}"
+        if self.patience == 1:
+            reason = f"{self.name} is {above_best} ({values})"
+        else:
+            reason = f"{self.name} has stayed {above_best} for {self.patience} validations in a row ({values})"
         return Detection(self.kind, value, limit, reason)
 
     def at_end(self) -> Detection | None:
@@ -892,8 +894,8 @@ class AccuracyStallDetector:
             reason = f"token accuracy collapsed to {format_value(acc)} (best {best}) while the loss fell from {was}"
         else:
             reason = (
-                f"token accuracy has not beaten its best {best} for {self.count} validations while the loss fell "
-                f"from {was} to {format_value(loss)}"
+                f"token accuracy has not beaten its best {best} for {self.count} validation{'s' * (self.count != 1)}"
+                f" while the loss fell from {was} to {format_value(loss)}"
             )
         return Detection(self.kind, acc, self.best_acc, reason)
 

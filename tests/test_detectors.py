@@ -130,6 +130,8 @@ def test_rising_message_lists_the_values():
     found = [det.update(v) for v in (0.5, 0.6, 0.7)][-1]
     assert found.reason == "val_loss rose 2 times in a row (0.5 -> 0.6 -> 0.7)"
     assert (found.value, found.threshold) == (0.7, 0.5)
+    once = RisingDetector(AlertKind.DIVERGING_VAL_LOSS, "val_loss", 1)
+    assert [once.update(v) for v in (0.5, 0.6)][-1].reason == "val_loss rose once (0.5 -> 0.6)"
 
 
 def test_amp_overflow_calibration_from_a_huge_scale_is_not_an_alert():
@@ -806,3 +808,12 @@ def test_rearm_keeps_a_streak_short_of_patience():
     spike.rearm()
     assert spike.count == 1
     assert spike.update(40.0) is not None
+
+
+def test_an_accuracy_stall_of_one_validation_says_validation():
+    det = AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, patience=1)
+    found = [det.update(*x) for x in [(3.0, 0.5), (2.5, 0.4)]][-1]
+    assert found is not None
+    assert (
+        found.reason == "token accuracy has not beaten its best 0.5 for 1 validation while the loss fell from 3 to 2.5"
+    )
