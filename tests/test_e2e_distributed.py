@@ -148,6 +148,24 @@ def test_nan_loss_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+def test_weights_lost_between_checks_halt_both_ranks_at_that_check(tmp_path):
+    # check_every_n_steps=4 checks steps 0, 4 (and 7, the last). Rank 1's NaN loss of step 1 reaches both ranks' weights
+    # unchecked (DDP all-reduces its NaN gradients); step 4's check reads the weights on every rank (one collective),
+    # finds them not finite, and both ranks halt there, at once, whatever halt_after.
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=4, postmortem=None)
+    fit(tmp_path, TensorBatchModel(nan_loss_at=1), devices=2, monitor=monitor, log_every_n_steps=50)
+    for report in reports(tmp_path):
+        assert report["global_step"] == 5 and report["stopping_reason"] == "nonfinite_loss"
+        assert not report["finite"]
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["halted"]) == ("nonfinite_loss", 4, True)
+        assert "Skipping the steps that follow cannot make the weights finite again" in alert["message"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 def test_without_a_logger_every_rank_writes_to_the_one_folder_rank_zero_chose(tmp_path):
     torch.manual_seed(0)
     fit(tmp_path, TensorBatchModel(nan_loss_at=3), devices=2, logger=False)
