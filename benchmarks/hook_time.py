@@ -17,6 +17,10 @@ the machine's other jobs disturbed least.
 - with ``--reads``, also ``reads only``: the monitor's reads and nothing else (the loss kept at
   ``on_before_backward``, the norms stacked with it and read once), how near the floor a monitor of this shape can
   come; not a target configuration either.
+- with ``--batched``, also ``batched sketch``: a sketch of a design, not the monitor (:class:`BatchedSketch`): the
+  same reads, the step-level checks at every step, and the seven detectors' figures replayed through the monitor's
+  own ``judge`` in batches of 50, in a warm loop; what the monitor would cost if only what must be decided before
+  the step ran at every step.
 
 Beside the wall time in the hooks, the thread's CPU time in them (``time.thread_time``) is given too: on a machine
 whose cores other jobs share, the wall time also counts the waits for a core, which the CPU time leaves out.
@@ -44,6 +48,7 @@ import argparse
 import cProfile
 import functools
 import logging
+import math
 import os
 import platform
 import pstats
@@ -69,8 +74,9 @@ from lightning_monitor._lightning import STEP_HOOKS
 CONFIGS: tuple[str, ...] = ("bare", "floor", "monitor, halt_on=[]", "monitor")
 SKELETON = "monitor, no detectors"
 READS = "reads only"
+BATCHED = "batched sketch"
 #: Configurations timed for comparison only, not judged against the target.
-NOT_TARGETS = (SKELETON, READS)
+NOT_TARGETS = (SKELETON, READS, BATCHED)
 MODELS = ("boring", "1M")
 TARGET, AIM = 2.0, 1.3  # in-hook time over the floor's
 
@@ -119,11 +125,62 @@ class ReadsOnly(Callback):
         torch.stack([self.loss, *norms]).tolist()  # type: ignore[list-item]
 
 
+class BatchedSketch(ReadsOnly):
+    """A sketch of a monitor that decides at every step only what must be decided before the step, and judges the rest
+    in batches: not the monitor, and not exact as it stands.
+
+    At every step, :class:`ReadsOnly`'s reads, then the step-level checks (a loss or norm that is not finite, a norm
+    above the ``exploding_grad`` limit) and the figures kept; every ``batch`` steps, or at once where a check fails,
+    the kept figures go through the monitor's own detectors (``judge`` on ``StepFigures``, one per step, in order),
+    in a loop whose code stays warm. What it leaves out, and a real design would need: alerts, decisions, records
+    and writes for what the replay finds (rare: a calm run has none); and a limit valid until the next replay (here
+    the limit of the last one, which a learnt limit can undercut as the window moves; a lower bound over the next
+    ``batch`` steps would be exact). The statistical rules' warnings would come at the replay, at most ``batch``
+    steps after the step they name.
+    """
+
+    batch = 50
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_monitor.judging import StepDetectors
+
+        super().setup(trainer, pl_module, stage)
+        config = TrainingMonitor().config
+        self.detectors = StepDetectors.from_settings(config.step, config.spikes)
+        self.kept: list[tuple[float, float, float]] = []
+        self.limit = math.inf
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [g for p in self.params if (g := p.grad) is not None]
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        row = torch.stack([self.loss, *norms]).tolist()  # type: ignore[list-item]
+        loss, square = row[0], math.fsum(v * v for v in row[1:])
+        norm = math.sqrt(square)
+        kept = self.kept
+        kept.append((loss, norm, square))
+        if not (norm <= self.limit and math.isfinite(loss)) or len(kept) >= self.batch:
+            self.replay()
+
+    def replay(self) -> None:
+        from lightning_monitor.judging import judge
+        from lightning_monitor.step_figures import StepFigures
+
+        detectors = self.detectors
+        for loss, norm, square in self.kept:
+            judge(detectors, StepFigures(loss, norm, norm, [square], 0, 1, None, False, [loss], [square]))
+        self.kept.clear()
+        self.limit = detectors.exploding.limit_now if detectors.exploding is not None else math.inf
+
+
 def make_callback(config: str) -> Callback | None:
     if config == "floor":
         return ReadOnce()
     if config == READS:
         return ReadsOnly()
+    if config == BATCHED:
+        return BatchedSketch()
     if config == "monitor, halt_on=[]":
         return TrainingMonitor(halt_on=[])
     if config == "monitor":
@@ -354,9 +411,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="rows of the profile (40)")
     parser.add_argument("--skeleton", action="store_true", help="also time a monitor with every detector off")
     parser.add_argument("--reads", action="store_true", help="also time a callback making the monitor's reads only")
+    parser.add_argument("--batched", action="store_true", help="also time a sketch judging its detectors in batches")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    configs = CONFIGS + ((SKELETON,) if args.skeleton else ()) + ((READS,) if args.reads else ())
+    extra = {SKELETON: args.skeleton, READS: args.reads, BATCHED: args.batched}
+    configs = CONFIGS + tuple(config for config, asked in extra.items() if asked)
     print(
         f"# {platform.node()}, {cpu_model()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" {args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
