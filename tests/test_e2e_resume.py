@@ -274,6 +274,30 @@ def test_the_ladder_survives_a_resume(tmp_path):
     assert resumed.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 9
 
 
+def test_a_resume_right_after_an_explosion_then_a_nan_gradient_starts_calm(tmp_path):
+    # The checkpoint is taken right after an explosion (step 6) and a NaN gradient (step 7): the exploding detector is
+    # in an episode, its last norm not finite (which its state does not keep). The resumed run, whose steps are all
+    # sound, gives no alert and does not halt: the restored episode is over, not beyond any limit.
+    model = ScriptedModel(loss_factor={6: 1e6}, grad_poison={7: 0})
+    first = TrainingMonitor(val_loss_key=None, postmortem=None)
+    trainer = make_trainer(tmp_path, [first], max_steps=8)
+    trainer.fit(model, loader(16), loader(8))
+    assert [(a.step, a.kind.value, a.halted) for a in first.alerts] == [
+        (6, "exploding_grad", False),
+        (7, "nonfinite_grad", False),
+    ]
+    path = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(path)
+    (saved,) = torch.load(path, weights_only=True)["callbacks"].values()
+    assert saved["ladder"] == {"hits": [[0, [6, 7]]]}
+
+    resumed = TrainingMonitor(val_loss_key=None, postmortem=None)
+    trainer = make_trainer(tmp_path, [resumed], max_steps=16)
+    trainer.fit(ScriptedModel(), loader(16), loader(8), ckpt_path=path)
+    assert [(a.step, a.halted) for a in resumed.alerts] == [(6, False), (7, False)]  # the two restored, no more
+    assert resumed.stopping_reason is None and trainer.global_step == 16 and resumed.skipped_steps == 2
+
+
 class Killed(ScriptedModel):
     """A :class:`ScriptedModel` whose run dies at ``crash_at`` (a crash, a Ctrl-C, a preempted node)."""
 
