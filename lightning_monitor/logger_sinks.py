@@ -1,10 +1,10 @@
 """What W&B and MLflow runs get beyond the figures: each alert's text, and the monitor's files.
 
 - **W&B** (:class:`WandbRun`): each alert calls ``run.alert`` (W&B's e-mail or Slack notification; at most one per
-  alert kind a minute, as W&B's own ``wait_duration`` asks, the others only in the run), and its text goes to the run
-  summary as ``alert_text/<kind>`` (the latest of each kind). Each file the monitor writes is added with
-  ``run.save(..., policy="live")``: kept up to date while it changes. Offline, both wait in the run's folder for
-  ``wandb sync``, which sends the notifications then.
+  alert kind a minute, as W&B's own ``wait_duration`` asks, the others only in the run; a halt always, under a title
+  of its own), and its text goes to the run summary as ``alert_text/<kind>`` (the latest of each kind). Each file
+  the monitor writes is added with ``run.save(..., policy="live")``: kept up to date while it changes. Offline, both
+  wait in the run's folder for ``wandb sync``, which sends the notifications then.
 - **MLflow** (:class:`MlflowRun`): each alert is a run tag ``lightning_monitor.alert.<n>`` (the ``n``-th alert of the
   run, cut to MLflow's tag length), and a halt sets ``lightning_monitor.halted`` to its kind. The files are
   artifacts under ``lightning_monitor/``: written there at once when the monitor's folder is the run's local artifact
@@ -108,14 +108,16 @@ class WandbRun(TrackedRun):
         self._notified: dict[str, float] = {}  # alert title -> when it was last sent (time.monotonic)
 
     def alert(self, alert: Alert, index: int) -> None:
-        """Notify (once a minute per kind at most) and put the text in the summary."""
+        """Notify (once a minute per kind at most, and at every halt) and put the text in the summary."""
         self.guarded(lambda: self._alert(alert))
 
     def _alert(self, alert: Alert) -> None:
         kind = alert.kind.value
-        title = f"TrainingMonitor: {kind}"
+        # A halt is always told, under a title of its own: W&B holds back a second notification of one title within
+        # its `wait_duration`, and a halt a few steps after its kind's first alert ("training goes on") would be lost.
+        title = f"TrainingMonitor: {kind}, training halted" if alert.halted else f"TrainingMonitor: {kind}"
         now = time.monotonic()
-        if now - self._notified.get(title, -math.inf) >= WANDB_ALERT_WAIT_S:
+        if alert.halted or now - self._notified.get(title, -math.inf) >= WANDB_ALERT_WAIT_S:
             self._notified[title] = now
             text = _cut(alert.message, WANDB_ALERT_TEXT)
             level = "ERROR" if alert.halted else "WARN"

@@ -249,6 +249,24 @@ def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offlin
 
 
 @pytest.mark.timeout(180)
+def test_wandb_is_told_of_a_halt_a_few_steps_after_its_kinds_first_alert(tmp_path, wandb_offline):
+    # NaN from step 2: skipped and alerted at 2 ("Training goes on"), halting at 5. W&B holds back a second
+    # notification of one title within a minute; the halt has its own, so the user is told that training stopped.
+    logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
+    monitor = TrainingMonitor(loss_divergence_factor=None, val_loss_key=None, postmortem=None)
+    trainer = make_trainer(tmp_path / "root", [monitor], logger=logger, max_steps=10)
+    trainer.fit(ScriptedModel(loss_factor={s: float("nan") for s in range(2, 10)}), train_dataloaders=loader())
+    wandb_offline.finish()
+    wandb_offline.teardown()
+    assert [(a.step, a.halted) for a in monitor.alerts] == [(2, False), (5, True)]
+    notified = [r.alert for r in wandb_records(Path(logger.experiment.dir).parent) if r.HasField("alert")]
+    assert [(n.title, n.text, n.level) for n in notified] == [
+        ("TrainingMonitor: nonfinite_loss", monitor.alerts[0].message, "WARN"),
+        ("TrainingMonitor: nonfinite_loss, training halted", monitor.alerts[1].message, "ERROR"),
+    ]
+
+
+@pytest.mark.timeout(180)
 def test_tensorboard_run_is_unchanged(tmp_path):
     tb = TensorBoardLogger(tmp_path, name="tb")
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None)
