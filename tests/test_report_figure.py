@@ -93,9 +93,9 @@ def test_learnt_limits_are_drawn_where_they_were_in_force(tmp_path: Path) -> Non
     panel = plots[0].panel("grad_norm")
     assert panel.thresholds == ()  # "auto": no fixed number in the settings
     assert panel.limits[0] == Limit(
-        "exploding_grad limit (learnt)", exploding.steps, exploding.values, ALERT_COLOURS["exploding_grad"]
+        "exploding_grad limit (auto)", exploding.steps, exploding.values, ALERT_COLOURS["exploding_grad"]
     )
-    assert panel.limits[1].label == "vanishing_grad limit (learnt)"
+    assert panel.limits[1].label == "vanishing_grad limit (auto)"
 
     fig = draw_figure(plots)
     ax = axes_of(fig, plots, "grad_norm")

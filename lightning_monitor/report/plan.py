@@ -294,7 +294,8 @@ def _grad_norm_panel(run: Run, keys: RunKeys) -> Panel:
         kind = match["kind"]
         recorded.add(kind)
         setting = settings.get(f"{kind}_threshold")
-        how = "learnt" if setting == "auto" else "fixed" if _threshold(setting) is not None else "recorded"
+        # The setting, not "learnt": an 'auto' limit is the fixed default in a run's first checks, learnt after.
+        how = "auto" if setting == "auto" else "fixed" if _threshold(setting) is not None else "recorded"
         label = f"{kind} limit ({how}){match['opt'] or ''}"
         limits.append(Limit(label, series.steps, series.values, alert_colour(kind)))
     thresholds = tuple(
