@@ -525,12 +525,35 @@ def _locate(root: Path, format: str) -> tuple[Path, str]:
             return plain[0], format
     elif found.get(format) is not None:
         return cast(Path, found[format]), format
+    below = _run_below(root) if format != "plain" else None
+    if below is not None:  # one run in a subfolder, as the report finds it (MLflow's artifacts, a logger's version_0)
+        return _locate(below, format)
     wanted = "run file" if format == "auto" else f"{format} file"
     raise FileNotFoundError(
         f"No {wanted} in {str(root)!r}: looked for {_HISTORY_FILE}, TensorBoard event files ({_EVENTS_PREFIX}*),"
         " metrics.csv (CSVLogger), trainer_state.json (also in checkpoint-N folders) and, with --format plain, one"
         " CSV file"
     )
+
+
+def _run_below(root: Path) -> Path | None:
+    """The one run folder under ``root``, found as ``lightning-monitor report`` finds runs; ``None`` if there is none.
+
+    Raises:
+        FileNotFoundError: If there are several: replay reads one run, and says which to point at.
+    """
+    from lightning_monitor.report.reading import NoLogsError, find_runs
+
+    try:
+        runs = [run for run in find_runs(root) if run != root]
+    except NoLogsError:
+        return None
+    if len(runs) > 1:
+        named = ", ".join(repr(str(run)) for run in runs[:5]) + (", ..." if len(runs) > 5 else "")
+        raise FileNotFoundError(
+            f"{str(root)!r} holds {len(runs)} runs ({named}): replay reads one; point at the one to replay"
+        )
+    return runs[0] if runs else None
 
 
 def _trainer_state_in(root: Path) -> Path | None:

@@ -94,6 +94,16 @@ def test_a_run_folder_reads_the_monitors_history_first(real_run: dict[str, Any])
     assert all(p.loss is not None and p.grad_norm is not None for p in points if p.step < NAN_STEP)
 
 
+def test_a_folder_above_one_run_reads_it_and_above_several_says_which(real_run: dict[str, Any]) -> None:
+    # As `lightning-monitor report` finds runs: `tb/` holds one run (`version_0`), the folder above it two.
+    points, source = read_series(real_run["tb"].parent)
+    assert source == f"monitor history {real_run['tb'] / 'monitor_history.jsonl'}"
+    assert [p.step for p in points] == [p.step for p in read_series(real_run["tb"])[0]]
+    root = real_run["tb"].parent.parent
+    with pytest.raises(FileNotFoundError, match=r"holds 2 runs \(.*version_0.*\): replay reads one; point at"):
+        read_series(root)
+
+
 def test_trainer_state_with_a_jump_and_a_blowup(tmp_path: Path) -> None:
     # Hand-written Hugging Face log: the gradient norm crosses 100 once at step 40 (default: halts), the evaluation
     # loss rises 4 times in a row from step 60 (the 4th rise, at step 120, is `diverging_val_loss`).
