@@ -17,6 +17,7 @@ logger's writer is given a ``log_metrics`` and a ``save`` of its own instance, a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,8 @@ __all__ = ["CsvRows"]
 
 #: How far back, in pending rows, a row of the same step is looked for.
 _LOOK_BACK = 8
+#: A key of a validation figure: ``val`` as a part of its name (``val_acc``, ``alerts/diverging_val_loss``).
+_VALIDATION = re.compile(r"(?:^|[/_.\-])val(?:[/_.\-]|$)")
 
 
 class _MonitorRow(dict[str, Any]):
@@ -110,13 +113,23 @@ class CsvRows:
 def _row_for(
     pending: list[dict[str, Any]], values: Mapping[str, Any], step: int, monitor_rows_only: bool
 ) -> dict[str, Any] | None:
-    """The pending row of ``step`` that ``values`` can join (no key in common), the newest first; ``None`` if none."""
+    """The pending row of ``step`` that ``values`` can join (no key in common), the newest first; ``None`` if none.
+
+    Where the step has a training row and a validation row (a validation run after its batch) that both can take the
+    monitor's figures, a training figure (``train_acc``, counted at the end of the batch and written a step later)
+    joins the training row, the one the monitor began, and a validation figure (:data:`_VALIDATION`) Lightning's
+    validation row.
+    """
+    fits: list[dict[str, Any]] = []
     for row in reversed(pending[-_LOOK_BACK:]):
         at = row.get("step")
         if at != step:
             if isinstance(at, int) and at < step:
-                return None
+                break
             continue
         if (not monitor_rows_only or isinstance(row, _MonitorRow)) and not any(k in row for k in values):
-            return row
-    return None
+            fits.append(row)
+    if len(fits) < 2:
+        return fits[0] if fits else None
+    validation = any(_VALIDATION.search(key) for key in values)
+    return next((row for row in fits if isinstance(row, _MonitorRow) != validation), fits[0])

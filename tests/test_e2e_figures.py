@@ -124,6 +124,35 @@ def test_metrics_csv_has_one_row_per_logged_step(tmp_path, host_sync):
         )  # ScriptedModel is a classifier: train_acc
 
 
+def test_a_steps_training_figures_stay_on_its_training_row_when_it_validates(tmp_path):
+    # A validation run after step 4's batch: Lightning writes a second row for step 4 (val_loss). The monitor's
+    # train_acc of step 4, counted at the batch's end and written at the next check, joins the training row (with
+    # grad_norm), and val_acc the validation row: a reader who keeps the rows with grad_norm keeps every train_acc.
+    class Logging(ScriptedModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("train_loss", out["loss"])
+            return out
+
+        def validation_step(self, batch, batch_idx):
+            out = super().validation_step(batch, batch_idx)
+            self.log("val_loss", out["x"])
+            return out
+
+    logger = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], logger=logger, max_steps=12, val_check_interval=5)
+    trainer.fit(Logging(), loader(), loader(8))
+    with open(f"{logger.log_dir}/metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    training = [r for r in rows if r["grad_norm"]]
+    validating = [r for r in rows if r["val_loss"]]
+    assert [int(r["step"]) for r in training] == list(range(12))
+    assert all(r["train_acc"] and r["train_loss"] and not r["val_acc"] for r in training)
+    assert [int(r["step"]) for r in validating] == [4, 9]
+    assert all(r["val_acc"] and not r["train_acc"] and not r["grad_norm"] for r in validating)
+
+
 # ------------------------------------------------------------------------------------------------ histograms
 
 

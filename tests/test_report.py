@@ -410,11 +410,14 @@ def test_python_dash_m(halted: Path, tmp_path: Path) -> None:
 
 
 def tb_points(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """Every `(step, value)` of `tag` in all the run's event files, in file order (not through the report)."""
+    """Every `(step, value)` of `tag` in all the run's event files, the files in the order written (not through the
+    report): by the time of each file's first event. By name they can sort out of order: two runs of one process in
+    the same second differ only by TensorBoard's counter at the name's end, which sorts as text (10 before 9)."""
+    files = [list(LegacyEventFileLoader(str(path)).Load()) for path in run_dir.glob("events.out.tfevents.*")]
     return [
         (event.step, value.simple_value)
-        for path in sorted(run_dir.glob("events.out.tfevents.*"))
-        for event in LegacyEventFileLoader(str(path)).Load()
+        for events in sorted(files, key=lambda events: events[0].wall_time if events else 0.0)
+        for event in events
         for value in event.summary.value
         if value.tag == tag
     ]
