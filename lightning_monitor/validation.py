@@ -147,9 +147,12 @@ class ValidationCheck:
             self.key = found[0]
             if self.rising is not None:
                 self.rising.name = self.key
+            why = "the logged metric named like a validation loss"
+            if self.key == "val_loss":  # found by its exact name: nothing guessed
+                why = "the logged validation loss"
             rank_zero_info(
-                f"TrainingMonitor watches {self.key!r} for `diverging_val_loss` (the logged metric named like a"
-                " validation loss); pass `val_loss_key` to watch another, or `val_loss_key=None` for none."
+                f"TrainingMonitor watches {self.key!r} for `diverging_val_loss` ({why}); pass `val_loss_key` to watch"
+                " another, or `val_loss_key=None` for none."
             )
         elif not self._told:
             self._told = True

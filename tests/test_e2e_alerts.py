@@ -772,9 +772,10 @@ def test_the_one_validation_loss_logged_is_watched_and_said_once(tmp_path, caplo
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no warning: there is nothing for the user to do
         monitor, told = run(tmp_path, LoggedAs(names, on_step), caplog)
+    why = "the logged validation loss" if watched == "val_loss" else "the logged metric named like a validation loss"
     assert told == [
-        f"TrainingMonitor watches {watched!r} for `diverging_val_loss` (the logged metric named like a validation"
-        " loss); pass `val_loss_key` to watch another, or `val_loss_key=None` for none."
+        f"TrainingMonitor watches {watched!r} for `diverging_val_loss` ({why}); pass `val_loss_key` to watch"
+        " another, or `val_loss_key=None` for none."
     ]
     (alert,) = [a for a in monitor.alerts if a.kind == AlertKind.DIVERGING_VAL_LOSS]
     assert alert.message.startswith(f"{watched} rose ")  # the key as logged, not capitalised ("Val_loss")
