@@ -291,6 +291,15 @@ class TokenAccuracyTracker:
             self.mark(self._window)
 
     @property
+    def training_off(self) -> bool:
+        """Whether no training batch is counted any more.
+
+        So with ``token_accuracy=False``, or a model without logits under ``"auto"``: then :meth:`end_batch` has nothing
+        to count, and in one process nothing to carry either.
+        """
+        return "train" in self.disabled
+
+    @property
     def counts_due(self) -> bool:
         """Whether the next check carries a logged step's counts: on every rank alike, whatever each counted.
 
