@@ -8,12 +8,15 @@ C, a kernel, is not), per optimizer step, over steady steps of a calm run (neith
 for the floor of ``hook_time.py`` (one ``_foreach_norm``, one ``stack``, one ``.item()``), for
 ``TrainingMonitor()``, and for a ``TrainingMonitor`` with every detector that can be turned off turned off (what the
 check itself costs: measure, pack, read, decide, record), and lists the monitor's functions by their share.
-``--aten`` counts the torch operators the hooks dispatch instead (a ``TorchDispatchMode``).
+``--aten`` counts the torch operators the hooks dispatch instead (a ``TorchDispatchMode``). ``--cycles`` counts every
+step of two whole logging intervals instead, the logging steps included: a lean run holds its calm steps and judges
+them in a batch, at the next logging step at the latest, so a steady step alone leaves the detectors' work out.
 
 The count is a guide to where Python time goes, not a time: an instruction costs a few to a few tens of
 nanoseconds, and the floor's time is mostly its three torch calls, which run in C.
 
-Run: ``python benchmarks/hook_ops.py`` (a few seconds), ``--top 30`` for the functions, ``--aten`` for the operators.
+Run: ``python benchmarks/hook_ops.py`` (a few seconds), ``--top 30`` for the functions, ``--aten`` for the operators,
+``--cycles`` for the whole intervals.
 """
 
 from __future__ import annotations
@@ -114,13 +117,16 @@ def short(path: str) -> str:
 class Window(Callback):
     """Switches the counters on for the steady steps between :data:`FIRST` and :data:`LAST`."""
 
-    def __init__(self, counters: list[OpCounter]) -> None:
+    def __init__(self, counters: list[OpCounter], cycles: bool = False) -> None:
         self.counters = counters
+        self.cycles = cycles  # every step from FIRST to LAST, the logging steps included
         self.steps = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         step = trainer.global_step
-        steady = FIRST <= step < LAST and (step + 1) % LOG_EVERY not in (0, 1) and (step + 2) % LOG_EVERY != 0
+        steady = FIRST <= step < LAST and (
+            self.cycles or ((step + 1) % LOG_EVERY not in (0, 1) and (step + 2) % LOG_EVERY != 0)
+        )
         self.steps += steady
         for counter in self.counters:
             counter.on = steady
@@ -131,6 +137,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="the monitor's functions listed (20)")
     parser.add_argument(
         "--aten", action="store_true", help="count the torch operators the hooks dispatch instead of instructions"
+    )
+    parser.add_argument(
+        "--cycles",
+        action="store_true",
+        help="count every step of two whole logging intervals (steps 200 to 300), the logging steps included, where a"
+        " lean run judges the steps it held",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -147,7 +159,7 @@ def main() -> None:
         counted[name].wrap(monitor)
         for counter in counted.values():
             counter.count_aten = args.aten
-        window = Window(list(counted.values()))
+        window = Window(list(counted.values()), args.cycles)
         with tempfile.TemporaryDirectory() as folder:
             trainer = pl.Trainer(
                 max_steps=LAST,
@@ -172,7 +184,8 @@ def main() -> None:
             print(f"| {name} | {sum(counter.aten.values()) / steps:.0f} | {which} |")
         return
     totals = {name: sum(c.ops.values()) / steps for name, c in counters.items()}
-    print(f"Steady steps {FIRST} to {LAST} of a calm BoringModel ({steps} counted), Python {sys.version.split()[0]}")
+    which = "Every step" if args.cycles else "Steady steps"
+    print(f"{which} {FIRST} to {LAST} of a calm BoringModel ({steps} counted), Python {sys.version.split()[0]}")
     print()
     print("| callback | bytecode instructions per step in its hooks | x floor |")
     print("| --- | --- | --- |")

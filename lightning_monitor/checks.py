@@ -230,18 +230,12 @@ class OptimizerCheck:
         The calm steps of a small model take this way: the loss and the norms in one ``stack``, one read, and the
         figures made directly, with nothing laid out, gathered or looked up by name (:meth:`StepFigures.plain`).
         """
-        return self.plain_figures(self.read_row(loss[0]), loss[1], self.norms.present)
-
-    def read_row(self, loss_sum: Tensor | None) -> list[float]:
-        """:meth:`read_plain`'s read: ``[loss_sum, *norms]`` on the host, in one ``stack`` and one ``tolist``."""
+        loss_sum, count = loss
         norms = self.norms.norm_list()
         if loss_sum is None:  # no backward since the last check (a loss of several elements): 0, as `pack` has it
             loss_sum = self._fills_on(self.norms.device)[1]
-        return torch.stack([loss_sum, *norms]).tolist()  # the one host sync
-
-    def plain_figures(self, row: list[float], count: int, present: int) -> StepFigures:
-        """The figures of a :meth:`read_row` row of ``count`` micro-batch losses, ``present`` gradients present."""
-        return StepFigures.plain(row, count, present, self.norms.layer_squares(row[1:]))
+        row = torch.stack([loss_sum, *norms]).tolist()  # the one host sync
+        return StepFigures.plain(row, count, self.norms.present, self.norms.layer_squares(row[1:]))
 
     def plain_packing(self, count: int) -> Packing:
         """The :class:`Packing` that :meth:`pack` makes of a :meth:`read_plain` check of ``count`` micro-batches."""
@@ -313,7 +307,6 @@ class OptimizerChecks:
     ) -> None:
         self.new_detectors = detectors
         self.on_new_optimizer = on_new_optimizer
-        self.on_measure: Callable[[], None] | None = None  # called before a check measures other parameters
         self.checks: dict[int, OptimizerCheck] = {}
         self.order: ForwardOrder | None = None  # the layers' forward order, handed to each check for its messages
         self._last: tuple[Optimizer, OptimizerCheck, int] | None = None  # what `for_optimizer` returned last
@@ -345,8 +338,6 @@ class OptimizerChecks:
                 check.detectors.rearm()
             self.checks[index] = check
         elif self._measured.get(index) != (optimizer, groups):
-            if self.on_measure is not None:  # what was read with the old parameters is judged first
-                self.on_measure()
             check.measure(_layer_norms(trainer, pl_module, optimizer))
         if self.on_new_optimizer is not None:  # an optimizer made after the run began (its first step is unguarded)
             self.on_new_optimizer(optimizer)

@@ -115,10 +115,6 @@ class GuardedDetector(Detector, Protocol):
     @property
     def limit_now(self) -> float: ...  # noqa: D102
 
-    def limit_floor(self, updates: int) -> float:
-        """The least the limit can be over the next ``updates``, each of a finite figure at or below this value."""
-        ...
-
 
 class NonFiniteDetector:
     """Fire when a figure is NaN or infinite.
@@ -236,17 +232,6 @@ class ThresholdDetector:
     def limit_now(self) -> float:
         """The threshold, where the first figure beyond it fires (``patience`` 1, ``"above"``); else ``math.inf``."""
         return self.threshold if self.direction == "above" and self.patience == 1 else math.inf
-
-    def limit_floor(self, updates: int) -> float:
-        """A value at or below which no figure is beyond the threshold over the next ``updates``.
-
-        The threshold itself (``"above"``), or ``-math.inf`` (``"below"``, where no such value exists).
-
-        Example:
-            >>> ThresholdDetector(AlertKind.EXPLODING_GRAD, "gradient norm", 50.0, "above").limit_floor(50)
-            50.0
-        """
-        return self.threshold if self.direction == "above" else -math.inf
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state as plain values."""

@@ -8,7 +8,6 @@ Like every detector (:mod:`lightning_monitor.detectors` re-exports them) they ar
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import statistics
 from collections import deque
@@ -171,38 +170,6 @@ class ExplodingDetector:
     def limit_now(self) -> float:
         """The norm above which the next check fires: the (raised) fixed limit, ``factor`` times the tail, or inf."""
         return self._limit
-
-    def limit_floor(self, updates: int) -> float:
-        """A norm at or below which none of the next ``updates`` fires, whatever finite norms at or below it they take.
-
-        A lower bound of :attr:`limit_now` over those updates, for a caller that judges them later (the monitor's
-        held steps, :mod:`~lightning_monitor.held_steps`): each such norm enters the window, and at most ``updates``
-        leave it, so the tail stays at or above the window's ``(rank + left)``-th largest norm now, ``rank`` being
-        the tail's rank at the window's size then. ``-math.inf`` (no norm is safe) while the tail is still learnt,
-        in the first ``early`` checks, and during an episode beyond the limit.
-
-        Example:
-            >>> det = ExplodingDetector("gradient norm", early=3, window=10)
-            >>> [det.update(float(v)) for v in range(1, 11)] == [None] * 10
-            True
-            >>> det.limit_now  # 20x the fifth largest of the ten
-            120.0
-            >>> det.limit_floor(2)  # two norms leave the full window: 20x its seventh largest now
-            80.0
-            >>> ExplodingDetector("gradient norm").limit_floor(1)  # the tail is not learnt yet
-            -inf
-        """
-        recent = self.recent
-        n = len(recent)
-        if self.seen < self.early or self.count or not n or self._tail <= 0:
-            return -math.inf
-        left = min(updates, n + updates - self.window) if n + updates > self.window else 0
-        rank = _tail_rank(min(n + updates, self.window), self.quantile) + left
-        if rank > n:
-            return -math.inf
-        top = self.top
-        tail = top[len(top) - rank] if len(top) >= rank else heapq.nlargest(rank, recent)[-1]
-        return self.factor * tail
 
     def _refresh(self) -> None:
         """Recompute the tail and the limit in force (after a norm came in), so that reading them costs nothing."""

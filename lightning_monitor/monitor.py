@@ -59,7 +59,6 @@ from lightning_monitor.decision import (
 )
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
-from lightning_monitor.held_steps import HeldSteps, can_hold
 from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
 from lightning_monitor.judging import CALM, StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.keys import total_key
@@ -342,7 +341,6 @@ class TrainingMonitor(Callback):
         self._lean = False  # the run's calm steps take the short way (see `on_train_start`)
         self._epoch = 0  # `trainer.current_epoch`, read at each epoch's start (for `_calm_step`)
         self._layer_norms = True  # `layer_norms`, read at the run's start (for `_calm_step`)
-        self._held: HeldSteps | None = None  # a lean run's calm steps, held to be judged in a batch
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -352,7 +350,6 @@ class TrainingMonitor(Callback):
         self._warn = WarnOnce()
         detectors = functools.partial(StepDetectors.from_settings, config.step, config.spikes)
         self._checks = OptimizerChecks(detectors, on_new_optimizer=self._guard.install)
-        self._checks.on_measure = self._judge_held_now
         self._recovery = Recovery(config.recovery, CheckStatistics(self._checks))
         self._recovery.warn = self._warn
         self._writer = RunWriter(config.response.alerts_file)
@@ -368,13 +365,11 @@ class TrainingMonitor(Callback):
     @property
     def latest(self) -> dict[str, float]:
         """The figures of the last training-step check: its ``loss`` and what it logs (empty before the first)."""
-        self._judge_held_now()
         return {} if self._latest is None else self._latest.latest()
 
     @property
     def alerts(self) -> list[Alert]:
         """Every alert so far, oldest first (restored from checkpoints)."""
-        self._judge_held_now()
         return self._state.alerts
 
     @property
@@ -477,13 +472,9 @@ class TrainingMonitor(Callback):
             and not self._show_on_bar
             and not self._recovery.on
         )
-        # A lean run's calm steps wait to be judged in batches where nothing but the ladder's kinds acts on a step.
-        self._held = HeldSteps() if self._lean and can_hold(self._policy) else None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._held:
-            self._judge_held(trainer)
         for pending, figures in self._reads.take_all():  # nothing would read them later
             self._step_check(trainer, pending, figures)
         record = self._recovery.finish()  # the record of a recovery still under way
@@ -499,11 +490,6 @@ class TrainingMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._held:  # their warnings are given: they may tell what led to the exception
-            try:
-                self._judge_held(trainer)
-            except Exception as error:  # the run's own exception is the one to raise
-                rank_zero_warn(f"TrainingMonitor could not judge its last steps after the exception: {error!r}")
         self._reads.clear()
         self._close_hooks()
 
@@ -548,8 +534,6 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         if self._lean and self._calm_step(trainer, optimizer, check, at):
             return
-        if self._held:  # a check the full way: the steps held before it are judged first, in order
-            self._judge_held(trainer)
         logs = is_logging_step(trainer, at, self._every)
         counts = logs if self._every else is_logging_step(trainer, at, self._token_every)  # no logger: the interval
         self._tokens.logged_at = at if counts else None  # the step's token counts are kept for logging if it logs
@@ -604,32 +588,8 @@ class TrainingMonitor(Callback):
             return False
         check.count_step(1)
         self._tokens.logged_at = None
-        loss_sum, count = self._loss.take()
-        row = check.read_row(loss_sum)  # the one host read
-        held = self._held
-        if held is not None:
-            # A step with none of the ladder's problems waits to be judged with the next ones (`HeldSteps`).
-            if self._state.stopping_reason is None and held.can_wait(check, row):
-                if held.hold((check, optimizer, row, count, check.norms.present, at, self._epoch)):
-                    self._judge_held(trainer)
-                return True
-            self._judge_held(trainer)  # the steps held before this one, first
-        figures = check.plain_figures(row, count, check.norms.present)
-        self._judge_calm(trainer, optimizer, check, figures, at, self._epoch, count, self._batches)
-        return True
-
-    def _judge_calm(
-        self,
-        trainer: pl.Trainer,
-        optimizer: Optimizer,
-        check: OptimizerCheck,
-        figures: StepFigures,
-        at: int,
-        epoch: int,
-        count: int,
-        batches: Sequence[tuple[int, Any]] = (),
-    ) -> None:
-        """Judge a step read the short way: a calm check is counted and recorded, any other goes on to `_act_on`."""
+        loss = self._loss.take()
+        figures = check.read_plain(loss)  # the one host read
         judged = judge(check.detectors, figures, suffix=check.suffix)
         notice = getattr(check.detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
@@ -640,38 +600,12 @@ class TrainingMonitor(Callback):
         if judged is CALM and state.stopping_reason is None:
             state.next_check(check.index)
             record = self._latest = CheckRecord(check, figures, self._layer_norms, state.skipped_steps)
-            self._writer.calm(at, epoch, record)
-            return
-        pending = PendingCheck(optimizer, check, check.plain_packing(count), at, epoch, False, None, batches)
+            self._writer.calm(at, self._epoch, record)
+            return True
+        packing = check.plain_packing(loss[1])
+        pending = PendingCheck(optimizer, check, packing, at, self._epoch, False, None, self._batches)
         self._act_on(trainer, pending, figures, judged)
-
-    def _judge_held(self, trainer: pl.Trainer) -> None:
-        """Judge the held steps, oldest first, as :meth:`_judge_calm` would have judged each at its own step.
-
-        The calm ones (the common case) in a loop of its own; any other goes on to :meth:`_judge_calm`. A held step
-        carries no notice of the exploding rule's scale: that comes with the run's first finite norm, never held.
-        """
-        state, writer, layer_norms = self._state, self._writer, self._layer_norms
-        calm = None  # the record of the last step judged, where calm
-        for check, optimizer, row, count, present, at, epoch in self._held.take():  # type: ignore[union-attr]
-            figures = check.plain_figures(row, count, present)
-            judged = judge(check.detectors, figures, suffix=check.suffix)
-            if judged is CALM and state.stopping_reason is None:
-                state.next_check(check.index)
-                calm = CheckRecord(check, figures, layer_norms, state.skipped_steps)
-                writer.calm(at, epoch, calm)
-                continue
-            calm = None
-            pending = PendingCheck(optimizer, check, check.plain_packing(count), at, epoch, False, None, ())
-            self._act_on(trainer, pending, figures, judged)
-        if calm is not None:
-            self._latest = calm
-
-    def _judge_held_now(self) -> None:
-        """Judge the held steps before the monitor's state is read: its alerts, figures, checkpoint, parameters."""
-        trainer = None if self._fitted is None else self._fitted()
-        if self._held and trainer is not None:
-            self._judge_held(trainer)
+        return True
 
     def _histograms_go_somewhere(self, trainer: pl.Trainer) -> bool:
         """Whether histograms are asked for and a logger takes them; asked for without one: a warning, none made."""
@@ -842,7 +776,7 @@ class TrainingMonitor(Callback):
         # keeps its counts for the next check if it logs, and marks the next step if that one may log: in automatic
         # optimization its batches share one logging step; in manual optimization each batch has its own, and the
         # optimizer may step after several, so every step is marked. In one process (a lean run), a tracker that counts
-        # no training batch has nothing to count or carry.
+        # no training batch (a model without logits) has nothing to count or carry: it is left alone.
         if self._lean and self._tokens.training_off:
             return
         if not self._step_closed:  # the batch's optimizer step is not complete
@@ -860,8 +794,6 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._held:
-            self._judge_held(trainer)
         # Gate on the settings only, never on what one rank saw: every rank must join the collective.
         if not self.config.tokens.token_accuracy:
             return
@@ -897,8 +829,6 @@ class TrainingMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._held:  # a validation's alerts come after the training steps' before it
-            self._judge_held(trainer)
         self._tokens.reset("val")
 
     @override
@@ -996,7 +926,6 @@ class TrainingMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        self._judge_held_now()  # the detectors' states after every step taken
         return {
             **self._state.state_dict(),
             **self._recovery.state_dict(),

@@ -324,39 +324,6 @@ def test_exploding_tail_at_every_step_is_the_quantile_of_the_window_sorted_afres
         assert det.tail == (window[n - rank] if len(taken) >= 30 else 0.0), step
 
 
-@pytest.mark.parametrize("window", [100, 1000])
-@pytest.mark.parametrize("updates", [1, 7, 50])
-def test_exploding_limit_floor_holds_over_the_next_updates(window: int, updates: int) -> None:
-    # The monitor holds a calm step whose norm is at or below `limit_floor(n)` and judges it later, with up to n-1
-    # more: so the limit in force at each of those n updates must be at or above the floor, whatever norms at or below
-    # it they take (here the nastiest: as small as can be, so that the window's large norms leave and nothing takes
-    # their place; or random ones), and it must not be a floor that holds nothing once the tail is learnt.
-    rng = random.Random(window + updates)
-    det = ExplodingDetector("gradient norm", early=30, window=window)
-    floors = 0
-    for step in range(2500):
-        floor = det.limit_floor(updates)
-        if step >= 40 and not det.beyond:  # after an explosion, its episode is judged at each step
-            assert floor > 0, step
-        if math.isfinite(floor) and floor > 0 and step % 3 == 0:  # hold a batch of `updates` norms at or below it
-            floors += 1
-            for _ in range(updates):
-                assert det.limit_now >= floor, step
-                norm = rng.choice([0.0, floor * rng.random(), floor, rng.lognormvariate(0, 1) % floor])
-                assert det.update(norm) is None and not det.beyond
-            continue
-        det.update(rng.choice([rng.paretovariate(1.2), rng.lognormvariate(0, 2), 1e5 if step % 400 == 399 else 1.0]))
-    assert floors > 500
-    assert ExplodingDetector("gradient norm").limit_floor(1) == -math.inf  # nothing learnt: nothing is held
-
-
-def test_threshold_limit_floor_is_the_threshold_above_it():
-    above = ThresholdDetector(AlertKind.EXPLODING_GRAD, "gradient norm", 50.0, "above")
-    below = ThresholdDetector(AlertKind.VANISHING_GRAD, "gradient norm", 1e-6, "below")
-    assert above.limit_floor(50) == 50.0 and above.update(50.0) is None and above.update(50.1) is not None
-    assert below.limit_floor(50) == -math.inf
-
-
 def test_exploding_rejects_bad_arguments():
     with pytest.raises(ValueError, match="`window` to be at least `early` \\(100\\), but got 50"):
         ExplodingDetector("gradient norm", window=50)

@@ -144,163 +144,41 @@ def test_a_run_resumed_mid_epoch_names_the_epoch_either_way(tmp_path: Path) -> N
     ]
 
 
-#: Faults after the learnt exploding limit's first 100 checks, where calm steps are held to be judged in a batch: an
-#: explosion (judged at once, skipped) and a NaN loss (judged at once, skipped).
-HELD_FACTORS = {171: 1e6, 188: float("nan")}
-#: A constant added to the loss, which moves no gradient: 1, but 10 for one step (a spike the held judgement warns
-#: of) and 3 for five (warned of when the next step stays up).
-OFFSETS = {133: 10.0, **dict.fromkeys(range(215, 220), 3.0)}
-
-
-class OffsetModel(ScriptedModel):
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        out = super().training_step(batch, batch_idx)
-        return {**out, "loss": out["loss"] + OFFSETS.get(self.global_step, 1.0)}
-
-
-def held_run(
-    tmp_path: Path, log_every: int, **settings: Any
-) -> tuple[pl.Trainer, TrainingMonitor, list[torch.Tensor], list[list[int]], dict[str, Any]]:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    torch.manual_seed(3)
-    model = OffsetModel(loss_factor=HELD_FACTORS)
-    monitor = TrainingMonitor(val_loss_key=None, **settings)
-    batches: list[list[int]] = []  # the steps of each batch of held steps judged
-    judge_held = monitor._judge_held
-
-    def counted(trainer: pl.Trainer) -> None:
-        steps = [step[5] for step in monitor._held.steps]  # type: ignore[union-attr]  # the step each was at
-        if steps:
-            batches.append(steps)
-        judge_held(trainer)
-
-    monitor._judge_held = counted  # type: ignore[method-assign]
-    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=120, save_top_k=-1)
-    trainer = make_trainer(
-        tmp_path, [monitor, saving], max_steps=250, logger=CSVLogger(tmp_path), log_every_n_steps=log_every,
-        enable_checkpointing=True, val_check_interval=200, limit_val_batches=2,
-    )  # fmt: skip
-    trainer.fit(model, loader(n=600), loader(n=8))
-    states = {
-        path.name: torch.load(path, weights_only=True)["callbacks"][monitor.state_key]
-        for path in (tmp_path / "ckpt").glob("*")
-    }
-    return trainer, monitor, weights(model), batches, states
-
-
-@pytest.mark.parametrize("log_every", [10, 1000])
-def test_held_steps_give_what_judging_each_step_gives(
-    tmp_path: Path, log_every: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from lightning_monitor import held_steps
-
-    monkeypatch.setattr(held_steps, "HOLD_SECONDS", 1e9)  # batches of 50 on a machine of any speed
-    # The same run judged at each step (`progress_bar=True` sends every step the full way) and with its calm steps
-    # held: between logging steps (10), or at most 50 at a time and at the checkpoints and validations (1000).
-    held_trainer, held, held_weights, batches, held_states = held_run(tmp_path / "held", log_every)
-    full_trainer, full, full_weights, full_batches, full_states = held_run(
-        tmp_path / "full", log_every, progress_bar=True
-    )
-    assert full_batches == []
-    judged = [step for batch in batches for step in batch]
-    assert judged == sorted(set(judged)) and 133 in judged and {171, 188}.isdisjoint(judged)
-    assert judged[0] >= 100  # the learnt limit's floor exists once its first 100 checks are in
-    if log_every == 1000:
-        assert max(map(len, batches)) == 50
-        assert any(batch[-1] == 119 for batch in batches)  # the checkpoint at step 120 judged the steps before it
-        assert any(batch[-1] == 199 for batch in batches)  # so did the validation at step 200
-    assert min(map(len, batches)) >= 1
-
-    def summary(monitor: TrainingMonitor, folder: Path) -> list[tuple[str, int, str]]:
-        return [(a.kind.value, a.step, a.message.replace(str(folder), "<run>")) for a in monitor.alerts]
-
-    assert summary(held, tmp_path / "held") == summary(full, tmp_path / "full")
-    kinds = [(a.kind.value, a.step) for a in held.alerts]
-    assert ("loss_spike", 133) in kinds and ("exploding_grad", 171) in kinds and ("nonfinite_loss", 188) in kinds
-    assert any(kind == "loss_spike" and step in range(215, 221) for kind, step in kinds)
-    assert held.skipped_steps == full.skipped_steps == 2  # the explosion and the NaN, never applied
-    assert held_trainer.global_step == full_trainer.global_step == 250
-    assert _equal(held_weights, full_weights)
-    assert dumped(held.state_dict(), tmp_path / "held") == dumped(full.state_dict(), tmp_path / "full")
-    assert dumped(held.latest, tmp_path) == dumped(full.latest, tmp_path)
-    assert sorted(held_states) == sorted(full_states) and len(held_states) == 2
-    for name, state in held_states.items():  # each checkpoint holds the state after every step before it
-        assert dumped(state, tmp_path / "held") == dumped(full_states[name], tmp_path / "full")
-    assert rows(Path(held_trainer.log_dir) / "metrics.csv") == rows(Path(full_trainer.log_dir) / "metrics.csv")
-
-    def lines(trainer: pl.Trainer, folder: Path) -> list[str]:
-        return [
-            json.dumps({**line, "time": ""}).replace(str(folder), "<run>")
-            for line in jsonl(Path(trainer.log_dir) / "alerts.jsonl")  # type: ignore[arg-type]
-        ]
-
-    assert lines(held_trainer, tmp_path / "held") == lines(full_trainer, tmp_path / "full")
-    assert history_lines(Path(held_trainer.log_dir)) == history_lines(Path(full_trainer.log_dir))
-
-
-class SlowAfter(OffsetModel):
-    """:class:`OffsetModel` whose steps from ``slow_from`` take ``seconds``, and which raises at ``fail_at``."""
-
-    def __init__(self, slow_from: int, seconds: float, fail_at: int | None = None) -> None:
-        super().__init__()
-        self.slow_from, self.seconds, self.fail_at = slow_from, seconds, fail_at
+class NoLogits(ScriptedModel):
+    """A model that returns its loss alone: under ``token_accuracy="auto"`` its training batches are not counted."""
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        if self.global_step == self.fail_at:
-            raise RuntimeError("the user's own error")
-        if self.global_step >= self.slow_from:
-            import time
-
-            time.sleep(self.seconds)
-        return super().training_step(batch, batch_idx)
+        return {"loss": super().training_step(batch, batch_idx)["loss"]}
 
 
-def spikes_in_file(trainer: pl.Trainer) -> list[int]:
-    path = Path(trainer.log_dir) / "alerts.jsonl"  # type: ignore[arg-type]
-    return [line["step"] for line in jsonl(path) if line["kind"] == "loss_spike"] if path.exists() else []
+def test_a_model_without_logits_leaves_the_token_tracker_alone_at_every_step(tmp_path: Path) -> None:
+    # Its tracker counts no training batch, so no check carries token counts: the steps after the logging steps take
+    # the short way too (with logits they go the full way, to carry the logged step's counts), and the run keeps the
+    # alerts, rows and weights of the full way.
+    def run(folder: Path, **settings: Any) -> tuple[TrainingMonitor, list[int], list[dict[str, str]], Any]:
+        torch.manual_seed(7)
+        model = NoLogits(loss_factor=LOSS_FACTORS, grad_poison=NAN_GRADIENT)
+        monitor = TrainingMonitor(val_loss_key=None, spike_warmup=16, **settings)
+        calm: list[int] = []
+        short_way = monitor._calm_step
 
+        def counted(trainer: pl.Trainer, *args: Any) -> bool:
+            taken = short_way(trainer, *args)
+            if taken:
+                calm.append(trainer.global_step)
+            return taken
 
-def test_a_held_steps_warning_waits_at_most_a_second(tmp_path: Path) -> None:
-    # No logging step: the spike at step 133, held, is judged once the first held step has waited a second (steps of
-    # 0.3 s from step 130), not at the end of training.
-    seen: dict[int, list[int]] = {}
+        monitor._calm_step = counted  # type: ignore[method-assign]
+        trainer = make_trainer(folder, [monitor], max_steps=120, logger=CSVLogger(folder), log_every_n_steps=LOG_EVERY)
+        trainer.fit(model, loader(n=256))
+        return monitor, calm, rows(Path(trainer.log_dir) / "metrics.csv"), weights(model)  # type: ignore[arg-type]
 
-    class Look(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            seen[trainer.global_step - 1] = spikes_in_file(trainer)
-
-    torch.manual_seed(3)
-    monitor = TrainingMonitor(val_loss_key=None)
-    trainer = make_trainer(
-        tmp_path, [monitor, Look()], max_steps=140, logger=CSVLogger(tmp_path), log_every_n_steps=1000
-    )
-    trainer.fit(SlowAfter(slow_from=130, seconds=0.3), loader(n=600))
-    # Judged within 1.5 s (5 steps of 0.3 s): without the time limit, only at the end of training, after step 139.
-    assert seen[138] == [133]
-    assert spikes_in_file(trainer) == [133]
-
-
-def test_held_steps_are_judged_when_the_run_raises(tmp_path: Path) -> None:
-    torch.manual_seed(3)
-    monitor = TrainingMonitor(val_loss_key=None)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=200, logger=CSVLogger(tmp_path), log_every_n_steps=1000)
-    with pytest.raises(RuntimeError, match="the user's own error"):
-        trainer.fit(SlowAfter(slow_from=10_000, seconds=0, fail_at=140), loader(n=600))
-    assert spikes_in_file(trainer) == [133]  # held at the error, and given with it
-
-
-@pytest.mark.parametrize(
-    "settings", [{"halt_on": ["loss_spike"]}, {"skip_on": ["loss_spike"]}, {"postmortem": "alert"}]
-)
-def test_a_kind_that_acts_on_its_step_is_judged_at_each_step(tmp_path: Path, settings: dict[str, Any]) -> None:
-    # A spike that halts or skips must be decided before its step is applied, and a bundle at every alert holds the
-    # step's batches: nothing is held.
-    torch.manual_seed(3)
-    monitor = TrainingMonitor(val_loss_key=None, **settings)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=140, logger=CSVLogger(tmp_path), log_every_n_steps=1000)
-    trainer.fit(OffsetModel(), loader(n=600))
-    assert monitor._held is None
-    spike = next(a for a in monitor.alerts if a.kind.value == "loss_spike")
-    assert spike.step == 133
-    assert monitor.skipped_steps == (0 if "postmortem" in settings else 1)
+    short, calm, short_rows, short_weights = run(tmp_path / "short")
+    full, full_calm, full_rows, full_weights = run(tmp_path / "full", progress_bar=True)
+    assert full_calm == []
+    assert calm == [step for step in range(1, 88) if (step + 1) % LOG_EVERY]  # after-log steps included
+    assert [(a.kind.value, a.step, a.message.replace(str(tmp_path / "short"), "")) for a in short.alerts] == [
+        (a.kind.value, a.step, a.message.replace(str(tmp_path / "full"), "")) for a in full.alerts
+    ]
+    assert [a.step for a in short.alerts] == [23, 36, 47, 47, 84, 87]
+    assert short_rows == full_rows and _equal(short_weights, full_weights)
