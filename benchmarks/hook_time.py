@@ -17,6 +17,10 @@ the machine's other jobs disturbed least.
 - with ``--reads``, also ``reads only``: the monitor's reads and nothing else (the loss kept at
   ``on_before_backward``, the norms stacked with it and read once), how near the floor a monitor of this shape can
   come; not a target configuration either.
+- with ``--empty``, also ``empty hooks``: a callback whose four per-step hooks the monitor defines
+  (``on_train_batch_start``, ``on_before_backward``, ``on_before_optimizer_step``, ``on_train_batch_end``) do
+  nothing: what the timer and the calls themselves cost, which every hook a callback defines adds to its figure
+  (the floor has one); not a target configuration;
 - with ``--batched``, also ``batched sketch``: a sketch of a design, not the monitor (:class:`BatchedSketch`): the
   same reads, the step-level checks at every step, and the seven detectors' figures replayed through the monitor's
   own ``judge`` in batches of 50, in a warm loop; what the monitor would cost if only what must be decided before
@@ -75,8 +79,9 @@ CONFIGS: tuple[str, ...] = ("bare", "floor", "monitor, halt_on=[]", "monitor")
 SKELETON = "monitor, no detectors"
 READS = "reads only"
 BATCHED = "batched sketch"
+EMPTY = "empty hooks"
 #: Configurations timed for comparison only, not judged against the target.
-NOT_TARGETS = (SKELETON, READS, BATCHED)
+NOT_TARGETS = (SKELETON, READS, BATCHED, EMPTY)
 MODELS = ("boring", "1M")
 TARGET, AIM = 2.0, 1.3  # in-hook time over the floor's
 
@@ -178,7 +183,29 @@ class BatchedSketch(ReadsOnly):
         self.limit = detectors.exploding.limit_now if detectors.exploding is not None else math.inf
 
 
+class EmptyHooks(Callback):
+    """The four hooks the monitor runs at each step of a calm run, each doing nothing: the timer's and calls' cost."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        pass
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        pass
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        pass
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        pass
+
+
 def make_callback(config: str) -> Callback | None:
+    if config == EMPTY:
+        return EmptyHooks()
     if config == "floor":
         return ReadOnce()
     if config == READS:
@@ -416,9 +443,10 @@ def main() -> None:
     parser.add_argument("--skeleton", action="store_true", help="also time a monitor with every detector off")
     parser.add_argument("--reads", action="store_true", help="also time a callback making the monitor's reads only")
     parser.add_argument("--batched", action="store_true", help="also time a sketch judging its detectors in batches")
+    parser.add_argument("--empty", action="store_true", help="also time a callback with the monitor's hooks, empty")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    extra = {SKELETON: args.skeleton, READS: args.reads, BATCHED: args.batched}
+    extra = {SKELETON: args.skeleton, READS: args.reads, BATCHED: args.batched, EMPTY: args.empty}
     configs = CONFIGS + tuple(config for config, asked in extra.items() if asked)
     print(
         f"# {platform.node()}, {cpu_model()}, torch {torch.__version__}, lightning {lightning.__version__},"
