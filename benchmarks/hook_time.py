@@ -21,6 +21,9 @@ the machine's other jobs disturbed least.
   (``on_train_batch_start``, ``on_before_backward``, ``on_before_optimizer_step``, ``on_train_batch_end``) do
   nothing: what the timer and the calls themselves cost, which every hook a callback defines adds to its figure
   (the floor has one); not a target configuration;
+- with ``--settings KEY=VALUE[,KEY=VALUE...] ...``, also a ``TrainingMonitor`` of each such set of settings (the
+  values read as Python literals: ``layer_norms=False``, ``postmortem=None``), to see what a feature costs; not
+  target configurations;
 - with ``--batched``, also ``batched sketch``: a sketch of a design, not the monitor (:class:`BatchedSketch`): the
   same reads, the step-level checks at every step, and the seven detectors' figures replayed through the monitor's
   own ``judge`` in batches of 50, in a warm loop; what the monitor would cost if only what must be decided before
@@ -203,7 +206,21 @@ class EmptyHooks(Callback):
         pass
 
 
+#: The configurations ``--settings`` adds: a name and the monitor's keyword arguments.
+SETTINGS: dict[str, dict[str, Any]] = {}
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """``"layer_norms=False,postmortem=None"`` as keyword arguments, each value a Python literal."""
+    import ast
+
+    pairs = (item.split("=", 1) for item in text.split(","))
+    return {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
+
+
 def make_callback(config: str) -> Callback | None:
+    if config in SETTINGS:
+        return TrainingMonitor(**SETTINGS[config])
     if config == EMPTY:
         return EmptyHooks()
     if config == "floor":
@@ -386,7 +403,7 @@ def table(model: str, results: dict[str, list[Fit]]) -> None:
             f"| {config} | {hooks:.3f} | {hooks / floor:.2f}x | {least('step_hooks', config):.3f} | {cpu:.3f} |"
             f" {cpu / cpu_floor:.2f}x | {span:.3f} | {span - bare:+.3f} |"
         )
-    targets = [c for c in results if c.startswith("monitor") and c not in NOT_TARGETS]
+    targets = [c for c in results if c.startswith("monitor") and c not in NOT_TARGETS and c not in SETTINGS]
     worst = max(least("hooks", c) for c in targets) / floor
     worst_cpu = max(least("cpu", c) for c in targets) / cpu_floor
     verdict = "met" if max(worst, worst_cpu) <= TARGET else "NOT met"
@@ -444,10 +461,15 @@ def main() -> None:
     parser.add_argument("--reads", action="store_true", help="also time a callback making the monitor's reads only")
     parser.add_argument("--batched", action="store_true", help="also time a sketch judging its detectors in batches")
     parser.add_argument("--empty", action="store_true", help="also time a callback with the monitor's hooks, empty")
+    parser.add_argument(
+        "--settings", nargs="+", default=[], help="also time a monitor of each KEY=VALUE[,KEY=VALUE...] (not targets)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     extra = {SKELETON: args.skeleton, READS: args.reads, BATCHED: args.batched, EMPTY: args.empty}
-    configs = CONFIGS + tuple(config for config, asked in extra.items() if asked)
+    for text in args.settings:
+        SETTINGS[f"monitor, {text}"] = parse_settings(text)
+    configs = CONFIGS + tuple(config for config, asked in extra.items() if asked) + tuple(SETTINGS)
     print(
         f"# {platform.node()}, {cpu_model()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" {args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
