@@ -30,9 +30,11 @@ LOSS_FACTORS = {23: float("nan"), 47: 1e6, **dict.fromkeys(range(84, 88), float(
 NAN_GRADIENT = {36: 0}
 
 
-def run(tmp_path: Path, **settings: Any) -> tuple[pl.Trainer, TrainingMonitor, list[torch.Tensor], list[int]]:
+def run(
+    tmp_path: Path, model_class: type[ScriptedModel] = ScriptedModel, **settings: Any
+) -> tuple[pl.Trainer, TrainingMonitor, list[torch.Tensor], list[int]]:
     torch.manual_seed(7)  # not `seed_everything`: its PL_GLOBAL_SEED would reach the later tests' samplers
-    model = ScriptedModel(loss_factor=LOSS_FACTORS, grad_poison=NAN_GRADIENT)
+    model = model_class(loss_factor=LOSS_FACTORS, grad_poison=NAN_GRADIENT)
     monitor = TrainingMonitor(val_loss_key=None, spike_warmup=16, **settings)
     calm: list[int] = []  # the steps the short way read
     short_way = monitor._calm_step
@@ -155,26 +157,10 @@ def test_a_model_without_logits_leaves_the_token_tracker_alone_at_every_step(tmp
     # Its tracker counts no training batch, so no check carries token counts: the steps after the logging steps take
     # the short way too (with logits they go the full way, to carry the logged step's counts), and the run keeps the
     # alerts, rows and weights of the full way.
-    def run(folder: Path, **settings: Any) -> tuple[TrainingMonitor, list[int], list[dict[str, str]], Any]:
-        torch.manual_seed(7)
-        model = NoLogits(loss_factor=LOSS_FACTORS, grad_poison=NAN_GRADIENT)
-        monitor = TrainingMonitor(val_loss_key=None, spike_warmup=16, **settings)
-        calm: list[int] = []
-        short_way = monitor._calm_step
-
-        def counted(trainer: pl.Trainer, *args: Any) -> bool:
-            taken = short_way(trainer, *args)
-            if taken:
-                calm.append(trainer.global_step)
-            return taken
-
-        monitor._calm_step = counted  # type: ignore[method-assign]
-        trainer = make_trainer(folder, [monitor], max_steps=120, logger=CSVLogger(folder), log_every_n_steps=LOG_EVERY)
-        trainer.fit(model, loader(n=256))
-        return monitor, calm, rows(Path(trainer.log_dir) / "metrics.csv"), weights(model)  # type: ignore[arg-type]
-
-    short, calm, short_rows, short_weights = run(tmp_path / "short")
-    full, full_calm, full_rows, full_weights = run(tmp_path / "full", progress_bar=True)
+    short_trainer, short, short_weights, calm = run(tmp_path / "short", NoLogits)
+    full_trainer, full, full_weights, full_calm = run(tmp_path / "full", NoLogits, progress_bar=True)
+    short_rows = rows(Path(short_trainer.log_dir) / "metrics.csv")
+    full_rows = rows(Path(full_trainer.log_dir) / "metrics.csv")
     assert full_calm == []
     assert calm == [step for step in range(1, 88) if (step + 1) % LOG_EVERY]  # after-log steps included
     assert [(a.kind.value, a.step, a.message.replace(str(tmp_path / "short"), "")) for a in short.alerts] == [
