@@ -16,11 +16,15 @@ points on healthy every-step runs, and the sick runs caught. ``--spike-curve`` a
 rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share
 of injected spikes caught within ``spike_patience + 1`` checks. ``--drift-curve`` adds the trade-off of the
 ``loss_drift`` rule over its factor and the share of its fall a loss must give back (``DRIFT_GIVE_BACK``), on every
-labelled run but round 14's (kept for one replay of the package as it stands). Run (from the repository root)::
+labelled run but round 14's (kept for one replay of the package as it stands). ``--drift-windows`` adds what drift
+rules over fewer checks would cost (shorter blocks or a lower factor of ``loss_drift``, and a rule of the last 10 to
+12 checks all above the median of those before): healthy runs warned against sick runs flagged. Run (from the
+repository root)::
 
     python benchmarks/detector_calibration.py                                  # the table of every run
     python benchmarks/detector_calibration.py --spike-curve                    # and the spike rule's trade-off
     python benchmarks/detector_calibration.py --drift-curve                    # and the loss_drift rule's
+    python benchmarks/detector_calibration.py --drift-windows                  # and shorter drift windows
     python benchmarks/detector_calibration.py --runs /path/to/real_runs --only codebert_tactics t5_summarize_215k
     LIGHTNING_MONITOR_ROOT=/tmp/old python benchmarks/detector_calibration.py  # an older package, for comparison
 """
@@ -293,6 +297,82 @@ def drift_curve(runs: list[Run], factors: list[float], shares: list[float]) -> l
     return lines
 
 
+class RankDrift:
+    """A shorter-window drift rule, for the ``--drift-windows`` table only (not the package's): it fires when the
+    last ``checks`` positive losses are all above the median of the ``before`` checks ahead of them, and their median
+    is at least ``factor`` times that median; once per ``checks`` checks at most.
+    """
+
+    def __init__(self, checks: int, before: int, factor: float) -> None:
+        self.checks, self.before, self.factor = checks, before, factor
+        self.losses: list[float] = []
+        self.quiet = 0
+
+    def update(self, loss: float) -> bool:
+        if not 0.0 < loss < math.inf:
+            return False
+        self.losses.append(loss)
+        self.quiet -= 1
+        if len(self.losses) < self.checks + self.before or self.quiet > 0:
+            return False
+        recent = self.losses[-self.checks :]
+        level = sorted(self.losses[-self.checks - self.before : -self.checks])[self.before // 2]
+        if min(recent) > level and sorted(recent)[self.checks // 2] >= self.factor * level:
+            self.quiet = self.checks
+            return True
+        return False
+
+
+def drift_windows(runs: list[Run]) -> list[str]:
+    """What a drift rule over fewer checks would cost: healthy warnings against sick runs flagged.
+
+    Rows: the package's ``LossDriftDetector`` with shorter blocks or a lower factor, and :class:`RankDrift`. A sick
+    run is flagged by the rule's first alert at or after its labelled onset. Every labelled run is replayed, held-out
+    ones included: the table measures what a shorter window costs, and nothing in the package is chosen from it.
+    """
+    labelled = [r for r in runs if r.label in ("healthy", "sick")]
+    every = [r for r in labelled if r.label == "healthy" and r.every_step]
+    every_steps = sum(r.rows[-1][0] - r.rows[0][0] + 1 for r in every)
+    variants: list[tuple[str, Callable[[], Any]]] = [
+        (
+            f"loss_drift, blocks of {b}, patience {p}, factor {f:g}",
+            lambda b=b, p=p, f=f: detectors.LossDriftDetector(f, b, p),
+        )
+        for b, p, f in [(16, 2, 2.0), (8, 2, 2.0), (8, 2, 1.5), (5, 3, 1.5), (5, 2, 2.0), (5, 2, 1.5), (4, 2, 1.5)]
+    ]
+    variants += [
+        (f"{k} checks all above the median of the {m} before, at {f:g}x", lambda k=k, m=m, f=f: RankDrift(k, m, f))
+        for k, m, f in [(12, 24, 1.3), (10, 30, 1.5), (10, 20, 1.5), (10, 20, 1.3)]
+    ]
+    lines = [
+        f"Drift rules over fewer checks, on {len(labelled)} labelled runs ({len(every)} healthy every-step runs, "
+        f"{every_steps:,} steps):",
+        "| rule | healthy runs warned (warnings) | warnings / 1k steps, healthy every-step runs | sick runs flagged at "
+        "or after the onset | sick runs flagged that the default misses |",
+        "|---|---|---|---|---|",
+    ]
+    default: set[str] = set()
+    for name, make in variants:
+        warned: dict[str, int] = {}
+        flagged: list[str] = []
+        for run in labelled:
+            det = make()
+            steps = [step for step, loss, _, _ in run.rows if loss is not None and det.update(loss)]
+            if run.label == "healthy" and steps:
+                warned[run.name] = len(steps)
+            elif run.label == "sick" and any(s >= run.onset for s in steps):  # type: ignore[operator]
+                flagged.append(run.name)
+        if not default:
+            default = set(flagged) or {""}
+        per_1k = 1000 * sum(warned.get(r.name, 0) for r in every) / every_steps if every_steps else math.nan
+        new = sorted(set(flagged) - default)
+        lines.append(
+            f"| {name} | {len(warned)} ({sum(warned.values())}) | {per_1k:.2f} | {len(flagged)} | "
+            f"{', '.join(new) or 'none'} |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=RUNS, help="the folder of CSVs and runs.json")
@@ -300,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spike-curve", action="store_true", help="the loss-spike rule's trade-off table too")
     parser.add_argument("--positions", type=int, default=20, help="injected spikes per run for --spike-curve")
     parser.add_argument("--drift-curve", action="store_true", help="the loss_drift rule's trade-off table too")
+    parser.add_argument("--drift-windows", action="store_true", help="what drift rules over fewer checks cost")
     parser.add_argument("--seed", type=int, default=0, help="seed of the injection positions")
     args = parser.parse_args(argv)
     runs = load_runs(args.runs, args.only)
@@ -335,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.drift_curve:
         shares = [0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5]
         print("\n" + "\n".join(drift_curve(runs, [2.0, 1.5], shares)))
+    if args.drift_windows:
+        print("\n" + "\n".join(drift_windows(runs)))
 
 
 if __name__ == "__main__":
