@@ -22,7 +22,7 @@ checks of the signal that shows the fault: evaluations for a validation fault, w
 alert); halts before the onset of a sick run.
 The held-out runs (``heldout: true``, a quarter picked with a fixed seed before any rule ran) are reported apart, and
 each later round's apart again (``heldout: "round2"``, a third of the runs added in round 2; ``"round3"`` to
-``"round18"``, every run added in that round: :data:`ROUNDS`).
+``"round19"``, every run added in that round: :data:`ROUNDS`).
 Runs marked ``fp16_amp`` (the logs show a GradScaler skipping a step) are replayed as fp16 runs by the two rules that
 know AMP (the package, with ``amp=True``, and the seed); the peers' rules take no such notion.
 
@@ -32,7 +32,7 @@ Usage::
     PYTHONPATH=$PWD python benchmarks/real_runs.py --runs     # and one row per run
     PYTHONPATH=$PWD python benchmarks/real_runs.py --ladder   # and how high each run climbs the escalation ladder
     PYTHONPATH=$PWD python benchmarks/real_runs.py --set KEY=VALUE ...   # the package with other settings
-    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round18)
+    PYTHONPATH=$PWD python benchmarks/real_runs.py --group open   # one set only (open, heldout, round2 ... round19)
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def per_run(runs: list[Run], scores: dict[str, dict[str, Score]], rules: Sequenc
 
 
 #: The held-out rounds after the first, each reported apart: ``heldout`` ``"round2"`` ... in ``runs.json``.
-ROUNDS = tuple(f"round{n}" for n in range(2, 19))
+ROUNDS = tuple(f"round{n}" for n in range(2, 20))
 #: The sets of runs reported apart: ``heldout`` false, true, and each of :data:`ROUNDS`.
 GROUPS = {
     "open": "Runs open to tuning",
