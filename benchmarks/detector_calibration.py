@@ -16,10 +16,10 @@ points on healthy every-step runs, and the sick runs caught. ``--spike-curve`` a
 rule on the healthy every-step training runs of 400 steps or more: false warnings per 1,000 steps against the share
 of injected spikes caught within ``spike_patience + 1`` checks. ``--drift-curve`` adds the trade-off of the
 ``loss_drift`` rule over its factor and the share of its fall a loss must give back (``DRIFT_GIVE_BACK``), on every
-labelled run but the newest round's (kept for one replay of the package as it stands). ``--drift-windows`` adds what drift
-rules over fewer checks would cost (shorter blocks or a lower factor of ``loss_drift``, and a rule of the last 10 to
-12 checks all above the median of those before): healthy runs warned against sick runs flagged. Run (from the
-repository root)::
+labelled run but the newest round's (kept for one replay of the package as it stands). ``--drift-windows`` adds
+what drift rules over fewer checks would cost (shorter blocks or a lower factor of ``loss_drift``, and a rule of the
+last 10 to 12 checks all above the median of those before): healthy runs warned against sick runs flagged. Run (from
+the repository root)::
 
     python benchmarks/detector_calibration.py                                  # the table of every run
     python benchmarks/detector_calibration.py --spike-curve                    # and the spike rule's trade-off
