@@ -67,13 +67,17 @@ class CheckRecord(NamedTuple):
         return out
 
     def latest(self, logged: dict[str, float] | None = None) -> dict[str, float]:
-        """The check's record: its ``loss``, then ``logged`` (by default :meth:`logged` and ``skipped_steps``)."""
+        """The check's record: its ``loss``, then ``logged`` (by default :meth:`logged` and ``skipped_steps``).
+
+        A check with no loss of its own (no ``backward`` since the last check: the second optimizer stepped on one
+        backward) has no ``loss``: a NaN there would read as a loss that was not finite.
+        """
         if logged is None:
             logged = self.logged()
             if self.skipped_steps:  # absent means none
                 logged["skipped_steps"] = float(self.skipped_steps)
         loss = self.figures.loss
-        return {"loss": math.nan if loss is None else loss, **logged}
+        return logged if loss is None else {"loss": loss, **logged}
 
 
 class RunWriter:

@@ -4,6 +4,7 @@ training set-up."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,6 +15,7 @@ from helpers import (
     close,
     csv_column,
     fit_probed,
+    history_lines,
     loader,
     make_trainer,
     same_weights,
@@ -27,6 +29,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from lightning_monitor import TrainingMonitor
+from lightning_monitor.report import load_run
 
 
 def test_total_and_layer_norms_match_reference(tmp_path):
@@ -192,6 +195,40 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert [v for _, v in logged] == pytest.approx([r for i, r in model.reference if i == 1], rel=1e-5)
 
 
+def test_two_optimizers_stepped_on_one_backward_keep_the_loss_it_had(tmp_path):
+    # One backward, then both optimizers step (an embedding's sparse optimizer beside a dense one, say): the second
+    # check has no loss of its own. Its record must not say the loss was NaN, nor hide the first check's.
+    class OneBackward(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            opt_a, opt_b = self.optimizers()
+            loss = self(batch).pow(2).mean()
+            self.losses = [*getattr(self, "losses", []), loss.item()]
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            self.manual_backward(loss)
+            opt_a.step()
+            opt_b.step()
+
+    model = OneBackward()
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    probe = Probe(monitor)
+    trainer = make_trainer(tmp_path, [monitor, probe], max_steps=8, logger=CSVLogger(tmp_path))
+    trainer.fit(model, train_dataloaders=loader())
+    assert [i for i, _ in model.reference] == [0, 1] * 4 and not monitor.alerts
+    for k, (seen, (index, ref)) in enumerate(zip(probe.latest, model.reference, strict=True)):
+        assert close(seen[f"grad_norm_opt{index}"], ref)
+        if index == 0:
+            assert close(seen["loss"], model.losses[k // 2])
+        else:
+            assert "loss" not in seen
+    records = history_lines(Path(trainer.log_dir))
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record, loss in zip(records, model.losses, strict=True):
+        assert close(record["loss"], loss) and {"grad_norm_opt0", "grad_norm_opt1"} <= set(record)
+    summary = load_run(Path(trainer.log_dir))
+    assert summary.scalars["loss"].values == pytest.approx(model.losses, rel=1e-6)
+
+
 def test_loss_of_several_elements_is_left_out_with_one_warning(tmp_path):
     # `manual_backward(tensor, gradient)` hands the hook a tensor that is no loss: the gradients are still checked.
     class VectorBackward(TwoOptimizers):
@@ -212,7 +249,8 @@ def test_loss_of_several_elements_is_left_out_with_one_warning(tmp_path):
     assert sum("one-element losses only" in str(w.message) for w in caught) == 1
     assert [i for i, _ in model.reference] == [0, 1] * 2
     for seen, (index, ref) in zip(probe.latest, model.reference, strict=True):
-        assert math.isnan(seen["loss"]) and close(seen[f"grad_norm_opt{index}"], ref)
+        # No loss was read: none is given (a NaN would read as a loss that was not finite).
+        assert "loss" not in seen and close(seen[f"grad_norm_opt{index}"], ref)
 
 
 def test_figures_reach_every_logger_on_logging_steps(tmp_path):
