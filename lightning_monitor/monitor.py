@@ -248,7 +248,8 @@ class TrainingMonitor(Callback):
         skipped_steps: Optimizer steps skipped so far: non-finite gradients (by the monitor, or by the GradScaler
             under fp16 AMP), halts, and ``skip_on``.
         latest: The host figures of the latest check: the logged keys above plus ``loss``, the training loss of
-            the optimizer step (NaN when no backward ran).
+            the optimizer step (absent when no backward ran since the last check: a NaN there is a loss that was
+            not finite).
         log_dir: This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
 
     Raises:
