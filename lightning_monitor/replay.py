@@ -55,7 +55,16 @@ Format = Literal["auto", "tensorboard", "csv", "history", "trainer_state", "plai
 FORMATS: tuple[str, ...] = ("auto", "tensorboard", "csv", "history", "trainer_state", "plain")
 
 #: Keys tried, in order, for the training loss: the monitor's own ``loss`` first (``monitor_history.jsonl``).
-LOSS_KEYS = ("loss", "train_loss", "train_loss_step", "train/loss", "training_loss", "loss_step", "train/loss_step")
+LOSS_KEYS = (
+    "loss",
+    "loss_opt0",
+    "train_loss",
+    "train_loss_step",
+    "train/loss",
+    "training_loss",
+    "loss_step",
+    "train/loss_step",
+)
 #: Keys tried, in order, for the gradient norm: the monitor's, then Hugging Face's TensorBoard name.
 GRAD_NORM_KEYS = ("grad_norm", "train/grad_norm", "grad_norm_opt0")
 #: Keys tried, in order, after the monitor's ``val_loss_key``, for the validation loss.
@@ -417,7 +426,8 @@ def read_series(
     Formats:
         ``tensorboard``: a folder of TensorBoard event files, or one such file (tensorboard's ``EventAccumulator``).
         ``csv``: a Lightning CSVLogger ``metrics.csv`` (rows merged by step).
-        ``history``: the monitor's ``monitor_history.jsonl`` (its own ``loss`` and ``grad_norm``).
+        ``history``: the monitor's ``monitor_history.jsonl`` (its own ``loss`` and ``grad_norm``; with several
+        optimizers the first one's, ``loss_opt0`` and ``grad_norm_opt0``).
         ``trainer_state``: a Hugging Face ``trainer_state.json`` (its ``log_history``: ``loss``, ``grad_norm``,
         ``eval_loss``).
         ``plain``: a CSV whose columns include ``step`` and any of ``loss``, ``grad_norm``, ``val_loss``.

@@ -69,15 +69,17 @@ class CheckRecord(NamedTuple):
     def latest(self, logged: dict[str, float] | None = None) -> dict[str, float]:
         """The check's record: its ``loss``, then ``logged`` (by default :meth:`logged` and ``skipped_steps``).
 
-        A check with no loss of its own (no ``backward`` since the last check: the second optimizer stepped on one
-        backward) has no ``loss``: a NaN there would read as a loss that was not finite.
+        With several optimizers the loss is keyed like the norms (``loss_opt1``): each optimizer's check has the loss
+        of its own ``backward``, and one step's record holds every optimizer's. A check with no loss of its own (no
+        ``backward`` since the last check: a second optimizer stepping on the same one) has none: a NaN there would
+        read as a loss that was not finite.
         """
         if logged is None:
             logged = self.logged()
             if self.skipped_steps:  # absent means none
                 logged["skipped_steps"] = float(self.skipped_steps)
         loss = self.figures.loss
-        return logged if loss is None else {"loss": loss, **logged}
+        return logged if loss is None else {f"loss{self.check.suffix}": loss, **logged}
 
 
 class RunWriter:

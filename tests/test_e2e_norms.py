@@ -29,7 +29,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from lightning_monitor import TrainingMonitor
-from lightning_monitor.report import load_run
+from lightning_monitor.replay import read_series, replay
+from lightning_monitor.report import detect_keys, load_run, summarize_run
 
 
 def test_total_and_layer_norms_match_reference(tmp_path):
@@ -159,6 +160,7 @@ class TwoOptimizers(BoringModel):
         self.a = nn.Linear(32, 8)
         self.b = nn.Linear(8, 2)
         self.reference: list[tuple[int, float]] = []
+        self.losses: list[float] = []  # each backward's loss, in order
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
@@ -167,7 +169,9 @@ class TwoOptimizers(BoringModel):
         opt_a, opt_b = self.optimizers()
         for opt, scale in ((opt_a, 1.0), (opt_b, 3.0)):
             opt.zero_grad()
-            self.manual_backward(self(batch).pow(2).mean() * scale)
+            loss = self(batch).pow(2).mean() * scale
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
             opt.step()
 
     def on_before_optimizer_step(self, optimizer):
@@ -193,6 +197,13 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert set(probe.latest[1]) >= {"grad_norm_opt1", "grad_norm_layers_opt1/b"}
     logged = csv_column(trainer.logger.log_dir + "/metrics.csv", "grad_norm_opt1")
     assert [v for _, v in logged] == pytest.approx([r for i, r in model.reference if i == 1], rel=1e-5)
+    # Each optimizer's check has the loss of its own backward, keyed like its norms: a step's record keeps both.
+    for k, seen in enumerate(probe.latest):
+        assert set(seen) & {"loss", "loss_opt0", "loss_opt1"} == {f"loss_opt{k % 2}"}
+        assert close(seen[f"loss_opt{k % 2}"], model.losses[k])
+    records = history_lines(Path(trainer.log_dir))
+    assert [r["loss_opt0"] for r in records] == pytest.approx(model.losses[0::2], rel=1e-6)
+    assert [r["loss_opt1"] for r in records] == pytest.approx(model.losses[1::2], rel=1e-6)
 
 
 def test_two_optimizers_stepped_on_one_backward_keep_the_loss_it_had(tmp_path):
@@ -202,7 +213,7 @@ def test_two_optimizers_stepped_on_one_backward_keep_the_loss_it_had(tmp_path):
         def training_step(self, batch, batch_idx):
             opt_a, opt_b = self.optimizers()
             loss = self(batch).pow(2).mean()
-            self.losses = [*getattr(self, "losses", []), loss.item()]
+            self.losses.append(loss.item())
             opt_a.zero_grad()
             opt_b.zero_grad()
             self.manual_backward(loss)
@@ -217,16 +228,24 @@ def test_two_optimizers_stepped_on_one_backward_keep_the_loss_it_had(tmp_path):
     assert [i for i, _ in model.reference] == [0, 1] * 4 and not monitor.alerts
     for k, (seen, (index, ref)) in enumerate(zip(probe.latest, model.reference, strict=True)):
         assert close(seen[f"grad_norm_opt{index}"], ref)
+        losses = set(seen) & {"loss", "loss_opt0", "loss_opt1"}
         if index == 0:
-            assert close(seen["loss"], model.losses[k // 2])
+            assert losses == {"loss_opt0"} and close(seen["loss_opt0"], model.losses[k // 2])
         else:
-            assert "loss" not in seen
+            assert not losses
     records = history_lines(Path(trainer.log_dir))
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for record, loss in zip(records, model.losses, strict=True):
-        assert close(record["loss"], loss) and {"grad_norm_opt0", "grad_norm_opt1"} <= set(record)
-    summary = load_run(Path(trainer.log_dir))
-    assert summary.scalars["loss"].values == pytest.approx(model.losses, rel=1e-6)
+        assert close(record["loss_opt0"], loss) and "loss_opt1" not in record and "loss" not in record
+    # The report reads that loss (no non-finite one), and replay pairs it with the first optimizer's norm.
+    run = load_run(Path(trainer.log_dir))
+    assert detect_keys(run).train_loss == "loss_opt0"
+    assert run.scalars["loss_opt0"].values == pytest.approx(model.losses, rel=1e-6)
+    assert "Verdict:        HEALTHY" in summarize_run(run)
+    points, _ = read_series(Path(trainer.log_dir) / "monitor_history.jsonl")
+    assert [p.loss for p in points] == pytest.approx(model.losses, rel=1e-6)
+    assert [p.grad_norm for p in points] == pytest.approx([r for i, r in model.reference if i == 0], rel=1e-5)
+    assert replay(Path(trainer.log_dir) / "monitor_history.jsonl").alerts == ()
 
 
 def test_loss_of_several_elements_is_left_out_with_one_warning(tmp_path):
@@ -322,7 +341,7 @@ def test_check_every_n_steps_counts_each_optimizers_own_steps(tmp_path):
     # Each optimizer's steps 0 and 2 are due; step 3 of each is in the run's last batch (max_steps reached).
     for row in (0, 4, 1, 5, 6, 7):
         index, ref = model.reference[row]
-        assert {k for k in probe.latest[row] if "/" not in k} == {"loss", f"grad_norm_opt{index}"}
+        assert {k for k in probe.latest[row] if "/" not in k} == {f"loss_opt{index}", f"grad_norm_opt{index}"}
         assert close(probe.latest[row][f"grad_norm_opt{index}"], ref)
         assert close(probe.latest[row][f"grad_norm_layers_opt{index}/{'ab'[index]}"], ref)
     for row in (2, 3):  # held: the figures of the last check stay

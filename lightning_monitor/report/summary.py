@@ -40,6 +40,7 @@ TRAIN_LOSS_KEYS: tuple[str, ...] = (
     "train/loss",
     "train/loss_step",
     "loss",
+    "loss_opt0",  # the monitor's own with several optimizers: the first one's, as for its `grad_norm_opt0`
     "training_loss",
     "train_loss_epoch",
 )
