@@ -330,11 +330,8 @@ class Recorder(pl.Callback):
         self.losses.append(self.monitor.latest.get("loss", math.nan))
 
 
-def fit(run: str, steps: int, fault: str | None = None, at: int = 0, notice: bool = False, **options: Any) -> Outcome:
-    """Train ``run`` for ``steps`` steps (or until a halt) with ``fault`` at ``at``, under the default monitor.
-
-    The warning for a run that starts above the default exploding limit is silenced unless ``notice``.
-    """
+def fit(run: str, steps: int, fault: str | None = None, at: int = 0, **options: Any) -> Outcome:
+    """Train ``run`` for ``steps`` steps (or until a halt) with ``fault`` at ``at``, under the default monitor."""
     spec = RUNS[run]
     torch.manual_seed(SEED)
     model = spec.make()
@@ -366,8 +363,6 @@ def fit(run: str, steps: int, fault: str | None = None, at: int = 0, notice: boo
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        if not notice:
-            warnings.filterwarnings("ignore", message=".*exploding_grad_threshold.*", category=RuntimeWarning)
         trainer.fit(model, train_dataloaders=data)
     alerts = [(a.step, a.kind.value, a.halted) for a in monitor.alerts]
     seconds = time.perf_counter() - start

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.halting import TrainingHalted
@@ -27,7 +27,7 @@ __all__ = ["WarnOnce", "halt", "open_bundle", "save_bundle", "weights_finite"]
 
 
 class WarnOnce:
-    """One ``RuntimeWarning`` per key (and per instance).
+    """One ``RuntimeWarning`` (or one line of info) per key, and per instance.
 
     Example:
         >>> import warnings
@@ -42,11 +42,18 @@ class WarnOnce:
     def __init__(self) -> None:
         self._warned: set[str] = set()
 
-    def __call__(self, key: str, message: str) -> None:
-        """Warn with ``message`` unless ``key`` has warned already."""
+    def __call__(self, key: str, message: str, info: bool = False) -> None:
+        """Warn with ``message`` unless ``key`` has warned already; with ``info``, one line of info instead.
+
+        Info is for a choice the monitor made on a run that may well be healthy: nothing for the user to fix, and a
+        warning would fail a run under ``-W error`` that passes without the monitor.
+        """
         if key not in self._warned:
             self._warned.add(key)
-            rank_zero_warn(message, category=RuntimeWarning)
+            if info:
+                rank_zero_info(message)
+            else:
+                rank_zero_warn(message, category=RuntimeWarning)
 
 
 def open_bundle(trainer: pl.Trainer, log_dir: Path, kind: AlertKind, at: int, warn: WarnOnce) -> Path | None:

@@ -199,7 +199,8 @@ class TrainingMonitor(Callback):
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
         shift_labels: Score the logits at ``t`` against the label at ``t + 1`` (labels that are the input ids, as a
-            causal LM's loss shifts them). ``"auto"``: for a Hugging Face causal-LM output, else as they are (said).
+            causal LM's loss shifts them). ``"auto"``: for a Hugging Face causal LM, unless its labels are the next
+            ids already (compared with the batch's input ids once per stage), else as they are (said).
         top_k: Count a token correct when its label is among the ``top_k`` largest logits.
         logits_key: Where to find the logits in the step's output.
         labels_key: Where to find the labels in the step's output, then in the batch.
@@ -594,7 +595,7 @@ class TrainingMonitor(Callback):
         judged = judge(check.detectors, figures, suffix=check.suffix)
         notice = getattr(check.detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
-            self._warn("exploding_grad_scale", notice)
+            self._warn("exploding_grad_scale", f"TrainingMonitor: {notice}", info=True)
         state = self._state
         # Nothing found and nothing beyond a limit: the loss and the norm are finite (outside fp16 AMP, where a lean
         # run is), so `decide` has nothing to do unless the run has halted (`min_steps` trains on).
@@ -646,7 +647,7 @@ class TrainingMonitor(Callback):
         judged = judge(detectors, figures, limits=kept_limits, suffix=check.suffix, inner=pending.inner)
         notice = getattr(detectors.exploding, "notice", None)
         if notice is not None:  # a run that starts above the default limit: the fix, once, not an alert
-            self._warn("exploding_grad_scale", notice)
+            self._warn("exploding_grad_scale", f"TrainingMonitor: {notice}", info=True)
         self._act_on(trainer, pending, figures, judged, first_bad)
 
     def _act_on(

@@ -123,6 +123,17 @@ def holds_causal_lm(module: Any) -> bool:
     return any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) for m in module.modules())
 
 
+def holds_ctc(module: Any) -> bool:
+    """Whether ``module`` holds a Hugging Face CTC model (``...ForCTC``): per-frame logits, labels not aligned.
+
+    Example:
+        >>> class Wav2Vec2ForCTC(torch.nn.Module): ...
+        >>> holds_ctc(torch.nn.Sequential(Wav2Vec2ForCTC())), holds_ctc(torch.nn.Linear(2, 2))
+        (True, False)
+    """
+    return any(type(m).__name__.endswith("ForCTC") for m in module.modules())
+
+
 def token_accuracy(per_rank: Sequence[Sequence[float]]) -> float | None:
     """``correct / total`` of gathered ``[correct, total, ...]`` rows, summed over ranks; ``None`` without a token.
 
@@ -144,6 +155,28 @@ def _lookup(container: Any, key: str) -> Any:
     return getattr(container, key, None) if not isinstance(container, (Tensor, list, tuple)) else None
 
 
+def _holds(batch: Any, tensor: Tensor) -> bool:
+    """Whether ``tensor`` is one of the batch's own (the batch, or an element of a tuple, list or dict batch)."""
+    if batch is tensor:
+        return True
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return any(v is tensor for v in values)
+
+
+def _input_ids(batch: Any, labels: Tensor) -> Tensor | None:
+    """The batch's input ids, shaped like ``labels``; None where there is none.
+
+    ``batch["input_ids"]`` (or ``.input_ids``), else the first integer tensor of a tuple or list batch that is not the
+    labels.
+    """
+    ids = _lookup(batch, "input_ids")
+    if not isinstance(ids, Tensor) and isinstance(batch, (list, tuple)):
+        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and v.shape == labels.shape), None)
+    if not isinstance(ids, Tensor) or ids.shape != labels.shape or ids.is_floating_point():
+        return None
+    return ids if ids.device == labels.device else None
+
+
 class TokenAccuracyTracker:
     """Token accuracy of one run, per stage, counted on the device.
 
@@ -151,8 +184,8 @@ class TokenAccuracyTracker:
         ignore_index: Label value of positions to leave out.
         top_k: Count a position correct when its label is among the ``top_k`` largest logits.
         shift: Score the logits at position ``t`` against the label at ``t + 1`` (labels not shifted yet).
-            ``"auto"`` shifts the batch's labels when :attr:`causal_lm` is set (a Hugging Face causal LM, which shifts
-            inside its loss) and nothing else, saying once where it cannot tell.
+            ``"auto"`` shifts the labels of a Hugging Face causal LM (:attr:`causal_lm`; it shifts inside its loss)
+            unless they are the next ids already, and nothing else, saying once where it scores them as they are.
         logits_key: Where to look for the logits in the step's output.
         labels_key: Where to look for the labels in the step's output, then in the batch.
         find: A function ``(outputs, batch) -> (logits, labels)`` that replaces the look-up.
@@ -187,10 +220,14 @@ class TokenAccuracyTracker:
         self.labels_key = labels_key
         self.find = find
         self.shift = shift
+        self.ignore_index = ignore_index
         self.causal_lm = False  # the module holds a Hugging Face causal LM (set at the start of training)
         self.virtual_tokens = 0  # a PEFT prompt-learning model's virtual tokens, before the logits of the inputs
         self._per_example: bool | None = None  # one prediction per example ([B, C] logits): None until a batch says
         self._told_shift = False
+        self._shift_of: dict[Stage, bool] = {}  # "auto": each stage's decision, where the labels' content told
+        self._compared: set[Stage] = set()  # stages whose labels were compared with the input ids (once each)
+        self._tell: bool | None = None  # "auto" scores labels as they are: to say once a batch fits (shifted already?)
         self.metrics = _Metrics(
             functools.partial(
                 TokenAccuracy, ignore_index=ignore_index, top_k=top_k, shift=shift is True, validate_args=False
@@ -244,6 +281,9 @@ class TokenAccuracyTracker:
         self._window, self.logged_at, self._pending, self._due = 0, None, None, False
         self._counting = bool(enabled)
         self._told_shift = False
+        self._shift_of.clear()
+        self._compared.clear()
+        self._tell = None
         self._per_example = None
 
     # ------------------------------------------------------------------------------------- the step's window
@@ -347,11 +387,18 @@ class TokenAccuracyTracker:
         """At the start of training: the counts on ``device``, and what ``module`` is.
 
         Whether it holds a causal LM (for ``shift_labels="auto"``), and how many virtual tokens a PEFT
-        prompt-learning model prepends to its logits (:func:`virtual_tokens`).
+        prompt-learning model prepends to its logits (:func:`virtual_tokens`). Under ``"auto"``, a CTC model
+        (``Wav2Vec2ForCTC``...), whose labels are not aligned with its frames, counts nothing, said in one line.
         """
         self.to(device)
         self.causal_lm = holds_causal_lm(module)
         self.virtual_tokens = virtual_tokens(module)
+        if self._auto and self.find is None and self.disabled != {"train", "val"} and holds_ctc(module):
+            self.disabled = {"train", "val"}
+            rank_zero_info(
+                "TrainingMonitor: a CTC model's logits are per frame and its labels per character, not aligned, so"
+                " there is no train_token_acc or val_token_acc (pass `token_accuracy_fn` to score them your way)."
+            )
 
     def to(self, device: torch.device) -> None:
         """Move the counts to ``device``; on CUDA without blocking (a blocking copy waits for the queued work)."""
@@ -412,12 +459,14 @@ class TokenAccuracyTracker:
             self._add_held(stage)  # (none are held then; a later move counts those held first, where they are)
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         auto = self.shift == "auto" and self.find is None and not self._per_example  # a class label: nothing to shift
-        shift = self._auto_shift(outputs, batch) if auto else (False if self._per_example else None)
+        shift = self._auto_shift(stage, outputs, batch, labels) if auto else (False if self._per_example else None)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric.hits(logits, labels, shift)
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
             return
+        if self._tell is not None:  # how the labels were aligned, said once a batch has been counted
+            self._tell_shift(stage, self._tell)
         self._counted_train = self._counted_train or stage == "train"
         held = self._held[stage]
         held.append(hits)
@@ -477,30 +526,71 @@ class TokenAccuracyTracker:
             category=RuntimeWarning,
         )
 
-    def _auto_shift(self, outputs: Any, batch: Any) -> bool:
-        """``shift_labels="auto"``: shift labels taken from the batch when the module holds a Hugging Face causal LM.
+    def _auto_shift(self, stage: Stage, outputs: Any, batch: Any, labels: Tensor) -> bool:
+        """``shift_labels="auto"``: whether to shift the labels of a Hugging Face causal LM, decided once per stage.
 
         Such a model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, a PEFT ``PeftModelForCausalLM``...) takes the input
-        ids as labels and shifts them inside its own loss; so are the batch's own labels returned by the step as they
-        are (the very tensor: ``{"logits": out.logits, "labels": batch["labels"]}``). Other labels the step returned
-        are aligned with its logits already, and so are those of any other model as far as the monitor can tell: it
-        says so once.
+        ids as labels and shifts them inside its own loss; a step may as well have shifted them already (the
+        ``x, y = tokens[:-1], tokens[1:]`` of a pretraining loader, with a loss of its own). Where the batch holds the
+        input ids (``batch["input_ids"]``, or another integer tensor of a tuple batch shaped like the labels), the
+        labels of the stage's first batch are compared with them, in one host read once per stage of a run (a few
+        device ops on the batch's ids, beside the step's own read): labels equal to the ids
+        (where not ``ignore_index``) are shifted; labels equal to the next ids are not. Where that tells nothing, the
+        batch's own labels (taken from the batch, or returned as they are) are shifted and other labels are not; and
+        any model that is not a causal LM is not, saying once that it cannot tell.
         """
         if self.causal_lm:
+            decided = self._shift_of.get(stage)
+            if decided is not None:
+                return decided
+            if stage not in self._compared:
+                self._compared.add(stage)
+                decided = self._shift_by_content(labels, batch)
+                if decided is not None:
+                    self._shift_of[stage] = decided
+                    if not decided:
+                        self._tell = True
+                    return decided
             returned, given = _lookup(outputs, self.labels_key), _lookup(batch, self.labels_key)
-            if not isinstance(returned, Tensor):
-                return isinstance(given, Tensor)
-            if returned is given:  # the batch's labels, returned untouched: the model shifts them in its loss
-                return True
+            if not isinstance(returned, Tensor) or returned is given or _holds(batch, returned):
+                return True  # the batch's labels, untouched: the model shifts them in its loss
         if not self._told_shift:
-            self._told_shift = True
-            rank_zero_info(
-                "TrainingMonitor scores the logits at position t against the labels at t: with `shift_labels='auto'`"
-                " it shifts only the batch's labels of a Hugging Face causal LM. If your labels are the input ids (a"
-                " causal LM that shifts inside its loss), pass `shift_labels=True`; if they are aligned with the"
-                " logits, pass `shift_labels=False`."
-            )
+            self._tell = False
         return False
+
+    def _shift_by_content(self, labels: Tensor, batch: Any) -> bool | None:
+        """Whether ``labels`` are the batch's input ids (True) or the next ids (False); None where nothing tells."""
+        ids = _input_ids(batch, labels)
+        if ids is None or labels.ndim < 1 or labels.shape[-1] < 2:
+            return None
+        kept = labels != self.ignore_index
+        same = ((labels == ids) | ~kept).all()
+        nxt = ((labels[..., :-1] == ids[..., 1:]) | ~kept[..., :-1]).all()
+        same_host, nxt_host = (bool(v) for v in torch.stack([same, nxt]).tolist())  # once per stage and run
+        if same_host == nxt_host:  # both (nothing kept, one repeated token) or neither (labels of another kind)
+            return None
+        return same_host
+
+    def _tell_shift(self, stage: Stage, shifted_already: bool) -> None:
+        """Say once that labels are scored as they are, and how to change it."""
+        self._tell = None
+        if self._told_shift:
+            return
+        self._told_shift = True
+        where = "training_step" if stage == "train" else "validation_step"
+        if shifted_already:
+            rank_zero_info(
+                f"TrainingMonitor scores the logits at position t against the labels at t: the labels of"
+                f" `{where}` are the batch's input ids shifted by one already. Pass `shift_labels=True` if they are"
+                " shifted again inside the model's loss."
+            )
+            return
+        rank_zero_info(
+            "TrainingMonitor scores the logits at position t against the labels at t: with `shift_labels='auto'`"
+            " it shifts only the labels of a Hugging Face causal LM. If your labels are the input ids (a"
+            " causal LM that shifts inside its loss), pass `shift_labels=True`; if they are aligned with the"
+            " logits, pass `shift_labels=False`."
+        )
 
     def _counts(self, stage: Stage) -> Tensor:
         """``stage``'s counts ``[correct, total, invalid, nan]`` (int64, on the metric's device), the held ones added.
@@ -547,15 +637,15 @@ class TokenAccuracyTracker:
         """Warn, once per stage and cause, that a batch was left out; the next batch is counted again.
 
         Under ``"auto"``, before any training batch was counted, a batch with nothing to find is not worth a warning:
-        a first training batch turns the training stage off with one line of info (``short`` says what it lacked), a
-        validation batch is left out.
+        a first training batch turns the training stage off with one line of info (``short`` says what it lacked, and
+        the line how to have both figures), a validation batch is left out.
         """
         if self._auto and not self._counted_train and cause in ("missing", "nothing"):
-            if stage == "train":
+            if stage == "train":  # validation batches like it are left out quietly: the line says how to have both
                 self.disabled.add("train")
                 rank_zero_info(
-                    f"TrainingMonitor: {short or why}, so there is no {self.key(stage)} (return both to have it;"
-                    " `token_accuracy=False` turns token accuracy off)."
+                    f"TrainingMonitor: {short or why}, so there is no {self.key(stage)} (return both to have it, and"
+                    f" from `validation_step` for {self.key('val')}; `token_accuracy=False` turns token accuracy off)."
                 )
             return
         if (stage, cause) in self._warned:

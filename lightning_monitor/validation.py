@@ -156,11 +156,11 @@ class ValidationCheck:
             )
         elif not self._told:
             self._told = True
-            if found:
-                rank_zero_warn(
+            if found:  # info, not a warning: the run is fine (several val dataloaders log this way), and a
+                # warning would fail it under `-W error` where it passes without the monitor
+                rank_zero_info(
                     f"TrainingMonitor found several metrics named like a validation loss, {found}, and watches none"
-                    " for `diverging_val_loss`: pass the one to watch as `val_loss_key` (or `val_loss_key=None`).",
-                    category=RuntimeWarning,
+                    " for `diverging_val_loss`: pass the one to watch as `val_loss_key` (or `val_loss_key=None`)."
                 )
             else:
                 rank_zero_info(

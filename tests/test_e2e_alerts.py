@@ -8,10 +8,12 @@ within 4 checks of its start); which validation loss is watched; where alerts go
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -782,13 +784,46 @@ def test_the_one_validation_loss_logged_is_watched_and_said_once(tmp_path, caplo
     assert alert.value == pytest.approx(RISING[4])
 
 
-def test_several_candidates_warn_once_naming_them_and_none_is_watched(tmp_path, caplog):
-    with pytest.warns(RuntimeWarning, match="several metrics named like a validation loss") as record:
+@contextlib.contextmanager
+def strict_warnings() -> Iterator[None]:
+    """Every warning an error, as under `-W error`, but Lightning's and its dependencies' own: a run that passes so
+    without the monitor must pass with it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message=".*does not have many workers")
+        yield
+
+
+def test_several_candidates_are_one_line_of_info_naming_them_and_none_is_watched(tmp_path, caplog):
+    with strict_warnings():
         monitor, told = run(tmp_path, LoggedAs(("val/loss", "valid_loss")), caplog)
-    (message,) = [str(w.message) for w in record if "val" in str(w.message)]  # five validation runs, one warning
-    assert "['val/loss', 'valid_loss']" in message and "`val_loss_key`" in message
-    assert told == []  # the warning, and no line of info
+    assert told == [  # five validation runs, one line
+        "TrainingMonitor found several metrics named like a validation loss, ['val/loss', 'valid_loss'], and watches"
+        " none for `diverging_val_loss`: pass the one to watch as `val_loss_key` (or `val_loss_key=None`)."
+    ]
     assert not monitor.alerts
+
+
+class TwoValidationSets(LoggedAs):
+    """Two validation dataloaders, each logging `val_loss`: Lightning logs `val_loss/dataloader_idx_<i>`."""
+
+    def __init__(self) -> None:
+        super().__init__(("val_loss",), on_step=True)
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        return super().validation_step(batch, batch_idx)
+
+
+def test_two_validation_dataloaders_logging_val_loss_do_not_warn(tmp_path, caplog):
+    monitor = TrainingMonitor(halt_on=[], divergence_patience=3)
+    with strict_warnings(), caplog.at_level(logging.INFO):
+        trainer = make_trainer(tmp_path, [monitor], max_steps=8, val_check_interval=4)
+        trainer.fit(TwoValidationSets(), loader(40), [loader(4), loader(4)])
+    (told,) = [r.getMessage() for r in caplog.records if "several metrics" in r.getMessage()]
+    assert "'val_loss/dataloader_idx_0', 'val_loss/dataloader_idx_1'" in told
+    assert "val_loss/dataloader_idx_0" in trainer.callback_metrics  # the run logged as it does without the monitor
 
 
 def test_no_validation_loss_is_one_line_of_info_not_a_warning(tmp_path, caplog):

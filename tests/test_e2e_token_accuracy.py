@@ -9,15 +9,16 @@ import re
 import typing
 import warnings
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TinyLM, TokenData, V, csv_column, make_trainer, tb_scalars
+from helpers import TinyLM, TokenData, V, count_syncs, csv_column, make_trainer, tb_scalars
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from sync_count import HostSyncCounter
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -495,7 +496,8 @@ def test_a_model_that_is_not_a_language_model_gets_one_line_of_info_by_default(t
     info = [r.getMessage() for r in caplog.records if "token_acc" in r.getMessage()]
     assert info == [
         "TrainingMonitor: `training_step` returned no logits and no labels, so there is no train_token_acc (return"
-        " both to have it; `token_accuracy=False` turns token accuracy off)."
+        " both to have it, and from `validation_step` for val_token_acc; `token_accuracy=False` turns token accuracy"
+        " off)."
     ]
     assert not any(key.endswith("token_acc") for key in trainer.callback_metrics)
 
@@ -696,6 +698,152 @@ def test_a_causal_lm_returning_the_batch_labels_as_they_are_is_shifted(tmp_path)
         assert got == pytest.approx(correct / total, abs=1e-6)
 
 
+class Gpt2Labels(Gpt2CausalLM):
+    """A Hugging Face causal LM whose steps return labels that are not the batch's own object: built in the step
+    from the input ids (``"built"``), or a tuple batch ``(input_ids, labels)`` (``"tuple"``). The model shifts them in
+    its loss; the reference scores each position against the next token, in both stages."""
+
+    def __init__(self, form: str, family: str = "gpt2") -> None:
+        super().__init__(family)
+        self.form = form
+        self.val_scored: list[tuple[int, int]] = []
+
+    def _step(self, batch, scored):
+        ids, labels = (batch["input_ids"], batch["input_ids"].clone()) if self.form == "built" else batch
+        out = self.model(input_ids=ids, labels=labels)
+        predicted = out.logits[:, :-1].detach().argmax(-1)
+        scored.append((int((predicted == labels[:, 1:]).sum()), predicted.numel()))
+        return {"loss": out.loss, "logits": out.logits.detach(), "labels": labels}
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, self.scored)
+
+    def validation_step(self, batch, batch_idx):
+        out = self._step(batch, self.val_scored)
+        self.log("val_loss", out["loss"])
+        return out
+
+
+class TupleTokens(RepeatingTokens):
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        return item["input_ids"], item["labels"].clone()
+
+
+@pytest.mark.parametrize(("form", "family"), [("built", "gpt2"), ("tuple", "gpt2"), ("tuple", "llama")])
+def test_a_causal_lm_returning_labels_of_its_own_is_shifted_in_both_stages(tmp_path, caplog, form, family):
+    # Scored unshifted (as before), gpt2's val_token_acc read 0.018 against a next-token reference of 0.976, and
+    # llama's 0.0 against 1.0, with one line of info and no warning.
+    model = Gpt2Labels(form, family)
+    data = TupleTokens() if form == "tuple" else RepeatingTokens()
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=4, val_check_interval=2, logger=csv)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+    assert not [r for r in caplog.records if "shift" in r.getMessage()]  # nothing to say: the labels are the ids
+    logged = csv_column(f"{csv.log_dir}/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == list(range(4))
+    for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)
+    val = [v for _, v in csv_column(f"{csv.log_dir}/metrics.csv", "val_token_acc")]
+    runs = [model.val_scored[i : i + 2] for i in (0, 2)]  # two validation runs of two batches (limit_val_batches)
+    assert len(model.val_scored) == 4 and len(val) == 2
+    assert val == pytest.approx([sum(c for c, _ in r) / sum(t for _, t in r) for r in runs], abs=1e-6)
+
+
+def test_telling_how_a_causal_lms_labels_are_aligned_costs_one_read_once(tmp_path):
+    counter, per_step = HostSyncCounter(), Counter()
+    monitor = TrainingMonitor(val_loss_key=None)
+    count_syncs(monitor, counter, per_step)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6)  # within the first epoch: no validation run
+    data = DataLoader(RepeatingTokens(), batch_size=4)
+    trainer.fit(Gpt2Labels("built"), data, data)
+    assert [per_step[b] for b in range(6)] == [2, 1, 1, 1, 1, 1]  # the first batch's comparison, then the check
+
+
+class NextTokenPairs(RepeatingTokens):
+    """A pretraining loader's pairs: ``x = tokens[:-1]``, ``y = tokens[1:]``, the labels aligned with the logits."""
+
+    def __getitem__(self, i):
+        tokens = (torch.arange(13) + i) % V
+        return tokens[:-1], tokens[1:]
+
+
+class Gpt2OwnLoss(Gpt2CausalLM):
+    """A causal LM trained with a loss of its own on aligned pairs: nothing is to be shifted."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        predicted = logits.detach().argmax(-1)
+        self.scored.append((int((predicted == y).sum()), predicted.numel()))
+        return {"loss": loss, "logits": logits.detach(), "labels": y}
+
+
+def test_a_causal_lm_on_labels_shifted_already_is_scored_as_they_are_and_says_so(tmp_path, caplog):
+    model = Gpt2OwnLoss()
+    csv = CSVLogger(tmp_path, name="csv")
+    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=4, logger=csv)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, DataLoader(NextTokenPairs(), batch_size=4))
+    logged = csv_column(f"{csv.log_dir}/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == list(range(4))
+    for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)
+    told = [r.getMessage() for r in caplog.records if "shift" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor scores the logits at position t against the labels at t: the labels of `training_step` are"
+        " the batch's input ids shifted by one already. Pass `shift_labels=True` if they are shifted again inside"
+        " the model's loss."
+    ]
+
+
+class SpeechCTC(pl.LightningModule):
+    """A Hugging Face CTC speech model built from a config: per-frame logits ``[B, 79, V]``, labels ``[B, 5]``."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.Wav2Vec2Config(
+            vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2, feat_extract_norm="group", pad_token_id=0,
+        )  # fmt: skip
+        self.model = transformers.Wav2Vec2ForCTC(config)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch)
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.log("val_loss", out.loss)
+        return out
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_ctc_model_gets_one_line_of_info_and_no_token_accuracy(tmp_path, caplog):
+    # Its frames are not aligned with its labels: each stage warned that they "do not fit", and the monitor
+    # told it about shifting labels; with labels as long as the frames it logged a meaningless accuracy.
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_values": torch.randn(800, generator=gen), "labels": torch.randint(1, 12, (5,), generator=gen)}
+            for _ in range(8)]  # fmt: skip
+    monitor = TrainingMonitor(val_loss_key=None)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer = make_trainer(tmp_path, [monitor], max_steps=4, val_check_interval=2)
+        trainer.fit(SpeechCTC(), DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
+    told = [r.getMessage() for r in caplog.records if "token_acc" in r.getMessage() or "shift" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor: a CTC model's logits are per frame and its labels per character, not aligned, so there is"
+        " no train_token_acc or val_token_acc (pass `token_accuracy_fn` to score them your way)."
+    ]
+    assert not [k for k in trainer.callback_metrics if "acc" in k]
+
+
 class Gpt2Validated(Gpt2CausalLM):
     def validation_step(self, batch, batch_idx):
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
@@ -777,7 +925,8 @@ def test_hugging_face_model_on_a_tensor_batch_is_told_the_labels_are_missing_not
     info = [r.getMessage() for r in caplog.records if "token_acc" in r.getMessage()]
     assert info == [
         "TrainingMonitor: `training_step` returned logits but no labels, so there is no train_token_acc (return"
-        " both to have it; `token_accuracy=False` turns token accuracy off)."
+        " both to have it, and from `validation_step` for val_token_acc; `token_accuracy=False` turns token accuracy"
+        " off)."
     ]
     # Asked for explicitly, the warning says where the labels were looked for.
     with pytest.warns(
