@@ -199,8 +199,9 @@ class TrainingMonitor(Callback):
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
         shift_labels: Score the logits at ``t`` against the label at ``t + 1`` (labels that are the input ids, as a
-            causal LM's loss shifts them). ``"auto"``: for a Hugging Face causal LM, unless its labels are the next
-            ids already (compared with the batch's input ids once per stage), else as they are (said).
+            causal LM's loss shifts them). ``"auto"``: where the outermost Hugging Face model is a causal LM (a
+            decoder-only VLM included), unless its labels are the next ids already (compared with the batch's input
+            ids once per stage); seq2seq and other models as they are (said where no model tells).
         top_k: Count a token correct when its label is among the ``top_k`` largest logits.
         logits_key: Where to find the logits in the step's output.
         labels_key: Where to find the labels in the step's output, then in the batch.

@@ -45,6 +45,7 @@ __all__ = [
     "TokenAccuracyTracker",
     "find_logits_and_labels",
     "holds_causal_lm",
+    "label_alignment",
     "token_accuracy",
     "virtual_tokens",
 ]
@@ -112,15 +113,63 @@ def virtual_tokens(module: Any) -> int:
     return 0
 
 
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "DoubleHeadsModel", "WithLMHead", "ForConditionalGeneration")
+
+
+def _is_pretrained(module: Any) -> bool:
+    """Whether ``module`` is a Hugging Face ``PreTrainedModel`` (told without importing ``transformers``)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def _alignment_of(model: Any) -> Literal["shift", "aligned"] | None:
+    """How one Hugging Face model's own loss aligns its labels with its logits; None for a model without a head."""
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return "aligned"  # T5, BART, Whisper, EncoderDecoderModel, VisionEncoderDecoderModel: decoder inputs shifted
+    if name.endswith(_CAUSAL_HEADS) and not name.startswith("XLNet"):  # XLNet's permutation LM scores as it is
+        return "shift"  # GPT-2, Llama, Llava, Qwen2-VL...: labels are the input ids, shifted inside the loss
+    return "aligned" if "For" in name or "LMHead" in name else None
+
+
+def label_alignment(module: Any) -> Literal["shift", "aligned"] | None:
+    """How the Hugging Face models in ``module`` align their labels: ``"shift"``, ``"aligned"``, or None.
+
+    The outermost models decide (an ``EncoderDecoderModel``, not the ``GPT2LMHeadModel`` decoder inside it):
+    ``"shift"`` where one is a causal LM (``...ForCausalLM``, ``...LMHeadModel``, a decoder-only
+    ``...ForConditionalGeneration`` such as Llava; a PEFT ``PeftModelForCausalLM``), whose loss shifts the labels;
+    ``"aligned"`` where every one is another model with a head (seq2seq, masked LM, token classification), whose
+    loss scores the logits at position ``t`` against the labels at ``t``; None where there is none, or only models
+    without a head.
+
+    Example:
+        >>> class GPT2LMHeadModel(torch.nn.Module): ...
+        >>> label_alignment(torch.nn.Sequential(GPT2LMHeadModel())), label_alignment(torch.nn.Linear(2, 2))
+        ('shift', None)
+    """
+    found: set[Literal["shift", "aligned"] | None] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if _is_pretrained(m):
+            found.add(_alignment_of(m))
+        elif type(m).__name__.endswith(_CAUSAL_HEADS[:2]):  # PEFT's PeftModelForCausalLM, a causal LM of one's own
+            found.add("shift")
+        else:
+            todo.extend(m.children())
+    if "shift" in found:
+        return "shift"
+    return "aligned" if found == {"aligned"} else None
+
+
 def holds_causal_lm(module: Any) -> bool:
-    """Whether ``module`` holds a Hugging Face causal LM (``...ForCausalLM``, ``...LMHeadModel``): it shifts labels.
+    """Whether ``module`` holds a Hugging Face causal LM, whose loss shifts the labels (:func:`label_alignment`).
 
     Example:
         >>> class GPT2LMHeadModel(torch.nn.Module): ...
         >>> holds_causal_lm(torch.nn.Sequential(GPT2LMHeadModel())), holds_causal_lm(torch.nn.Linear(2, 2))
         (True, False)
     """
-    return any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) for m in module.modules())
+    return label_alignment(module) == "shift"
 
 
 def holds_ctc(module: Any) -> bool:
@@ -222,6 +271,7 @@ class TokenAccuracyTracker:
         self.shift = shift
         self.ignore_index = ignore_index
         self.causal_lm = False  # the module holds a Hugging Face causal LM (set at the start of training)
+        self.aligned_model = False  # its Hugging Face models all score labels as they are (seq2seq, masked LM...)
         self.virtual_tokens = 0  # a PEFT prompt-learning model's virtual tokens, before the logits of the inputs
         self._per_example: bool | None = None  # one prediction per example ([B, C] logits): None until a batch says
         self._told_shift = False
@@ -391,7 +441,8 @@ class TokenAccuracyTracker:
         (``Wav2Vec2ForCTC``...), whose labels are not aligned with its frames, counts nothing, said in one line.
         """
         self.to(device)
-        self.causal_lm = holds_causal_lm(module)
+        alignment = label_alignment(module)
+        self.causal_lm, self.aligned_model = alignment == "shift", alignment == "aligned"
         self.virtual_tokens = virtual_tokens(module)
         if self._auto and self.find is None and self.disabled != {"train", "val"} and holds_ctc(module):
             self.disabled = {"train", "val"}
@@ -554,6 +605,8 @@ class TokenAccuracyTracker:
             returned, given = _lookup(outputs, self.labels_key), _lookup(batch, self.labels_key)
             if not isinstance(returned, Tensor) or returned is given or _holds(batch, returned):
                 return True  # the batch's labels, untouched: the model shifts them in its loss
+        elif self.aligned_model:  # a seq2seq or masked LM: its loss scores the labels as they are, nothing to say
+            return False
         if not self._told_shift:
             self._tell = False
         return False

@@ -844,6 +844,136 @@ def test_a_ctc_model_gets_one_line_of_info_and_no_token_accuracy(tmp_path, caplo
     assert not [k for k in trainer.callback_metrics if "acc" in k]
 
 
+def _hf_family(name: str):
+    """A tiny Hugging Face model built from a config, and whether its own loss shifts the labels (the reference's
+    alignment, read off each model's ``forward``)."""
+    t = pytest.importorskip("transformers")
+    small = {"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+    if name == "t5":
+        config = t.T5Config(vocab_size=V, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+        config.decoder_start_token_id = 0
+        return t.T5ForConditionalGeneration(config), False
+    if name == "bert_gpt2":  # an EncoderDecoderModel holds a GPT2LMHeadModel decoder; its loss is aligned
+        encoder = t.BertConfig(vocab_size=V, hidden_size=16, max_position_embeddings=32, **small)
+        decoder = t.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32, add_cross_attention=True)
+        model = t.EncoderDecoderModel(t.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+        model.config.decoder_start_token_id = model.config.pad_token_id = 0
+        return model, False
+    if name == "vit_trocr":  # a VisionEncoderDecoderModel with a TrOCRForCausalLM decoder, as TrOCR and Donut are
+        encoder = t.ViTConfig(image_size=8, patch_size=4, hidden_size=16, **small)
+        decoder = t.TrOCRConfig(
+            vocab_size=V, d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32,
+            max_position_embeddings=32, cross_attention_hidden_size=16,
+        )  # fmt: skip
+        model = t.VisionEncoderDecoderModel(t.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+        model.config.decoder_start_token_id, model.config.pad_token_id = 0, 1
+        return model, False
+    if name == "llava":  # a decoder-only vision-language model: its loss shifts, image positions are -100
+        vision = t.CLIPVisionConfig(image_size=8, patch_size=4, hidden_size=16, projection_dim=16, **small)
+        text = t.LlamaConfig(
+            vocab_size=V, hidden_size=16, num_key_value_heads=2, max_position_embeddings=64, **small
+        )  # fmt: skip
+        config = t.LlavaConfig(
+            vision_config=vision, text_config=text, image_token_index=V - 1, vision_feature_layer=-1,
+            vision_feature_select_strategy="default", image_seq_length=4,
+        )  # fmt: skip
+        return t.LlavaForConditionalGeneration(config), True
+    if name == "gpt2_double_heads":
+        return t.GPT2DoubleHeadsModel(t.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32)), True
+    if name == "xlnet":  # a permutation LM named like a causal one (`...LMHeadModel`): its loss is aligned
+        return t.XLNetLMHeadModel(t.XLNetConfig(vocab_size=V, d_model=16, n_layer=1, n_head=2, d_inner=32)), False
+    raise KeyError(name)
+
+
+class FamilyTokens(torch.utils.data.Dataset):
+    def __init__(self, family: str) -> None:
+        self.family = family
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i):
+        ids, target = (torch.arange(10) + i) % (V - 2) + 1, (torch.arange(8) * 3 + i) % (V - 2) + 1
+        image = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(i))
+        if self.family in ("t5", "bert_gpt2"):
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": target}
+        if self.family == "vit_trocr":
+            return {"pixel_values": image, "labels": target}
+        if self.family == "llava":
+            ids = torch.cat([torch.full((4,), V - 1), ids])  # four image tokens, then the text
+            return {"input_ids": ids, "pixel_values": image, "labels": torch.where(ids == V - 1, -100, ids)}
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class HFFamily(pl.LightningModule):
+    """``training_step`` and ``validation_step`` return the model's output on the batch, as most users write them;
+    the reference scores the logits as the model's own loss aligns them."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.model, self.shifts = _hf_family(family)
+        self.scored: dict[str, list[tuple[int, int]]] = {"train": [], "val": []}
+
+    def _step(self, batch, stage):
+        out = self.model(**batch)
+        logits, labels = out.logits.detach(), batch["labels"]
+        if self.shifts:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        kept = labels != -100
+        self.scored[stage].append((int(((logits.argmax(-1) == labels) & kept).sum()), int(kept.sum())))
+        return out
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        out = self._step(batch, "val")
+        self.log("val_loss", out.loss)
+        return out
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' notes on tiny configs, not the monitor's
+@pytest.mark.parametrize("family", ["t5", "bert_gpt2", "vit_trocr", "llava", "gpt2_double_heads", "xlnet"])
+def test_each_hugging_face_family_is_scored_as_its_own_loss_aligns_it(tmp_path, caplog, family):
+    # Before the outermost model decided, bert_gpt2 and vit_trocr were shifted (their decoder is a causal LM: TrOCR
+    # read 0.0 against 0.062 at step 3), llava and gpt2_double_heads were not (llava 0.0 against 0.475), and xlnet
+    # was (0.0 against 0.925); t5 was exact but said it could not tell.
+    model = HFFamily(family)
+    data = FamilyTokens(family)
+    csv = CSVLogger(tmp_path, name="csv")
+    trainer = make_trainer(tmp_path, [TrainingMonitor()], max_steps=4, val_check_interval=2, logger=csv)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    assert not [w for w in caught if "TrainingMonitor" in str(w.message)]
+    assert not [r for r in caplog.records if "shift" in r.getMessage()]  # it knows: nothing to say
+    logged = csv_column(f"{csv.log_dir}/metrics.csv", "train_token_acc")
+    assert [s for s, _ in logged] == list(range(4))
+    for (_, got), (correct, total) in zip(logged, model.scored["train"], strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)
+    runs = [model.scored["val"][i : i + 2] for i in (0, 2)]  # two validation runs of two batches
+    val = [v for _, v in csv_column(f"{csv.log_dir}/metrics.csv", "val_token_acc")]
+    assert val == pytest.approx([sum(c for c, _ in r) / sum(t for _, t in r) for r in runs], abs=1e-6)
+    assert sum(c for c, _ in model.scored["train"] + model.scored["val"]) > 0  # a reference that can disagree
+
+
+def test_label_alignment_is_decided_by_the_outermost_hugging_face_model():
+    t = pytest.importorskip("transformers")
+    from lightning_monitor.token_tracker import label_alignment
+
+    gpt2 = t.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    bert = t.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    encoder_decoder = t.EncoderDecoderModel(encoder=t.BertModel(bert), decoder=t.GPT2LMHeadModel(gpt2))
+    wrapped = nn.ModuleDict({"student": t.GPT2LMHeadModel(gpt2), "head": nn.Linear(2, 2)})
+    assert [label_alignment(m) for m in (encoder_decoder, wrapped, t.BertModel(bert), nn.Linear(2, 2))] == [
+        "aligned", "shift", None, None,
+    ]  # fmt: skip
+    assert label_alignment(nn.ModuleList([t.BertForMaskedLM(bert), t.GPT2LMHeadModel(gpt2)])) == "shift"
+
+
 class Gpt2Validated(Gpt2CausalLM):
     def validation_step(self, batch, batch_idx):
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
