@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._host import gather_ranks, host_dtype, to_device, world_size
 from lightning_monitor._lightning import gradient_sharding
 from lightning_monitor.activations import ForwardOrder
@@ -375,16 +375,16 @@ class TrainingLoss:
     def add(self, loss: Tensor, accumulate: int, scaler: torch.amp.GradScaler | None) -> None:
         """Add one micro-batch's loss as ``backward`` received it (one element, on the device).
 
-        A loss of several elements (``manual_backward(tensor, gradient)``) is left out, with one warning.
+        A loss of several elements (``manual_backward(tensor, gradient)``) is left out, with one line of info: the
+        run is as it should be, and a warning would fail it under ``-W error``.
         """
         if loss.numel() != 1:
             if not self._warned:
                 self._warned = True
-                rank_zero_warn(
+                rank_zero_info(
                     f"TrainingMonitor reads one-element losses only, and got one of shape {tuple(loss.shape)} (a"
                     " `manual_backward(tensor, gradient)`?). Its steps are checked without a loss: the gradients"
-                    " are watched, `nonfinite_loss` and `loss_spike` are not.",
-                    category=RuntimeWarning,
+                    " are watched, `nonfinite_loss` and `loss_spike` are not."
                 )
             return
         loss = loss.detach()

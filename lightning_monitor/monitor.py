@@ -537,11 +537,14 @@ class TrainingMonitor(Callback):
         at = logging_step(trainer)
         if self._lean and self._calm_step(trainer, optimizer, check, at):
             return
-        logs = is_logging_step(trainer, at, self._every)
-        counts = logs if self._every else is_logging_step(trainer, at, self._token_every)  # no logger: the interval
-        self._tokens.logged_at = at if counts else None  # the step's token counts are kept for logging if it logs
+        inner = self._guard.evaluation(optimizer) > 1  # LBFGS's later evaluations in one step: not steps of their own
+        # A step logs its first evaluation's figures, once: a later one logs nothing but its alerts.
+        logs = is_logging_step(trainer, at, self._every) and not inner
+        if not inner:
+            counts = logs if self._every else is_logging_step(trainer, at, self._token_every)  # no logger: interval
+            self._tokens.logged_at = at if counts else None  # the step's token counts are kept for logging if it logs
         weight_parts: dict[str, Any] = {}  # the extras of this check, if any
-        if self.config.figures.weight_norms:  # on logging steps only; the step before one keeps a copy of the weights
+        if self.config.figures.weight_norms and not inner:  # on logging steps; the step before one keeps a copy
             watch = self._weights.setdefault(check.index, WeightWatch())
             if logs:
                 weight_parts = watch.measure(check.norms)
@@ -565,7 +568,6 @@ class TrainingMonitor(Callback):
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)
-        inner = self._guard.evaluation(optimizer) > 1  # LBFGS's later evaluations in one step: not steps of their own
         started = PendingCheck(
             optimizer, check, packing, at, trainer.current_epoch, logs, counted_at, self._batches, inner=inner
         )

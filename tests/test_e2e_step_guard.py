@@ -7,7 +7,9 @@ callbacks after the monitor; after a halt no step is applied."""
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -363,6 +365,33 @@ def test_lbfgs_keeps_a_nan_at_an_inner_evaluation_from_the_weights(tmp_path, eva
     assert same_weights(snapshots.weights[k + 1], snapshots.weights[k])
     assert same_state(snapshots.state[k + 1], snapshots.state[k])
     assert not same_weights(snapshots.weights[k + 2], snapshots.weights[k + 1])
+
+
+class EvaluationNorms(Callback):
+    """The total gradient norm of each closure evaluation, per step (float64, summed over parameters)."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, list[float]] = {}
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        squares = sum(float(p.grad.double().square().sum()) for p in pl_module.parameters() if p.grad is not None)
+        self.norms.setdefault(trainer.global_step, []).append(math.sqrt(squares))
+
+
+def test_an_lbfgs_step_logs_its_first_evaluations_figures_once(tmp_path):
+    """LBFGS evaluates its closure up to `max_iter` times in one step; each evaluation was logged as a row of its
+    own at the same step (4 `grad_norm` rows per step here, then the next step's). A step logs the gradient norm of
+    its first evaluation, at the weights the step began from, once; the history agrees with it."""
+    model, norms = LBFGSModel(), EvaluationNorms()
+    csv = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None)
+    fit(tmp_path, model, [monitor, norms], max_steps=4, logger=csv)
+    assert all(len(n) > 1 for n in norms.norms.values())  # several evaluations in every step
+    logged = csv_column(f"{csv.log_dir}/metrics.csv", "grad_norm")
+    assert [s for s, _ in logged] == [0, 1, 2, 3]
+    assert [v for _, v in logged] == pytest.approx([norms.norms[s][0] for s in range(4)], rel=1e-6)
+    history = [json.loads(line) for line in (Path(monitor.log_dir) / "monitor_history.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["grad_norm"]) for r in history] == [(s, pytest.approx(v, rel=1e-12)) for s, v in logged]
 
 
 def same_state(a: Any, b: Any) -> bool:
