@@ -345,27 +345,28 @@ def fit(run: str, steps: int, fault: str | None = None, at: int = 0, **options: 
     elif spec.precision is not None:
         trainer_kwargs["precision"] = spec.precision
     recorder = Recorder(monitor)
-    trainer = pl.Trainer(
-        default_root_dir=tempfile.mkdtemp(prefix="healthy_runs_"),  # the monitor's settings file goes there
-        callbacks=[monitor, recorder],
-        max_steps=steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        accelerator="cpu",
-        devices=1,
-        **trainer_kwargs,
-    )
-    data = None if spec.data is None else loader(spec.data, spec.batch, steps)
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        trainer.fit(model, train_dataloaders=data)
+    with tempfile.TemporaryDirectory(prefix="healthy_runs_") as root:  # the monitor's settings file goes there
+        trainer = pl.Trainer(
+            default_root_dir=root,
+            callbacks=[monitor, recorder],
+            max_steps=steps,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            accelerator="cpu",
+            devices=1,
+            **trainer_kwargs,
+        )
+        data = None if spec.data is None else loader(spec.data, spec.batch, steps)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            trainer.fit(model, train_dataloaders=data)
+        seconds = time.perf_counter() - start
     alerts = [(a.step, a.kind.value, a.halted) for a in monitor.alerts]
-    seconds = time.perf_counter() - start
     messages = [a.message for a in monitor.alerts]
     return Outcome(alerts, trainer.global_step, seconds, recorder.norms, recorder.losses, messages)
 
