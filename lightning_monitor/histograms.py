@@ -140,4 +140,4 @@ def write_histograms(loggers: Sequence[Any], histograms: Sequence[Histogram], st
                 if h.finite
             }
             if found:
-                logger.log_metrics(found, step=step)  # type: ignore[arg-type]
+                logger.log_metrics(metrics=found, step=step)  # type: ignore[arg-type]

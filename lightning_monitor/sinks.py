@@ -61,7 +61,8 @@ class ConsoleSink:
 class LoggerSink:
     """Forward figures, alerts and the monitor's files to every Lightning logger of a trainer.
 
-    Figures go through ``Logger.log_metrics`` at the step given, the way ``LearningRateMonitor`` writes. Each alert
+    Figures go through ``Logger.log_metrics`` at the step given, by keyword as Lightning's own calls are; a logger
+    whose ``log_metrics`` raises on them gets one warning and none of the monitor's figures after. Each alert
     adds a scalar ``alerts/<kind>`` (how many alerts of that kind so far, as the caller counts them) for every
     logger, and its message in the form each logger has: text for TensorBoard (tag ``alerts``); for W&B a
     notification and the run summary, for MLflow a run tag, which also get the monitor's files
@@ -79,6 +80,7 @@ class LoggerSink:
         self.csv_rows = CsvRows()  # a CSVLogger's rows: one per step
         self._csv = [is_csv_logger(logger) for logger in self.loggers]  # each logger's kind, told once
         self._tensorboard = [logger for logger in self.loggers if is_tensorboard_logger(logger)]
+        self._refused: set[int] = set()  # the loggers whose `log_metrics` raised on the monitor's figures
         for logger, csv in zip(self.loggers, self._csv, strict=True):
             if csv and folder is not None:
                 self.csv_rows.attach(logger)
@@ -91,11 +93,21 @@ class LoggerSink:
         """Write ``figures`` to every logger at ``step``."""
         if not figures:
             return
-        for logger, csv in zip(self.loggers, self._csv, strict=True):
+        for index, (logger, csv) in enumerate(zip(self.loggers, self._csv, strict=True)):
             if csv:
                 self.csv_rows.write(logger, figures, step)
-            else:
-                logger.log_metrics(dict(figures), step=step)
+            elif index not in self._refused:
+                try:
+                    logger.log_metrics(metrics=dict(figures), step=step)  # as Lightning's own calls: by keyword
+                except Exception as err:  # a logger of the user's: the run must not fail for the monitor's figures
+                    self._refused.add(index)
+                    others = "; the trainer's other loggers still get them" if len(self.loggers) > 1 else ""
+                    rank_zero_warn(
+                        f"TrainingMonitor: {type(logger).__name__}.log_metrics raised {type(err).__name__} ({err}) "
+                        f"on the monitor's figures at step {step}. The run goes on, and the monitor writes no more "
+                        f"figures to that logger in it{others}.",
+                        category=RuntimeWarning,
+                    )
 
     def add_layout(self) -> None:
         """Give every TensorBoard logger a custom-scalars layout: loss, token accuracy and gradient norm together.

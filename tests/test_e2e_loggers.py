@@ -19,9 +19,20 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import OWN_FILES, ScriptedModel, close, jsonl, loader, make_trainer, own_files_in, tb_texts, wandb_records
+from helpers import (
+    OWN_FILES,
+    ScriptedModel,
+    close,
+    jsonl,
+    loader,
+    make_trainer,
+    own_files_in,
+    tb_scalars,
+    tb_texts,
+    wandb_records,
+)
 from lightning.pytorch.callbacks import EarlyStopping
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
@@ -280,6 +291,79 @@ def test_tensorboard_run_is_unchanged(tmp_path):
     charts = TENSORBOARD_LAYOUT["lightning-monitor"]
     assert charts["gradient norm per layer"] == ["Multiline", [r"^grad_norm_layers(_opt\d+)?/.*$"]]
     assert not (tmp_path / "lightning-monitor").exists()
+
+
+# ------------------------------------------------------------------------------------------------ loggers of the user's
+
+
+class KeywordLogger(Logger):
+    """A logger of the user's whose ``log_metrics`` takes its arguments by keyword only, as Lightning passes them;
+    it refuses (``ValueError``) the keys that hold ``refuse``."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "keyword"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, *, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.refuse is not None and any(self.refuse in key for key in metrics):
+            raise ValueError(f"keys with {self.refuse!r} are not accepted")
+        self.rows.append((step, dict(metrics)))
+
+    def column(self, key: str) -> list[tuple[int | None, float]]:
+        return [(step, row[key]) for step, row in self.rows if key in row]
+
+
+class LoggedLoss(ScriptedModel):
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"])
+        return out
+
+
+@pytest.mark.timeout(180)
+def test_a_logger_taking_its_figures_by_keyword_only_gets_the_monitors(tmp_path):
+    """Lightning passes ``log_metrics(metrics=..., step=...)`` by keyword: a logger written for that works with the
+    monitor too (it used to get them by position, a ``TypeError`` that ended the run at its first logging step)."""
+    logger, model = KeywordLogger(), LoggedLoss()
+    make_trainer(tmp_path, [TrainingMonitor()], logger=logger, max_steps=6).fit(model, train_dataloaders=loader())
+    norms = logger.column("grad_norm")
+    assert [step for step, _ in norms] == list(range(6))
+    assert all(close(value, ref) for (_, value), ref in zip(norms, model.reference, strict=True))
+    assert [step for step, _ in logger.column("train_loss")] == list(range(6))
+
+
+@pytest.mark.timeout(180)
+def test_a_logger_refusing_the_monitors_figures_gets_one_warning_and_the_run_goes_on(tmp_path):
+    """A logger raises on the monitor's keys only: one warning, no more of the monitor's figures to it, the user's own
+    ``train_loss`` still in it at every step, and the TensorBoard logger beside it gets every figure."""
+    refusing, tb, model = KeywordLogger(refuse="grad_norm"), TensorBoardLogger(tmp_path, name="tb"), LoggedLoss()
+    trainer = make_trainer(tmp_path, [TrainingMonitor()], logger=[refusing, tb], max_steps=6)
+    with pytest.warns(RuntimeWarning) as record:
+        trainer.fit(model, train_dataloaders=loader())
+    told = [str(w.message) for w in record if "log_metrics raised" in str(w.message)]
+    assert told == [
+        "TrainingMonitor: KeywordLogger.log_metrics raised ValueError (keys with 'grad_norm' are not accepted) on the "
+        "monitor's figures at step 0. The run goes on, and the monitor writes no more figures to that logger in it; "
+        "the trainer's other loggers still get them."
+    ]
+    assert trainer.global_step == 6 and not trainer.should_stop
+    assert [step for step, _ in refusing.column("train_loss")] == list(range(6))
+    assert not refusing.column("grad_norm")
+    norms = tb_scalars(tb.log_dir)["grad_norm"]
+    assert [step for step, _ in norms] == list(range(6))
+    assert all(close(value, ref) for (_, value), ref in zip(norms, model.reference, strict=True))
 
 
 # ------------------------------------------------------------------------------------------------ key names
