@@ -22,9 +22,11 @@ package, with no ``TrainingMonitor``). ``lightning-monitor`` is no Python identi
 Under ``fast_dev_run``, where Lightning writes nothing (no logger, no checkpoint), the monitor writes nothing either
 (:func:`writes_files`): its alerts go to the console, the loggers and ``TrainingMonitor.alerts`` only.
 
-The monitor writes with local file calls: where the folder would be on another file system (a logger's or
-``default_root_dir``'s URL, ``s3://...``, ``memory://...``), it writes nothing, as under ``fast_dev_run``, and says so
-once; ``Path`` would have made that URL a local folder (``./s3:/bucket/...``) in the working directory.
+The monitor writes with local file calls: a TensorBoard or CSV logger whose ``save_dir`` is on another file system
+(``s3://...``, ``memory://...``) gives no folder, and the files go under ``<default_root_dir>/lightning-monitor``
+(made at the first alert, as Lightning's checkpoints then go to the logger's file system), with one line saying so.
+Where ``default_root_dir`` is such a URL too, it writes nothing, as under ``fast_dev_run``, and says so once; ``Path``
+would have made that URL a local folder (``./s3:/bucket/...``) in the working directory.
 
 Nothing is written to the root of an MLflow file store (``mlruns/``), where MLflow reads each folder as an
 experiment. W&B and MLflow runs also get the files when the folder is another logger's
@@ -48,7 +50,7 @@ from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_w
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import Logger, WandbLogger
+    from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
 __all__ = [
     "LOCAL_FOLDER",
@@ -98,13 +100,21 @@ def run_folder(trainer: pl.Trainer, *, at_once: bool = True) -> Path:
         if _remote_folder(trainer):
             rank_zero_info(
                 f"TrainingMonitor writes its files to local folders only, and this run's folder would be on another"
-                f" file system ({str(trainer.default_root_dir)!r} or its logger's): its alerts go to the console, the"
-                " loggers and `TrainingMonitor.alerts` only."
+                f" file system ({str(trainer.default_root_dir)!r}): its alerts go to the console, the loggers and"
+                " `TrainingMonitor.alerts` only."
             )
         return Path(trainer.default_root_dir) / LOCAL_FOLDER / "fast_dev_run"
     if trainer.is_global_zero:
         later = not at_once and made_at_first_alert(trainer)
         chosen = str(free_version(Path(trainer.default_root_dir) / LOCAL_FOLDER) if later else _choose(trainer))
+        remote = _remote_logger(trainer)
+        if remote is not None:
+            rank_zero_info(
+                f"TrainingMonitor writes its files to local folders only, and the {type(remote).__name__}'s folder is"
+                f" on another file system ({str(remote.save_dir)!r}): they go under"
+                f" {str(Path(trainer.default_root_dir) / LOCAL_FOLDER)!r} instead (`TrainingMonitor.log_dir` says"
+                " which folder)."
+            )
     else:
         chosen = ""
     return Path(trainer.strategy.broadcast(chosen, src=0))
@@ -148,16 +158,29 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
 def _remote_folder(trainer: pl.Trainer) -> bool:
     """Whether the folder :func:`run_folder` would choose is on another file system.
 
-    That is the first TensorBoard or CSV logger's ``save_dir``, else (no W&B or MLflow logger: their folders are
-    local) ``default_root_dir``.
+    It is not with a TensorBoard or CSV logger whose ``save_dir`` is local, nor with a W&B or MLflow logger (their
+    folders are local); else it is ``default_root_dir``'s.
     """
-    loggers = trainer.loggers
-    versioned = next((logger for logger in loggers if has_run_log_dir(logger)), None)
-    if versioned is not None:
-        return is_remote(versioned.save_dir or "")
-    if any(is_wandb_logger(logger) or is_mlflow_logger(logger) for logger in loggers):
+    if _local_versioned(trainer) is not None:
+        return False
+    if any(is_wandb_logger(logger) or is_mlflow_logger(logger) for logger in trainer.loggers):
         return False
     return is_remote(trainer.default_root_dir)
+
+
+def _local_versioned(trainer: pl.Trainer) -> TensorBoardLogger | CSVLogger | None:
+    """The first TensorBoard or CSV logger whose ``save_dir`` is on the local file system, if any."""
+    return next((lg for lg in trainer.loggers if has_run_log_dir(lg) and not is_remote(lg.save_dir or "")), None)
+
+
+def _remote_logger(trainer: pl.Trainer) -> TensorBoardLogger | CSVLogger | None:
+    """The first TensorBoard or CSV logger, if its ``save_dir`` is on another file system and no such logger's is local.
+
+    The folder it would have given the monitor's files (``s3://...``) cannot be reached by local writes.
+    """
+    if _local_versioned(trainer) is not None:
+        return None
+    return next((lg for lg in trainer.loggers if has_run_log_dir(lg)), None)
 
 
 def made_at_first_alert(trainer: pl.Trainer) -> bool:
@@ -176,14 +199,19 @@ def made_at_first_alert(trainer: pl.Trainer) -> bool:
     """
     if not writes_files(trainer):
         return False
-    if any(has_run_log_dir(lg) or is_wandb_logger(lg) or is_mlflow_logger(lg) for lg in trainer.loggers):
+    if _local_versioned(trainer) is not None or any(
+        is_wandb_logger(lg) or is_mlflow_logger(lg) for lg in trainer.loggers
+    ):
         return False  # the folder is the logger's
     root = Path(trainer.default_root_dir).resolve()
+    remote_logger = bool(trainer.loggers) and is_remote(trainer.loggers[0].save_dir or "")
     for callback in getattr(trainer, "checkpoint_callbacks", []):
         dirpath = getattr(callback, "dirpath", None)
         if not isinstance(dirpath, (str, os.PathLike)):
-            return False  # Lightning's default: `<default_root_dir>/checkpoints`
-        if root in Path(dirpath).resolve().parents:
+            if remote_logger:
+                continue  # Lightning's default: the first logger's folder, on another file system
+            return False  # Lightning's default: under `default_root_dir`
+        if not is_remote(dirpath) and root in Path(dirpath).resolve().parents:
             return False
     return True
 
@@ -305,11 +333,10 @@ def wandb_files_dir(logger: WandbLogger) -> Path | None:
 
 def _choose(trainer: pl.Trainer) -> Path:
     """Rank zero's choice (see the module's docstring)."""
-    loggers = trainer.loggers
-    versioned = next((logger for logger in loggers if has_run_log_dir(logger)), None)
+    versioned = _local_versioned(trainer)
     if versioned is not None and versioned.log_dir:
         return Path(versioned.log_dir)
-    for logger in loggers:
+    for logger in trainer.loggers:
         if not (is_wandb_logger(logger) or is_mlflow_logger(logger)):
             continue
         try:

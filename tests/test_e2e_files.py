@@ -387,6 +387,56 @@ def test_a_folder_on_another_file_system_makes_no_local_folder(tmp_path, monkeyp
     assert "TrainingMonitor writes its files to local folders only" in caplog.text
 
 
+@pytest.mark.parametrize("fault", [False, True], ids=["healthy", "nan-at-5"])
+def test_a_logger_on_another_file_system_leaves_the_files_in_a_local_folder(tmp_path, monkeypatch, caplog, fault):
+    """A `CSVLogger("memory://...")` (an `s3://` one alike) with a local `default_root_dir`: the monitor's files, which
+    its local writes cannot put in the logger's folder, go under `<default_root_dir>/lightning-monitor`, made at the
+    first alert (Lightning's checkpoints go to the logger's file system, so a healthy run leaves nothing there); the
+    figures still reach the logger. They went nowhere, and `log_dir` named a `fast_dev_run` folder."""
+    import fsspec
+
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    root, remote = tmp_path / "root", f"memory://{tmp_path.name}"
+    monitor, model = (
+        TrainingMonitor(val_loss_key=None, halt_after=1),
+        ScriptedModel(loss_factor={5: float("nan")} if fault else {}),
+    )
+    trainer = make_trainer(root, [monitor], logger=CSVLogger(remote), max_steps=8, enable_checkpointing=True)
+    with caplog.at_level("INFO"):
+        trainer.fit(model, train_dataloaders=loader())
+    local = root / "lightning-monitor"
+    assert (
+        "TrainingMonitor writes its files to local folders only, and the CSVLogger's folder is on another file system "
+        f"({remote!r}): they go under {str(local)!r} instead (`TrainingMonitor.log_dir` says which folder)."
+    ) in caplog.text
+    assert monitor.log_dir == local / "version_0"
+    assert list((tmp_path / "cwd").iterdir()) == []
+    fs = fsspec.filesystem("memory")
+    with fs.open(f"{tmp_path.name}/lightning_logs/version_0/metrics.csv") as f:
+        rows = [line.decode().rstrip("\n").split(",") for line in f]
+    column = rows[0].index("grad_norm")
+    norms = [float(row[column]) for row in rows[1:] if row[column]]
+    fs.rm(f"/{tmp_path.name}", recursive=True)
+    if not fault:
+        assert trainer.global_step == 8 and monitor.alerts == []
+        assert not root.exists()  # nothing to say, and the checkpoint went to the logger's file system
+        assert all(close(n, r) for n, r in zip(norms, model.reference, strict=True))
+        return
+    assert monitor.stopping_reason is AlertKind.NONFINITE_LOSS and trainer.global_step == 6  # step 5 halted
+    assert sorted(p.name for p in monitor.log_dir.iterdir()) == [
+        "alerts.jsonl",
+        "monitor_history.jsonl",
+        SETTINGS_FILE,
+        "postmortem",
+    ]
+    assert (monitor.log_dir / "postmortem" / "step0000005_nonfinite_loss").is_dir()
+    assert [json.loads(line)["kind"] for line in (monitor.log_dir / "alerts.jsonl").read_text().splitlines()] == [
+        "nonfinite_loss"
+    ]
+    assert all(close(n, r) for n, r in zip(norms[:5], model.reference[:5], strict=True))
+
+
 LR0, GAMMA, EVERY = 2.0**-3, 0.5, 2  # StepLR(step_size=EVERY, gamma=GAMMA) stepped after every optimizer step
 NAN_AT = 6
 
