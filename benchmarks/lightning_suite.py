@@ -30,6 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FOLDERS = ("trainer", "loops", "callbacks", "checkpointing", "tuner", "core")
+#: Folders that can be named but are not run by default (models, loggers, precision plugins, profilers, strategies).
+MORE_FOLDERS = ("models", "loggers", "plugins", "profilers", "strategies", "utilities", "accelerators")
 MODES = ("off", "default", "observe")
 BASELINE = "off"
 
@@ -145,6 +147,25 @@ TRIAGE: list[tuple[str, ...]] = [
         "*:tests_pytorch/trainer/logging_/*",
         "counts",
         "asserts the exact set of logged keys or `log_metrics` calls (the monitor adds `grad_norm`...)",
+    ),
+    (
+        "*:tests_pytorch/loggers/test_tensorboard.py::test_tensorboard_with_accumulated_gradients",
+        "ours",
+        "`KeyError: 'metrics'`: the test reads the keyword arguments of every `log_metrics` call, and the monitor"
+        " passed its figures by position, where Lightning passes `metrics=` (a logger whose `log_metrics` takes them"
+        " by keyword only failed the run). Fixed in 39b70fd (tests/test_e2e_loggers.py::"
+        "test_a_logger_taking_its_figures_by_keyword_only_gets_the_monitors)",
+    ),
+    (
+        "*:tests_pytorch/loggers/test_all.py::test_loggers_fit_test_all*",
+        "counts",
+        "asserts the exact keys of every `log_metrics` call of a mock logger (the monitor's `grad_norm` calls come"
+        " first)",
+    ),
+    (
+        "*:tests_pytorch/loggers/test_all.py::test_loggers_pickle_all*WandbLogger*",
+        "flaky",
+        "`Test left zombie thread: <Thread(wandb-...)>` at teardown; run alone it fails so without the monitor too",
     ),
     (
         "*:tests_pytorch/trainer/test_trainer.py::test_log_every_n_steps*",
@@ -449,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         sub = commands.add_parser(name)
         sub.add_argument("--lightning-src", default="/work/lightning-src", help="a checkout holding tests/")
         sub.add_argument("--out", default="lightning_suite_runs", help="where the runs' XML, logs and folders go")
-        sub.add_argument("--folders", nargs="+", default=list(FOLDERS), choices=FOLDERS)
+        sub.add_argument("--folders", nargs="+", default=list(FOLDERS), choices=FOLDERS + MORE_FOLDERS)
         sub.add_argument("--modes", nargs="+", default=[BASELINE, "default"], choices=MODES)
         if name == "run":
             sub.add_argument("--monitor", required=True, help="the checkout of lightning-monitor to test")
