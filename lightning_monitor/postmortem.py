@@ -2,7 +2,9 @@
 
 When training halts (or, if asked, on any alert) :class:`~lightning_monitor.TrainingMonitor` writes one folder:
 
-- ``last_good.ckpt``: a full Lightning checkpoint taken before the bad update was applied;
+- ``last_good.ckpt``: a full Lightning checkpoint taken before the bad update was applied (after a run of skipped
+  steps, the weights after the last update applied: the README gives the losses taken on them, and says when they
+  were already out of line);
 - ``batch_rank<r>.pt``: the batches of the bad optimizer step as each rank saw them, ``[(batch_idx, batch), ...]``,
   in plain form (:func:`plain_batch`), which ``torch.load(..., weights_only=True)`` reads without running any code;
 - ``history.jsonl``: the figures of the last checks (loss, gradient norm, per-layer norms...), oldest first;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -79,12 +82,16 @@ checkpoint from the same source.
 Move the model and the batch to the device you trained on to replay it there; set the same precision
 (`torch.autocast`) if the run used mixed precision.
 
-## Resume from before the bad step
+## {resume}
 
 ```python
 trainer.fit(model, datamodule=..., ckpt_path="{folder}/last_good.ckpt")
 ```
 """
+
+#: How many times the loss of the last applied step the first skipped step's loss must be for the bundle to say the
+#: checkpoint's weights were already out of line (the default ``loss_divergence_factor``).
+_DAMAGED_FACTOR = 4.0
 
 
 #: What the checkpoint holds, by whether the optimizer step under way was skipped (None: no step under way;
@@ -156,15 +163,18 @@ def write_bundle(
         missing.append(NO_CHECKPOINT)
     if not trainer.is_global_zero:
         return missing
+    history = list(history)
     rows = _write_lines(folder / "history.jsonl", history)
     _write_lines(folder / "alerts.jsonl", (a.to_dict() for a in alerts))
     step = cause[0].step
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    streak, damaged = _skipped_streak(history, step) if skipped is True and covered == 1 and weights_ok else ("", False)
     readme = _README.format(
         kinds=", ".join(dict.fromkeys(a.kind.value for a in cause)),
         step=step,
         why="training halted" if halted else "an alert fired",
         when=_WHEN[skipped].format(step=step)
+        + streak
         + (
             f"\n\nThe check covered the last {covered} optimizer steps (`check_every_n_steps`): the bad one may be an"
             " earlier step,\nalready applied, whose batches are not kept here."
@@ -188,11 +198,72 @@ def write_bundle(
         history=rows,
         messages="\n".join(f"- **{a.kind.value}**: {a.message}" for a in cause),
         folder=folder.as_posix(),
+        resume="Resume from this checkpoint (its weights were already out of line: see above)"
+        if damaged
+        else "Resume from before the bad step",
     )
     if missing:
         readme += "\n## Not in this bundle\n\n" + "".join(f"- {what}.\n" for what in missing)
     write_atomic(folder / "README.md", readme)
     return missing
+
+
+def _skipped_streak(history: Sequence[Mapping[str, Any]], step: int) -> tuple[str, bool]:
+    """What the checkpoint holds when the halt ends a run of skipped steps, and whether its weights were out of line.
+
+    ``history`` holds the records of the last checks, each with its ``loss`` (taken before that step's update) and
+    the run's ``skipped_steps`` so far. When the steps from ``first`` to ``step`` were all skipped, the weights are
+    those after ``applied``, the step before ``first``: the loss of ``first`` was taken on them, and the loss of
+    ``applied`` on the weights before its update. Empty text when the halting step is the only one skipped, or the
+    records do not show it.
+
+    Example:
+        >>> rows = [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 2.1}, {"step": 2, "loss": 9000.0, "skipped_steps": 1},
+        ...         {"step": 3, "loss": 9100.0, "skipped_steps": 2}]
+        >>> text, damaged = _skipped_streak(rows, 3)
+        >>> damaged, text.split(";")[0].split(". ")[-1]
+        (True, 'On the batches of steps 2 to 3 they gave losses of 9000 to 9100')
+    """
+    merged: dict[int, dict[str, Any]] = {}
+    for record in history:  # a step may have more than one record (its validation's comes later)
+        at = record.get("step")
+        if isinstance(at, int):
+            merged.setdefault(at, {}).update(record)
+    steps = sorted(merged)
+    if len(steps) < 3 or steps[-1] != step:
+        return "", False
+    counts = [merged[at].get("skipped_steps", 0) for at in steps]
+    first = len(steps) - 1
+    while first > 0 and counts[first] > counts[first - 1]:
+        first -= 1
+    first += 1  # the first index of the trailing run of skipped checks
+    if first >= len(steps) - 1 or (first == 1 and counts[0] != 0):
+        return "", False  # only the halting step was skipped, or the records begin inside the run of skipped steps
+    applied, begun = steps[first - 1], steps[first]
+    before, losses = merged[applied].get("loss"), [merged[at].get("loss") for at in steps[first:]]
+    text = (
+        f"\n\nSteps {begun} to {step} were all skipped, so these are the weights after step {applied}, the last one"
+        " applied."
+    )
+    # Every loss of the skipped steps was taken on the checkpoint's weights (that of `applied` before its update).
+    figures = [float(x) for x in (before, *losses) if isinstance(x, (int, float)) and math.isfinite(x)]
+    if len(figures) != len(losses) + 1:
+        return text, False  # a loss not recorded, or not finite: no figure to compare
+    before, low, high = figures[0], min(figures[1:]), max(figures[1:])
+    text += (
+        f" On the batches of steps {begun} to {step} they gave losses of {low:.4g} to {high:.4g}; before step"
+        f" {applied}'s update, the weights gave {before:.4g} on its batch."
+    )
+    damaged = before > 0 and low > _DAMAGED_FACTOR * before
+    if damaged:
+        text += (
+            f"\n**These weights were already out of line when the first of these alerts came** (every loss on them"
+            f" over {_DAMAGED_FACTOR:g}x that of step {applied}): most likely step {applied}'s update, which was"
+            " applied and raised no alert, changed them for the worse, and a run resumed from this checkpoint starts"
+            " from them. To resume from good weights, use a checkpoint of your own taken before step"
+            f" {applied}'s update (`ModelCheckpoint`)."
+        )
+    return text, damaged
 
 
 #: The values a batch keeps as they are: what ``torch.load(..., weights_only=True)`` reads.

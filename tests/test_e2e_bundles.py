@@ -90,6 +90,7 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
     readme = (folder / "README.md").read_text()
     assert "load_from_checkpoint" in readme and "batch_rank0.pt" in readme and alert.message in readme
     assert f"The optimizer step {BAD_BATCH} was not applied" in words(folder / "README.md")
+    assert "were all skipped" not in readme and "## Resume from before the bad step" in readme
 
     # Resuming from the checkpoint continues training from the bad step (whose batch is now clean).
     resumed_model = TensorModel()
@@ -103,6 +104,53 @@ def test_bundle_on_halt_reproduces_and_resumes(tmp_path):
         resumed.fit(resumed_model, train_dataloaders=clean, ckpt_path=folder / "last_good.ckpt")
     assert resumed.global_step == 12
     assert all(torch.isfinite(p).all() for p in resumed_model.parameters())
+
+
+DAMAGED_AT = 6  # the weights are changed for the worse after this step was applied, with no alert at it
+
+
+class DamagedAfterStep(ScriptedModel):
+    """An update that the monitor cannot see: after step ``DAMAGED_AT``, the output layer's weights grow 1,000 times
+    (as a learning rate 10,000 times too high at one step did in a user's run)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_step == DAMAGED_AT + 1:  # step DAMAGED_AT was applied
+            with torch.no_grad():
+                self.layer[2].weight.mul_(1000.0)
+
+
+@pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
+def test_a_halt_after_skipped_steps_says_the_checkpoints_weights_were_already_out_of_line(tmp_path):
+    """Steps 7 to 10 explode and are skipped, and the ladder halts at step 10. `last_good.ckpt` holds the weights after
+    step 6, the last applied, on which every skipped step's loss was taken: the README says so, with the losses, and
+    that they were already out of line; it used to call them the weights "from just before" the bad step and offer
+    them to resume from."""
+    model = DamagedAfterStep()
+    monitor = TrainingMonitor(val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=30, log_every_n_steps=LOG_EVERY)
+    trainer.fit(model, train_dataloaders=loader())
+    assert monitor.stopping_reason is AlertKind.EXPLODING_GRAD
+    exploding = [a.step for a in monitor.alerts if a.kind is AlertKind.EXPLODING_GRAD]
+    assert exploding[0] == 7 and exploding[-1] == 10 and "Training is halting" in monitor.alerts[-1].message
+    folder = tmp_path / NO_LOGGER_RUN / "postmortem" / "step0000010_exploding_grad"
+    history = {row["step"]: row for row in jsonl(folder / "history.jsonl")}
+    losses = [history[step]["loss"] for step in range(7, 11)]
+    text = words(folder / "README.md")
+    assert (
+        "Steps 7 to 10 were all skipped, so these are the weights after step 6, the last one applied. On the batches of"
+        f" steps 7 to 10 they gave losses of {min(losses):.4g} to {max(losses):.4g}; before step 6's update, the"
+        f" weights gave {history[6]['loss']:.4g} on its batch."
+    ) in text
+    assert "These weights were already out of line when the first of these alerts came" in text
+    assert (
+        "## Resume from this checkpoint (its weights were already out of line: see above)"
+        in (folder / "README.md").read_text()
+    )
+    # The checkpoint holds the damaged weights: the batch of step 10 gives its logged loss on them.
+    restored = ScriptedModel.load_from_checkpoint(folder / "last_good.ckpt")
+    ((batch_idx, batch),) = torch.load(folder / "batch_rank0.pt", weights_only=True)
+    assert math.isclose(restored.training_step(batch, batch_idx)["loss"].item(), history[10]["loss"], rel_tol=1e-5)
+    assert min(losses) > 4 * history[6]["loss"]
 
 
 @dataclasses.dataclass
