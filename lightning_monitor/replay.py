@@ -111,6 +111,8 @@ class ReplayAlert:
         reason: The detector's words.
         action: What the monitor would have done: ``"halt"`` (training halts), ``"skip"`` (the step's update is
             kept from the weights and training goes on) or ``"alert"`` (an alert only).
+        step_skipped: For an ``"alert"``, whether its step was skipped all the same, for another alert at it (an
+            exploding gradient at the step a loss rule alerts on).
     """
 
     kind: str
@@ -119,6 +121,7 @@ class ReplayAlert:
     threshold: float | None
     reason: str
     action: Literal["halt", "skip", "alert"]
+    step_skipped: bool = False
 
     @property
     def halted(self) -> bool:
@@ -127,7 +130,10 @@ class ReplayAlert:
 
     def line(self) -> str:
         """One line: the step, what the monitor would have done, the kind, and the detector's reason."""
-        return f"step {self.step}: {self.action.upper() if self.halted else self.action} {self.kind}: {self.reason}"
+        also = " (its step skipped for another alert)" if self.step_skipped else ""
+        return (
+            f"step {self.step}: {self.action.upper() if self.halted else self.action} {self.kind}: {self.reason}{also}"
+        )
 
 
 @dataclass(frozen=True)
@@ -384,7 +390,7 @@ def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
         facts = StepFacts(check=state.checks, unsafe=figures.unsafe, amp=amp)
         verdict = decide(judged, facts, RecoveryPlan(list(judged.detections)), state.ladder, state.policy)
         state.ladder, state.checks = verdict.ladder, state.checks + 1
-        alerts += [_replay_alert(point.step, r, verdict.skip) for r in verdict.rulings]
+        alerts += [_replay_alert(point.step, r, verdict.skip, state.policy) for r in verdict.rulings]
     if point.val_loss is not None:
         verdict = decide_validation(state.validation.detect(point.val_loss, None), state.policy)
         alerts += [_replay_alert(point.step, r, False) for r in verdict.rulings]
@@ -398,15 +404,26 @@ def _judge_end(state: _ReplayState, step: int) -> list[ReplayAlert]:
     return [_replay_alert(step, r, False) for r in decide_at_end(state.validation.at_end(), state.policy).rulings]
 
 
-def _replay_alert(step: int, ruling: Any, skipped: bool) -> ReplayAlert:
-    """What one ruling says the monitor would have done at ``step``."""
+def _replay_alert(step: int, ruling: Any, skipped: bool, policy: Any = None) -> ReplayAlert:
+    """What one ruling says the monitor would have done at ``step`` (``skipped``: whether the step was skipped).
+
+    A ruling skips when its rung does, when ``skip_on`` names its kind, or when its figure is not finite (the monitor
+    keeps every non-finite step from the weights); an alert of another kind at a skipped step is an alert whose step
+    was skipped for another (``ReplayAlert.step_skipped``).
+    """
+    from lightning_monitor.alerts import AlertKind
     from lightning_monitor.decision import Rung
 
     d = ruling.detection
-    action: Literal["halt", "skip", "alert"] = (
-        "halt" if ruling.rung is Rung.HALT else "skip" if ruling.rung is Rung.SKIP or skipped else "alert"
+    own = ruling.rung is Rung.SKIP or (
+        skipped
+        and (
+            d.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD)
+            or (policy is not None and d.kind in policy.skip_on)
+        )
     )
-    return ReplayAlert(d.kind.value, step, d.value, d.threshold, d.reason, action)
+    action: Literal["halt", "skip", "alert"] = "halt" if ruling.rung is Rung.HALT else "skip" if own else "alert"
+    return ReplayAlert(d.kind.value, step, d.value, d.threshold, d.reason, action, skipped and action == "alert")
 
 
 # ------------------------------------------------------------------------------------------------------- reading

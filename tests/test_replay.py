@@ -179,6 +179,28 @@ def test_amp_makes_an_isolated_overflow_no_alert_and_a_streak_one(tmp_path: Path
     assert _alerts(replay(run, amp=True, amp_overflow_patience=4)) == [("nonfinite_grad", 15, True)]
 
 
+def test_a_loss_alert_at_a_step_skipped_for_an_exploding_gradient_is_an_alert_not_a_skip() -> None:
+    """A loss spike and an exploding gradient at one step: the gradient skips the step, the spike only alerts (it
+    skips nothing by default); the line of the spike says its step was skipped for another alert. It read "skip"."""
+    points = [Point(s, loss=2.0 + 0.01 * (s % 3), grad_norm=1.0) for s in range(300)]
+    points.append(Point(300, loss=90.0, grad_norm=500.0))
+    points += [Point(s, loss=2.0, grad_norm=1.0) for s in range(301, 310)]
+    alerts = replay(points).alerts
+    assert [(a.kind, a.step, a.action, a.step_skipped) for a in alerts] == [
+        ("loss_spike", 300, "alert", True),
+        ("exploding_grad", 300, "skip", False),
+    ]
+    assert alerts[0].line().startswith("step 300: alert loss_spike: ")
+    assert alerts[0].line().endswith(" (its step skipped for another alert)")
+    assert not alerts[1].line().endswith("another alert)")
+    # With `skip_on` naming it, the spike skips the step itself.
+    alerts = replay(points, skip_on=["loss_spike"]).alerts
+    assert [(a.kind, a.action, a.step_skipped) for a in alerts] == [
+        ("loss_spike", "skip", False),
+        ("exploding_grad", "skip", False),
+    ]
+
+
 def test_points_as_a_series_and_settings_checked_as_the_monitor_checks_them() -> None:
     points = [Point(s, loss=1.0, grad_norm=3.0 if s != 5 else 30.0) for s in range(10)]
     assert _alerts(replay(points, halt_after=1, exploding_grad_threshold=20)) == [("exploding_grad", 5, True)]
