@@ -179,7 +179,8 @@ class TrainingMonitor(Callback):
         spike_window: Effective length, in checks, of the moving statistics spikes are judged against.
         spike_warmup: Checks to learn the level from before any spike can be reported.
         spike_patience: Consecutive outlying checks that make a spike alert.
-        skip_on: Alert kinds whose outlying steps are skipped without halting, e.g. ``["loss_spike"]``.
+        skip_on: Alert kinds whose outlying steps are skipped without halting, e.g. ``["loss_spike"]``; not the
+            non-finite kinds, whose steps are always kept from the weights.
         recover_on: Alert kinds that rewind the run instead (:mod:`~lightning_monitor.recovery`): the newest good
             state (weights, optimizer and LR scheduler states, the detectors) is copied back on every rank, the step
             and the next batches still beyond the limit are skipped, and a ``recovered`` alert says so. A kind also in

@@ -217,6 +217,12 @@ class ResponseSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "halt_on", _kinds("halt_on", self.halt_on))
         object.__setattr__(self, "skip_on", _step_kinds("skip_on", self.skip_on))
+        always = sorted(k.value for k in self.skip_on & {AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD})
+        if always:
+            raise ValueError(
+                "Expected argument `skip_on` to name no non-finite kind, whose steps the monitor always keeps from"
+                f" the weights, but got {always}"
+            )
         if AlertKind.RECOVERED in self.halt_on:
             raise ValueError("Expected argument `halt_on` to hold alert kinds that can halt, but got 'recovered'")
         if self.halt_mode not in ("stop", "raise"):

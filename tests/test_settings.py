@@ -41,6 +41,11 @@ from lightning_monitor.settings import DEFAULT_HALT_ON, STEP_KINDS, AlertKindNam
         # Not a collection, not a number: a ValueError naming the argument, not a TypeError from deep inside.
         ({"halt_on": None}, "`halt_on` to be a collection of alert kinds, but got None"),
         ({"skip_on": None}, "`skip_on` to be a collection of alert kinds, but got None"),
+        # A non-finite step is always kept from the weights: naming its kind in `skip_on` would do nothing.
+        (
+            {"skip_on": ["loss_spike", "nonfinite_grad", "nonfinite_loss"]},
+            r"`skip_on` to name no non-finite kind, .* but got \['nonfinite_grad', 'nonfinite_loss'\]",
+        ),
         ({"exploding_grad_threshold": "100"}, "`exploding_grad_threshold` to be a finite number > 0, but got '100'"),
         # The level averages over window / 4 values: at least two.
         ({"spike_window": 4}, "`spike_window` to be at least 8, but got 4"),
