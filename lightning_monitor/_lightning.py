@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
 
 __all__ = [
+    "batches_begun_in_epoch",
     "may_be_last_step",
     "STEP_HOOKS",
     "grad_scaler",
@@ -67,6 +68,16 @@ def is_logging_step(trainer: pl.Trainer, step: int, every: int) -> bool:
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning writes this batch's metrics at (the one ``LearningRateMonitor`` uses too)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def batches_begun_in_epoch(trainer: pl.Trainer) -> int:
+    """How many batches of the epoch under way began before now: more than 0 at the start of a fit resumed mid-epoch.
+
+    Lightning restores the epoch loop's batch progress from the checkpoint, and calls no ``on_train_epoch_start`` for
+    the epoch it resumes in.
+    """
+    progress = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "batch_progress", None)
+    return int(getattr(getattr(progress, "current", None), "ready", 0) or 0)
 
 
 def may_be_last_step(trainer: pl.Trainer) -> bool:

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_monitor._compat import FITTING, Callback, rank_zero_info, rank_zero_warn
 from lightning_monitor._host import world_size
 from lightning_monitor._lightning import (
+    batches_begun_in_epoch,
     grad_scaler,
     gradients_unreadable,
     is_logging_step,
@@ -197,6 +198,7 @@ class TrainingMonitor(Callback):
             that is not a language model) turns ``train_token_acc`` off with one line of info instead.
         epoch_token_accuracy: Also log ``train_token_acc_epoch``, the token accuracy of the epoch's training
             batches: it reads the logits of every batch, where ``train_token_acc`` reads the logging steps' only.
+            None is logged for an epoch a fit resumed in the middle of (a checkpoint holds no token counts).
         ignore_index: Label value of positions left out of token accuracy (-100, the Hugging Face convention; a
             padding id works too).
         shift_labels: Score the logits at ``t`` against the label at ``t + 1`` (labels that are the input ids, as a
@@ -344,6 +346,7 @@ class TrainingMonitor(Callback):
         self._order_closed = False  # the forward-order hooks were removed after the first check
         self._lean = False  # the run's calm steps take the short way (see `on_train_start`)
         self._epoch = 0  # `trainer.current_epoch`, read at each epoch's start (for `_calm_step`)
+        self._epoch_began_before = False  # this fit resumed in the middle of the epoch under way
         self._layer_norms = True  # `layer_norms`, read at the run's start (for `_calm_step`)
 
     def _start_afresh(self) -> None:
@@ -436,8 +439,10 @@ class TrainingMonitor(Callback):
         self._checks.order = ForwardOrder.of_layers(pl_module)
         self._order_closed = self._checks.order is None
         self._activations = ActivationWatch(pl_module) if self.config.step.watch_activations else None
-        # The epoch, kept for the short way: a run resumed mid-epoch has no `on_train_epoch_start` for that epoch.
+        # The epoch, kept for the short way: a run resumed mid-epoch has no `on_train_epoch_start` for that epoch,
+        # and its token counts before the resume are not in the checkpoint (no `train_token_acc_epoch` for it).
         self._epoch = trainer.current_epoch
+        self._epoch_began_before = batches_begun_in_epoch(trainer) > 0
         self._scaler = grad_scaler(trainer)  # the precision plugin and its scaler are fixed for the run
         self._ranks = world_size()  # so is the process group
         self._every = log_every(trainer)  # and so are the loggers and their interval
@@ -796,6 +801,7 @@ class TrainingMonitor(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch = trainer.current_epoch  # as it stays until the epoch's end hooks have run
+        self._epoch_began_before = False
         self._tokens.start_epoch()
 
     @override
@@ -806,8 +812,16 @@ class TrainingMonitor(Callback):
         # Read: the epoch's token counts and any step figure still waiting, in one read; then write.
         step, epoch, counted_at = self._tokens.gather_epoch(pl_module.device, alone=self._ranks == 1)
         self._accuracy(trainer, "train", step, counted_at, warn=False)  # gather_epoch warned
-        if self.config.tokens.epoch_token_accuracy:  # at the epoch's last step, where Lightning writes epoch figures
-            self._accuracy(trainer, "train", epoch, logging_step(trainer) - 1, epoch=True)
+        if not self.config.tokens.epoch_token_accuracy:
+            return
+        if self._epoch_began_before:  # the counts cover only the batches since the resume
+            rank_zero_info(
+                f"TrainingMonitor: no train_token_acc_epoch for epoch {trainer.current_epoch}: this run resumed in its"
+                " middle, and the checkpoint holds no token counts of the batches before (train_token_acc is logged"
+                " as usual)."
+            )
+            return
+        self._accuracy(trainer, "train", epoch, logging_step(trainer) - 1, epoch=True)  # where Lightning writes epochs'
 
     def _accuracy(
         self,

@@ -64,6 +64,37 @@ def test_per_step_epoch_and_validation_figures_equal_the_reference(tmp_path):
         assert value == pytest.approx(reference(model.seen["val"][2 * i : 2 * i + 2]), abs=1e-12)  # 2 batches
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")  # Lightning's, about the saver
+def test_a_fit_resumed_mid_epoch_logs_no_epoch_figure_for_that_epoch_and_the_next_whole(tmp_path, caplog):
+    """A checkpoint at step 6 of a 12-batch epoch holds no token counts: the resumed fit's figure for epoch 0 would
+    cover steps 6 to 11 only, under a name that says the whole epoch (it did). It is left out, with a line saying so;
+    epoch 1, counted whole, equals the reference."""
+    first = TrainingMonitor(val_loss_key=None, postmortem=None, epoch_token_accuracy=True)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    fit(tmp_path / "a", TinyLM(), first, callbacks=[saver], max_steps=6, enable_checkpointing=True, limit_val_batches=0)
+    (ckpt,) = (tmp_path / "ckpt").iterdir()
+    model, csv = TinyLM(), CSVLogger(tmp_path / "b", name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None, epoch_token_accuracy=True)
+    trainer = make_trainer(
+        tmp_path / "b", [monitor], logger=csv, max_steps=24, log_every_n_steps=4, limit_val_batches=0
+    )
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="resuming from a checkpoint that ended before"):
+        trainer.fit(
+            model,
+            train_dataloaders=DataLoader(TokenData(48), batch_size=4),
+            val_dataloaders=DataLoader(TokenData(12, seed=1), batch_size=4),
+            ckpt_path=ckpt,
+        )
+    assert len(model.seen["train"]) == 18  # steps 6 to 23
+    epochs = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc_epoch")
+    assert epochs == [(23, pytest.approx(reference(model.seen["train"][6:])))]
+    told = [r.getMessage() for r in caplog.records if "no train_token_acc_epoch" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor: no train_token_acc_epoch for epoch 0: this run resumed in its middle, and the checkpoint"
+        " holds no token counts of the batches before (train_token_acc is logged as usual)."
+    ]
+
+
 @pytest.mark.parametrize("log_every", [4, 5])
 def test_without_a_logger_the_figure_reaches_callback_metrics(tmp_path, log_every):
     # `logger=False`: no logger writes, but `ModelCheckpoint` and `EarlyStopping` read `callback_metrics`. Token
