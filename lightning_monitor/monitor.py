@@ -399,7 +399,8 @@ class TrainingMonitor(Callback):
         """This run's own folder of ``alerts.jsonl``, ``monitor_settings.json`` and ``postmortem/``.
 
         Where Lightning writes nothing under ``default_root_dir`` (``logger=False, enable_checkpointing=False``), the
-        folder is made at the run's first alert, and a healthy run leaves none.
+        folder is made at the run's first alert, and a healthy run leaves none. Until a ``fit`` names it (a monitor
+        not yet used, or used by ``validate`` or ``test`` only), it is ``Path(".")``, which holds nothing of its.
         """
         return self._writer.log_dir
 
