@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -460,6 +461,11 @@ def test_each_loggers_run_is_reportable_on_its_own(
     history = (tb / "monitor_history.jsonl").read_text()
     reference = plan_run(load_run(tb))
     (tb_norm,) = reference.panel("grad_norm").lines
+
+    # Above all three: W&B's `files/` links to the TensorBoard run's files (a live copy), so it is that run, not
+    # another; MLflow keeps copies of its own, a run of the MLflow store.
+    root = Path(os.path.commonpath([tb, three_loggers["wandb"], three_loggers["mlflow"]]))
+    assert find_runs(root) == [three_loggers["mlflow"] / "artifacts" / "lightning_monitor", tb]
 
     for name, expected in (("wandb", "files"), ("mlflow", "artifacts/lightning_monitor")):
         run_dir = three_loggers[name]

@@ -222,8 +222,9 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     A run folder is any folder that directly holds a TensorBoard event file, a ``metrics.csv``, a
     ``monitor_history.jsonl`` or an ``alerts.jsonl``; but a folder inside a run that holds only an ``alerts.jsonl``
     (such as a post-mortem bundle) is part of that run, not a run, and so is a ``lightning_monitor`` folder right
-    inside a run (the monitor's files in a W&B run's ``files/``): :func:`load_run` reads it with the run. Hidden
-    folders are skipped.
+    inside a run (the monitor's files in a W&B run's ``files/``): :func:`load_run` reads it with the run. A folder
+    whose run files are all links to files elsewhere under ``logdir`` (W&B's live copy of the monitor's files in a
+    TensorBoard or CSV run) is that run again, and left out. Hidden folders are skipped.
 
     Raises:
         NoLogsError: If ``logdir`` does not exist, is not a folder, or holds no run.
@@ -243,11 +244,14 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     if not root.is_dir():
         raise NoLogsError(f"{str(root)!r} is not a folder")
     found: list[Path] = []
+    real_root = root.resolve()
     for folder, dirs, files in os.walk(root):  # top-down: a run folder is seen before its subfolders
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         path = Path(folder)
         if path.name == MONITOR_FOLDER and path.parent in found:
             continue  # the monitor's files of the run above, read with it
+        if _links_into(path, files, real_root):
+            continue  # W&B's live copy (links) of a run's files that are themselves under `root`: one run, not two
         if any(f.startswith(_EVENTS_PREFIX) or f in (METRICS_FILE, HISTORY_FILE) for f in files):
             found.append(path)
         elif ALERTS_FILE in files and not any(run in path.parents for run in found):
@@ -262,6 +266,15 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
             "trainer's default_root_dir)."
         )
     return sorted(found, key=lambda p: _natural_key(str(p.relative_to(root))))
+
+
+def _links_into(path: Path, files: list[str], root: Path) -> bool:
+    """Whether every run file in ``path`` is a symbolic link to a file under ``root`` (found there on its own)."""
+    runs = [f for f in files if f.startswith(_EVENTS_PREFIX) or f in (METRICS_FILE, HISTORY_FILE, ALERTS_FILE)]
+    if not runs or not all((path / f).is_symlink() for f in runs):
+        return False
+    targets = [(path / f).resolve() for f in runs]
+    return all(t.is_file() and root in t.parents and path.resolve() not in t.parents for t in targets)
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
