@@ -109,11 +109,12 @@ def run_folder(trainer: pl.Trainer, *, at_once: bool = True) -> Path:
         chosen = str(free_version(Path(trainer.default_root_dir) / LOCAL_FOLDER) if later else _choose(trainer))
         remote = _remote_logger(trainer)
         if remote is not None:
+            local = Path(trainer.default_root_dir) / LOCAL_FOLDER
+            where = f"under {str(local)!r}" if Path(chosen).parent == local else f"to {chosen!r}"  # else W&B, MLflow
             rank_zero_info(
                 f"TrainingMonitor writes its files to local folders only, and the {type(remote).__name__}'s folder is"
-                f" on another file system ({str(remote.save_dir)!r}): they go under"
-                f" {str(Path(trainer.default_root_dir) / LOCAL_FOLDER)!r} instead (`TrainingMonitor.log_dir` says"
-                " which folder)."
+                f" on another file system ({str(remote.save_dir)!r}): they go {where} instead"
+                " (`TrainingMonitor.log_dir` says which folder)."
             )
     else:
         chosen = ""
