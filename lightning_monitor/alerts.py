@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any, NamedTuple
 
-__all__ = ["Alert", "AlertKind", "Detection", "Judgement"]
+__all__ = ["NONFINITE_KINDS", "Alert", "AlertKind", "Detection", "Judgement"]
 
 
 class AlertKind(str, Enum):
@@ -62,6 +62,10 @@ class AlertKind(str, Enum):
             raise ValueError(
                 f"Expected argument `{argument}` to hold alert kinds from [{known}], but got {name!r}"
             ) from None
+
+
+#: The kinds of a non-finite loss or gradient, whose steps the monitor always keeps from the weights.
+NONFINITE_KINDS = frozenset({AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD})
 
 
 @dataclass(frozen=True)

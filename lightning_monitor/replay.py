@@ -393,7 +393,7 @@ def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:
         alerts += [_replay_alert(point.step, r, verdict.skip, state.policy) for r in verdict.rulings]
     if point.val_loss is not None:
         verdict = decide_validation(state.validation.detect(point.val_loss, None), state.policy)
-        alerts += [_replay_alert(point.step, r, False) for r in verdict.rulings]
+        alerts += [_replay_alert(point.step, r, False, state.policy) for r in verdict.rulings]
     return alerts
 
 
@@ -401,27 +401,24 @@ def _judge_end(state: _ReplayState, step: int) -> list[ReplayAlert]:
     """The monitor's verdict at the end of training (``ValidationCheck.at_end``, ``decision.decide_at_end``)."""
     from lightning_monitor.decision import decide_at_end
 
-    return [_replay_alert(step, r, False) for r in decide_at_end(state.validation.at_end(), state.policy).rulings]
+    return [
+        _replay_alert(step, r, False, state.policy)
+        for r in decide_at_end(state.validation.at_end(), state.policy).rulings
+    ]
 
 
-def _replay_alert(step: int, ruling: Any, skipped: bool, policy: Any = None) -> ReplayAlert:
+def _replay_alert(step: int, ruling: Any, skipped: bool, policy: Any) -> ReplayAlert:
     """What one ruling says the monitor would have done at ``step`` (``skipped``: whether the step was skipped).
 
     A ruling skips when its rung does, when ``skip_on`` names its kind, or when its figure is not finite (the monitor
     keeps every non-finite step from the weights); an alert of another kind at a skipped step is an alert whose step
     was skipped for another (``ReplayAlert.step_skipped``).
     """
-    from lightning_monitor.alerts import AlertKind
+    from lightning_monitor.alerts import NONFINITE_KINDS
     from lightning_monitor.decision import Rung
 
     d = ruling.detection
-    own = ruling.rung is Rung.SKIP or (
-        skipped
-        and (
-            d.kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD)
-            or (policy is not None and d.kind in policy.skip_on)
-        )
-    )
+    own = ruling.rung is Rung.SKIP or (skipped and (d.kind in NONFINITE_KINDS or d.kind in policy.skip_on))
     action: Literal["halt", "skip", "alert"] = "halt" if ruling.rung is Rung.HALT else "skip" if own else "alert"
     return ReplayAlert(d.kind.value, step, d.value, d.threshold, d.reason, action, skipped and action == "alert")
 

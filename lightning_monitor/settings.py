@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from lightning_monitor.alerts import AlertKind
+from lightning_monitor.alerts import NONFINITE_KINDS, AlertKind
 from lightning_monitor.detectors import DIVERGENCE_MARGIN, LOSS_DIVERGENCE_FACTOR, LOSS_DRIFT_FACTOR
 from lightning_monitor.spikes import MIN_SPIKE_WINDOW
 
@@ -217,7 +217,7 @@ class ResponseSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "halt_on", _kinds("halt_on", self.halt_on))
         object.__setattr__(self, "skip_on", _step_kinds("skip_on", self.skip_on))
-        always = sorted(k.value for k in self.skip_on & {AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD})
+        always = sorted(k.value for k in self.skip_on & NONFINITE_KINDS)
         if always:
             raise ValueError(
                 "Expected argument `skip_on` to name no non-finite kind, whose steps the monitor always keeps from"

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from lightning_monitor._host import fsum
-from lightning_monitor.alerts import NO_ITEMS, AlertKind, format_value
+from lightning_monitor.alerts import NO_ITEMS, NONFINITE_KINDS, AlertKind, format_value
 from lightning_monitor.grad_norms import combine_ranks
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class StepFigures(NamedTuple):
         """
         if len(self.loss_ranks) < 2:
             return None
-        if kind in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+        if kind in NONFINITE_KINDS:
             values = self.loss_ranks if kind is AlertKind.NONFINITE_LOSS else self.grad_ranks
             bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
             return (bad[0], f"first seen on rank {bad[0]}") if len(bad) < len(values) else None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from torch.optim import Optimizer
 
 from lightning_monitor._host import fsum
-from lightning_monitor.alerts import Alert, AlertKind, format_value
+from lightning_monitor.alerts import NONFINITE_KINDS, Alert, AlertKind, format_value
 from lightning_monitor.decision import HALT_RECURRENCES, HALT_WINDOW, Ruling, Rung
 from lightning_monitor.deferred import OnDevice
 from lightning_monitor.step_figures import StepFigures
@@ -363,7 +363,7 @@ def blame(
 
 def _first_bad(kind: AlertKind, module: str | None) -> str:
     """The sentence naming the first module whose output was not finite, for a non-finite alert (else ``""``)."""
-    if module is None or kind not in (AlertKind.NONFINITE_LOSS, AlertKind.NONFINITE_GRAD):
+    if module is None or kind not in NONFINITE_KINDS:
         return ""
     return f" The first module whose output was not finite, in forward order: {module}."
 
