@@ -30,8 +30,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FOLDERS = ("trainer", "loops", "callbacks", "checkpointing", "tuner", "core")
-#: Folders that can be named but are not run by default (models, loggers, precision plugins, profilers, strategies).
-MORE_FOLDERS = ("models", "loggers", "plugins", "profilers", "strategies", "utilities", "accelerators")
+#: Folders (and the one test file at the top, `test_cli.py`) that can be named but are not run by default.
+MORE_FOLDERS = (
+    "models",
+    "loggers",
+    "plugins",
+    "profilers",
+    "strategies",
+    "utilities",
+    "accelerators",
+    "overrides",
+    "serve",
+    "deprecated_api",
+    "graveyard",
+    "helpers",
+    "test_cli.py",
+)
 MODES = ("off", "default", "observe")
 BASELINE = "off"
 

@@ -31,6 +31,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 from lightning_monitor import TrainingMonitor
 from lightning_monitor._lightning import gradients_unreadable
 
+pytestmark = pytest.mark.usefixtures("spawn_temp")
+
 
 def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():

@@ -385,7 +385,7 @@ def _reports(folder: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "fsdp2"])
-def test_every_rank_recovers_at_the_same_step(tmp_path, clean_loss, strategy):
+def test_every_rank_recovers_at_the_same_step(tmp_path, clean_loss, strategy, spawn_temp):
     chosen = SpawnModelParallel(data_parallel_size=2, tensor_parallel_size=1) if strategy == "fsdp2" else strategy
     fit(tmp_path, recovering(), devices=2, strategy=chosen, report=tmp_path)
     rank0, rank1 = _reports(tmp_path)

@@ -142,7 +142,7 @@ def test_a_fault_reaches_pytorch_lightnings_tensorboard_and_halts(tmp_path):
 
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:.*sync_dist=True.*")
-def test_a_nan_on_one_rank_halts_both_under_pytorch_lightning_ddp_spawn(tmp_path):
+def test_a_nan_on_one_rank_halts_both_under_pytorch_lightning_ddp_spawn(tmp_path, spawn_temp):
     monitor = TrainingMonitor(halt_after=1, val_loss_key=None, token_accuracy=False)
     trainer = pl_trainer(tmp_path, [monitor, RankReport(tmp_path)], devices=2, strategy="ddp_spawn", max_steps=20)
     trainer.fit(RankFault(), train_dataloaders=loader())
