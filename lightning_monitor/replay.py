@@ -113,6 +113,8 @@ class ReplayAlert:
             kept from the weights and training goes on) or ``"alert"`` (an alert only).
         step_skipped: For an ``"alert"``, whether its step was skipped all the same, for another alert at it (an
             exploding gradient at the step a loss rule alerts on).
+        after_halt: Whether it comes after the first halt, which only ``replay(keep_going=True)`` reports: what
+            the monitor would have gone on to do had training not stopped there.
     """
 
     kind: str
@@ -122,6 +124,7 @@ class ReplayAlert:
     reason: str
     action: Literal["halt", "skip", "alert"]
     step_skipped: bool = False
+    after_halt: bool = False
 
     @property
     def halted(self) -> bool:
@@ -131,9 +134,8 @@ class ReplayAlert:
     def line(self) -> str:
         """One line: the step, what the monitor would have done, the kind, and the detector's reason."""
         also = " (its step skipped for another alert)" if self.step_skipped else ""
-        return (
-            f"step {self.step}: {self.action.upper() if self.halted else self.action} {self.kind}: {self.reason}{also}"
-        )
+        when = f"step {self.step} (after the halt)" if self.after_halt else f"step {self.step}"
+        return f"{when}: {self.action.upper() if self.halted else self.action} {self.kind}: {self.reason}{also}"
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,10 @@ class ReplayResult:
         if halt is None:
             lines.append(f"{said}; training would not have halted.")
         else:
-            lines.append(f"{said}; training would have halted at step {halt.step} ({halt.kind}).")
+            after = sum(1 for a in self.alerts if a.after_halt)
+            verb = "comes" if after == 1 else "come"
+            beyond = "" if not after else f"; {after} of the alerts {verb} after it, had training gone on"
+            lines.append(f"{said}; training would have halted at step {halt.step} ({halt.kind}){beyond}.")
         lines.extend(f"Note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -277,10 +282,13 @@ def replay(
         )
     alerts: list[ReplayAlert] = []
     done: list[Point] = []
+    halt_step: int | None = None  # what comes after the first halt is reported (keep_going) marked as after it
     for point in sorted(points, key=lambda p: p.step):
         done.append(point)
         found = _judge_point(state, point)
-        alerts.extend(found)
+        alerts.extend(_after(found) if halt_step is not None else found)
+        if halt_step is None and any(a.halted for a in found):
+            halt_step = point.step
         notice = getattr(state.detectors.exploding, "notice", None)
         if notice is not None and gap > 1:  # its "first step" is the first logged point here
             notice = notice.replace(" at the first step,", f" at the first logged point (step {point.step}),", 1)
@@ -288,8 +296,9 @@ def replay(
             notes.append(notice)
         if not keep_going and any(a.halted for a in found):
             break
-    if done:  # the end of training, as the monitor's `on_train_end` sees it
-        alerts.extend(_judge_end(state, done[-1].step))
+    if done:  # the end of training, as the monitor's `on_train_end` sees it (after the halt, had it gone on)
+        end = _judge_end(state, done[-1].step)
+        alerts.extend(_after(end) if halt_step is not None and done[-1].step > halt_step else end)
     return ReplayResult(
         alerts=tuple(alerts),
         source=source,
@@ -355,6 +364,11 @@ def _own_alerts(path: Path) -> str | None:
     listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
     end = "" if halted is None else f", and halted at step {halted[0]} ({halted[1]})"
     return f"The run's own {_ALERTS_FILE} records {total} alert{'s' if total != 1 else ''} ({listed}){end}."
+
+
+def _after(alerts: list[ReplayAlert]) -> list[ReplayAlert]:
+    """The alerts, marked as coming after the halt."""
+    return [replace(a, after_halt=True) for a in alerts]
 
 
 def _judge_point(state: _ReplayState, point: Point) -> list[ReplayAlert]:

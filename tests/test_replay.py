@@ -153,10 +153,19 @@ def test_plain_csv_nan_and_keep_going(tmp_path: Path) -> None:
     run.write_text("\n".join(rows) + "\n")
     # A NaN loss makes NaN gradients: one alert for the cause, none for the echo.
     assert _alerts(replay(run, halt_after=1)) == [("nonfinite_loss", 6, True)]
-    assert _alerts(replay(run, halt_after=1, keep_going=True)) == [
-        ("nonfinite_loss", 6, True),
-        ("nonfinite_loss", 8, True),
+    going = replay(run, halt_after=1, keep_going=True)
+    assert _alerts(going) == [("nonfinite_loss", 6, True), ("nonfinite_loss", 8, True)]
+    # What comes after the first halt is what the monitor would have gone on to do, and says so.
+    assert [a.after_halt for a in going.alerts] == [False, True]
+    assert [a.line() for a in going.alerts] == [
+        "step 6: HALT nonfinite_loss: training loss is nan",
+        "step 8 (after the halt): HALT nonfinite_loss: training loss is inf",
     ]
+    assert going.summary().splitlines()[1] == (
+        "2 alerts (nonfinite_loss 2); training would have halted at step 6 (nonfinite_loss);"
+        " 1 of the alerts comes after it, had training gone on."
+    )
+    assert not any(a.after_halt for a in replay(run, halt_after=1).alerts)
     # Not halting, the NaN step is still kept from the weights (skipped), as the monitor keeps any non-finite step.
     assert [(a.kind, a.step, a.action) for a in replay(run, halt_on=[]).alerts] == [
         ("nonfinite_loss", 6, "skip"),
