@@ -35,6 +35,7 @@ __all__ = [
     "log_every",
     "logging_step",
     "mirror_callback_metrics",
+    "names_logged_by_the_run",
     "progress_bar_values",
     "show_on_progress_bar",
     "state_under_another_key",
@@ -159,6 +160,23 @@ def state_under_another_key(
         return None
     mine = [k for k in states if isinstance(k, str) and k.startswith(qualname + "{")]
     return (mine[0], states[mine[0]]) if len(mine) == 1 else None
+
+
+def names_logged_by_the_run(trainer: pl.Trainer) -> set[str]:
+    """The names the running loop's ``self.log`` calls log under (the module's, or another callback's), or none.
+
+    A name logged both on step and on epoch is logged as ``<name>_step`` and ``<name>_epoch``, and
+    ``callback_metrics`` holds ``<name>`` too: all three are taken. The monitor logs through the loggers themselves,
+    never through ``self.log``, so none of these is its own.
+    """
+    try:
+        results = trainer._results  # the active loop's `_ResultCollection`, keyed `"<hook>.<name>"`
+        metas = [result.meta for result in results.values()] if results is not None else []
+        names = {meta.name for meta in metas}
+        names.update(meta.forked_name(on_step) for meta in metas for on_step in (True, False))
+    except Exception:  # a trainer of another Lightning: nothing known, nothing renamed
+        return set()
+    return {name for name in names if isinstance(name, str)}
 
 
 def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:

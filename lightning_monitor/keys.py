@@ -21,6 +21,7 @@ __all__ = [
     "GRAD_NORM",
     "GRAD_NORM_LAYERS",
     "MAX_KEY_LENGTH",
+    "RENAMED_PREFIX",
     "UPDATE_RATIO",
     "UPDATE_RATIO_LAYERS",
     "WEIGHT_NORM",
@@ -43,6 +44,9 @@ UPDATE_RATIO = "update_ratio"
 UPDATE_RATIO_LAYERS = "update_ratio_layers"
 #: The prefix of the alert counters, ``alerts/<kind>``.
 ALERTS_PREFIX = "alerts/"
+#: The prefix a figure of the monitor's goes out with where the run logs a figure of that name itself
+#: (``monitor/grad_norm`` beside the module's own ``self.log("grad_norm", ...)``).
+RENAMED_PREFIX = "monitor/"
 #: The longest key MLflow takes (``MAX_ENTITY_KEY_LENGTH``); a longer layer key is cut and given a hash.
 MAX_KEY_LENGTH = 250
 

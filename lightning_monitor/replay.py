@@ -65,8 +65,9 @@ LOSS_KEYS = (
     "loss_step",
     "train/loss_step",
 )
-#: Keys tried, in order, for the gradient norm: the monitor's, then Hugging Face's TensorBoard name.
-GRAD_NORM_KEYS = ("grad_norm", "train/grad_norm", "grad_norm_opt0")
+#: Keys tried, in order, for the gradient norm: the monitor's (``monitor/...`` where the run logged a ``grad_norm`` of
+#: its own), then Hugging Face's TensorBoard name.
+GRAD_NORM_KEYS = ("monitor/grad_norm", "monitor/grad_norm_opt0", "grad_norm", "train/grad_norm", "grad_norm_opt0")
 #: Keys tried, in order, after the monitor's ``val_loss_key``, for the validation loss.
 VAL_LOSS_KEYS = ("val_loss", "val/loss", "eval_loss", "eval/loss", "val_loss_epoch", "valid_loss", "validation_loss")
 _EVENTS_PREFIX = "events.out.tfevents."

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lightning_monitor._compat import rank_zero_info
-from lightning_monitor._lightning import logging_step, mirror_callback_metrics
+from lightning_monitor._lightning import logging_step, mirror_callback_metrics, names_logged_by_the_run
 from lightning_monitor.alerts import Alert
 from lightning_monitor.histograms import Histogram, write_histograms
 from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolved
+from lightning_monitor.keys import RENAMED_PREFIX
 from lightning_monitor.run_folder import (
     SETTINGS_FILE,
     claim_version,
@@ -106,6 +107,7 @@ class RunWriter:
         self._jsonl: JsonlSink | None = None
         self._settings: dict[str, Any] = {}
         self._unmade = False  # the run's folder waits for its first alert (rank zero)
+        self._renamed: dict[str, str] = {}  # a key the run logs itself too -> the name the monitor's goes out under
 
     def begin(
         self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False, *, at_once: bool = True
@@ -122,6 +124,7 @@ class RunWriter:
             self._unmade = zero and not at_once and made_at_first_alert(trainer)
         log_dir = self.log_dir
         self._settings = dict(settings)
+        self._renamed = {}
         self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
@@ -170,10 +173,33 @@ class RunWriter:
     def figures(self, trainer: pl.Trainer, figures: dict[str, float], step: int | None = None) -> None:
         """Write host figures to every logger (rank zero) and to ``trainer.callback_metrics`` (every rank)."""
         at = logging_step(trainer) if step is None else step
-        mirror_callback_metrics(trainer, figures)
+        out = self._outgoing(trainer, figures, at)
+        mirror_callback_metrics(trainer, out)
         self.history.add(at, trainer.current_epoch, figures)
         if trainer.is_global_zero:
-            self._loggers.log_figures(figures, at)
+            self._loggers.log_figures(out, at)
+
+    def _outgoing(self, trainer: pl.Trainer, figures: dict[str, float], at: int) -> dict[str, float]:
+        """``figures`` under the names they go to the loggers and ``callback_metrics`` with (where they go out).
+
+        A name the run logs itself too (``self.log("grad_norm", ...)`` in the module) would give two figures one
+        name, in one chart: from the step where that is seen, the monitor's goes out as ``monitor/<name>``, said
+        once. The history and the alerts keep the monitor's own names.
+        """
+        taken = names_logged_by_the_run(trainer)
+        clash = [key for key in figures if key in taken and key not in self._renamed] if taken else None
+        if clash:
+            self._renamed.update((key, f"{RENAMED_PREFIX}{key}") for key in clash)
+            said = ", ".join(f"`{key}`" for key in clash)
+            mine = ", ".join(f"`{self._renamed[key]}`" for key in clash)
+            rank_zero_info(
+                f"TrainingMonitor: the run logs {said} itself (`self.log`), so from step {at} on the monitor's "
+                f"own figure{'s go' if len(clash) > 1 else ' goes'} to the loggers and `callback_metrics` as "
+                f"{mine}, and the two do not share a name."
+            )
+        if not self._renamed:
+            return figures
+        return {self._renamed.get(key, key): value for key, value in figures.items()}
 
     def histograms(self, trainer: pl.Trainer, histograms: Sequence[Histogram], step: int) -> None:
         """Write layer histograms to every TensorBoard and W&B logger (rank zero)."""
@@ -206,10 +232,12 @@ class RunWriter:
             run_alerts: Every alert of the run so far, these included (the counts per kind start from them).
             halting: The check halts training: the W&B and MLflow runs' copies of the files are brought up to date.
         """
-        if logs or not trainer.loggers:  # no logging step without a logger: callback_metrics get every check's
-            mirror_callback_metrics(trainer, logged or {})
-        if trainer.is_global_zero and (alerts or (logs and logged)):
-            self._publish(trainer, alerts, run_alerts, logged if logs else None, at)
+        goes_out = logs or not trainer.loggers  # no logging step without a logger: callback_metrics get every check's
+        out = self._outgoing(trainer, logged, at) if logged and goes_out else logged
+        if goes_out:
+            mirror_callback_metrics(trainer, out or {})
+        if trainer.is_global_zero and (alerts or (logs and out)):
+            self._publish(trainer, alerts, run_alerts, out if logs else None, at)
         self.recent.append((at, epoch, latest))
         self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))  # `latest` holds `logged`
         if halting:

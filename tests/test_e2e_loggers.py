@@ -24,6 +24,7 @@ from helpers import (
     OWN_FILES,
     ScriptedModel,
     close,
+    csv_column,
     jsonl,
     loader,
     make_trainer,
@@ -41,6 +42,7 @@ from lightning_monitor import TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.keys import path_prefix_clashes
 from lightning_monitor.logger_sinks import WANDB_ALERT_WAIT_S
+from lightning_monitor.replay import read_series
 from lightning_monitor.report import detect_keys, find_runs, load_run, plan_run
 from lightning_monitor.sinks import TENSORBOARD_LAYOUT
 
@@ -368,6 +370,49 @@ def test_a_logger_refusing_the_monitors_figures_gets_one_warning_and_the_run_goe
 
 
 # ------------------------------------------------------------------------------------------------ key names
+
+
+class LogsItsOwnNorm(ScriptedModel):
+    """Logs a ``grad_norm`` of its own (a clipped norm, say): 123 at every step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        self.log("grad_norm", 123.0)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(180)
+def test_a_figure_the_run_logs_itself_keeps_its_name_and_the_monitors_goes_beside_it(tmp_path, caplog):
+    """Two figures under one name would share one chart: the module's own ``grad_norm`` keeps the name, in every
+    logger and in ``callback_metrics``, and the monitor's goes out as ``monitor/grad_norm`` (said once), which the
+    report and ``replay`` read as the monitor's."""
+    tb, csv = TensorBoardLogger(tmp_path, name="tb", version=0), CSVLogger(tmp_path, name="tb", version=0)
+    model = LogsItsOwnNorm()
+    trainer = make_trainer(tmp_path, [TrainingMonitor()], logger=[csv, tb], max_steps=6, log_every_n_steps=2)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, train_dataloaders=loader())
+    told = [r.getMessage() for r in caplog.records if "itself" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor: the run logs `grad_norm` itself (`self.log`), so from step 1 on the monitor's own figure goes"
+        " to the loggers and `callback_metrics` as `monitor/grad_norm`, and the two do not share a name."
+    ]
+    logged = [(step, model.reference[step]) for step in (1, 3, 5)]
+    scalars = tb_scalars(tb.log_dir)
+    for where in (scalars, {key: csv_column(Path(csv.log_dir) / "metrics.csv", key) for key in scalars}):
+        assert where["grad_norm"] == [(1, 123.0), (3, 123.0), (5, 123.0)]
+        assert [step for step, _ in where["monitor/grad_norm"]] == [1, 3, 5]
+        assert all(close(value, ref) for (_, value), (_, ref) in zip(where["monitor/grad_norm"], logged, strict=True))
+        assert "grad_norm_layers/layer.0" in where  # not the run's: the monitor's own name
+    assert float(trainer.callback_metrics["grad_norm"]) == 123.0
+    assert close(float(trainer.callback_metrics["monitor/grad_norm"]), model.reference[5])
+    # The report draws the monitor's norm; replay judges it; the history keeps the monitor's names.
+    report = load_run(Path(tb.log_dir)).scalars["grad_norm"]
+    assert report.steps == (1, 3, 5) and all(close(v, r) for v, (_, r) in zip(report.values, logged, strict=True))
+    points = [(p.step, p.grad_norm) for p in read_series(Path(csv.log_dir) / "metrics.csv", "csv")[0]]
+    assert [step for step, _ in points] == [1, 3, 5]
+    assert all(close(value, ref) for (_, value), (_, ref) in zip(points, logged, strict=True))
+    history = jsonl(Path(tb.log_dir) / "monitor_history.jsonl")
+    assert all("monitor/grad_norm" not in line for line in history)
+    assert [line["step"] for line in history if "grad_norm" in line] == [1, 3, 5]
 
 
 @pytest.mark.timeout(180)

@@ -14,9 +14,11 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from lightning_monitor.keys import RENAMED_PREFIX
 
 __all__ = [
     "ALERTS_FILE",
@@ -306,6 +308,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     if csv_path.is_file():
         for key, series in _read_csv(run, csv_path).items():
             run.scalars.setdefault(key, series)  # TensorBoard first, CSV for what it lacks
+    for key in [key for key in run.scalars if key.startswith(RENAMED_PREFIX)]:  # the monitor's, beside the run's own
+        run.scalars[key[len(RENAMED_PREFIX) :]] = replace(run.scalars.pop(key), key=key[len(RENAMED_PREFIX) :])
     history_path = _monitor_file(run.path, HISTORY_FILE)
     if history_path.is_file():
         for key, series in _read_history(run, history_path).items():
