@@ -162,21 +162,29 @@ def state_under_another_key(
     return (mine[0], states[mine[0]]) if len(mine) == 1 else None
 
 
-def names_logged_by_the_run(trainer: pl.Trainer) -> set[str]:
-    """The names the running loop's ``self.log`` calls log under (the module's, or another callback's), or none.
+def names_logged_by_the_run(
+    trainer: pl.Trainer, seen: tuple[int, int, frozenset[str]] | None = None
+) -> tuple[int, int, frozenset[str]]:
+    """The names the running loop's ``self.log`` calls log under (the module's, or another callback's).
 
     A name logged both on step and on epoch is logged as ``<name>_step`` and ``<name>_epoch``, and
     ``callback_metrics`` holds ``<name>`` too: all three are taken. The monitor logs through the loggers themselves,
-    never through ``self.log``, so none of these is its own.
+    never through ``self.log``, so none of these is its own. Returned with the loop's results collection's identity
+    and size: given back as ``seen``, the names are not gathered again while neither has changed (a name, once
+    logged, keeps its entry for the loop's life). None are known from a trainer of another Lightning.
     """
     try:
         results = trainer._results  # the active loop's `_ResultCollection`, keyed `"<hook>.<name>"`
-        metas = [result.meta for result in results.values()] if results is not None else []
+        if results is None:
+            return (0, 0, frozenset())
+        if seen is not None and seen[:2] == (id(results), len(results)):
+            return seen
+        metas = [result.meta for result in results.values()]
         names = {meta.name for meta in metas}
         names.update(meta.forked_name(on_step) for meta in metas for on_step in (True, False))
+        return (id(results), len(results), frozenset(name for name in names if isinstance(name, str)))
     except Exception:  # a trainer of another Lightning: nothing known, nothing renamed
-        return set()
-    return {name for name in names if isinstance(name, str)}
+        return (0, 0, frozenset())
 
 
 def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:

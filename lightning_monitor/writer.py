@@ -108,6 +108,7 @@ class RunWriter:
         self._settings: dict[str, Any] = {}
         self._unmade = False  # the run's folder waits for its first alert (rank zero)
         self._renamed: dict[str, str] = {}  # a key the run logs itself too -> the name the monitor's goes out under
+        self._taken: tuple[int, int, frozenset[str]] | None = None  # the names the run's `self.log` uses, as seen
 
     def begin(
         self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False, *, at_once: bool = True
@@ -124,7 +125,7 @@ class RunWriter:
             self._unmade = zero and not at_once and made_at_first_alert(trainer)
         log_dir = self.log_dir
         self._settings = dict(settings)
-        self._renamed = {}
+        self._renamed, self._taken = {}, None
         self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
@@ -186,7 +187,8 @@ class RunWriter:
         name, in one chart: from the step where that is seen, the monitor's goes out as ``monitor/<name>``, said
         once. The history and the alerts keep the monitor's own names.
         """
-        taken = names_logged_by_the_run(trainer)
+        self._taken = names_logged_by_the_run(trainer, self._taken)
+        taken = self._taken[2]
         clash = [key for key in figures if key in taken and key not in self._renamed] if taken else None
         if clash:
             self._renamed.update((key, f"{RENAMED_PREFIX}{key}") for key in clash)

@@ -415,6 +415,49 @@ def test_a_figure_the_run_logs_itself_keeps_its_name_and_the_monitors_goes_besid
     assert [line["step"] for line in history if "grad_norm" in line] == [1, 3, 5]
 
 
+class LogsItsOwnAccuracy(ScriptedModel):
+    """Logs ``val_acc`` of its own (0.123) at validation, and ``train_acc`` (0.456) on step and on epoch; counts the
+    classifier's correct answers at each validation, the reference for the monitor's ``val_acc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_counts: list[list[int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        self.log("train_acc", 0.456, on_step=True, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_counts.append([0, 0])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        self.log("val_acc", 0.123)
+        out = super().validation_step(batch, batch_idx)
+        self.val_counts[-1][0] += int((out["logits"].argmax(-1) == out["labels"]).sum())
+        self.val_counts[-1][1] += out["labels"].numel()
+        return out
+
+
+@pytest.mark.timeout(180)
+def test_a_validation_figure_and_one_logged_on_step_and_epoch_are_the_runs_too(tmp_path):
+    """The validation loop's own names are the ones looked at when its figures go out; a name logged on step and on
+    epoch (``train_acc_step``, ``train_acc_epoch``) takes the plain name in ``callback_metrics`` too."""
+    csv, model = CSVLogger(tmp_path, name="csv", version=0), LogsItsOwnAccuracy()
+    trainer = make_trainer(
+        tmp_path, [TrainingMonitor()], logger=csv, max_steps=8, log_every_n_steps=2, val_check_interval=4
+    )
+    trainer.fit(model, loader(), loader(8))
+    metrics = Path(csv.log_dir) / "metrics.csv"
+    assert csv_column(metrics, "val_acc") == [(3, pytest.approx(0.123)), (7, pytest.approx(0.123))]
+    assert csv_column(metrics, "monitor/val_acc") == [
+        (step, c / n) for step, (c, n) in zip((3, 7), model.val_counts, strict=True)
+    ]
+    assert [value for _, value in csv_column(metrics, "train_acc_step")] == [pytest.approx(0.456)] * 4
+    assert [step for step, _ in csv_column(metrics, "monitor/train_acc")] == [1, 3, 5, 7]
+    assert float(trainer.callback_metrics["val_acc"]) == pytest.approx(0.123)
+    assert float(trainer.callback_metrics["monitor/val_acc"]) == model.val_counts[-1][0] / model.val_counts[-1][1]
+
+
 @pytest.mark.timeout(180)
 def test_the_report_reads_runs_logged_with_the_earlier_layer_keys(tmp_path, capsys):
     """Runs logged `grad_norm/<layer>` before the per-layer norms moved: the total is read, the layers are not."""
