@@ -114,6 +114,18 @@ def virtual_tokens(module: Any) -> int:
 
 
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "DoubleHeadsModel", "WithLMHead", "ForConditionalGeneration")
+#: Hugging Face models named like a causal LM whose own loss scores the logits at ``t`` against the labels at ``t``,
+#: read off their ``forward`` and checked on tiny configs (transformers 5.25): XLNet's permutation LM, XLM's and
+#: Flaubert's LM heads (a masked LM by default), CPM-Ant, and the decoders of encoder-decoder families made to stand
+#: alone, whose labels "are not shifted inside the model" (``BartForCausalLM``, ``TrOCRForCausalLM``...).
+_ALIGNED_DESPITE_NAME = frozenset(
+    {
+        "XLNetLMHeadModel", "XLMWithLMHeadModel", "FlaubertWithLMHeadModel", "CpmAntForCausalLM",
+        "BartForCausalLM", "BigBirdPegasusForCausalLM", "BlenderbotForCausalLM", "BlenderbotSmallForCausalLM",
+        "MarianForCausalLM", "MBartForCausalLM", "MvpForCausalLM", "PegasusForCausalLM", "PLBartForCausalLM",
+        "TrOCRForCausalLM", "WhisperForCausalLM",
+    }
+)  # fmt: skip
 
 
 def _is_pretrained(module: Any) -> bool:
@@ -122,40 +134,56 @@ def _is_pretrained(module: Any) -> bool:
 
 
 def _alignment_of(model: Any) -> Literal["shift", "aligned"] | None:
-    """How one Hugging Face model's own loss aligns its labels with its logits; None for a model without a head."""
-    name = type(model).__name__
+    """How one Hugging Face model's own loss aligns its labels with its logits; None for a model without a head.
+
+    The model's class decides, or the first Hugging Face class it derives from (a user's ``class
+    Student(GPT2LMHeadModel)`` is scored as GPT-2 is).
+    """
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return "aligned"  # T5, BART, Whisper, EncoderDecoderModel, VisionEncoderDecoderModel: decoder inputs shifted
-    if name.endswith(_CAUSAL_HEADS) and not name.startswith("XLNet"):  # XLNet's permutation LM scores as it is
-        return "shift"  # GPT-2, Llama, Llava, Qwen2-VL...: labels are the input ids, shifted inside the loss
-    return "aligned" if "For" in name or "LMHead" in name else None
+    for cls in type(model).__mro__:
+        name = cls.__name__
+        if name == "PreTrainedModel":
+            break
+        if name in _ALIGNED_DESPITE_NAME:
+            return "aligned"
+        if name.endswith(_CAUSAL_HEADS):
+            return "shift"  # GPT-2, Llama, Llava, Qwen2-VL...: labels are the input ids, shifted inside the loss
+        if "For" in name or "LMHead" in name:
+            return "aligned"
+    return None
+
+
+def _alignments_in(module: Any) -> set[Literal["shift", "aligned"] | None]:
+    """The alignments of the outermost Hugging Face models in ``module`` (see :func:`label_alignment`)."""
+    if _is_pretrained(module):
+        return {_alignment_of(module)}
+    found: set[Literal["shift", "aligned"] | None] = set()
+    for child in module.children():
+        found |= _alignments_in(child)
+    if type(module).__name__.endswith(_CAUSAL_HEADS[:2]) and not found - {None}:
+        return {"shift"}  # a causal LM of one's own, holding no Hugging Face model with a head
+    return found
 
 
 def label_alignment(module: Any) -> Literal["shift", "aligned"] | None:
     """How the Hugging Face models in ``module`` align their labels: ``"shift"``, ``"aligned"``, or None.
 
-    The outermost models decide (an ``EncoderDecoderModel``, not the ``GPT2LMHeadModel`` decoder inside it):
-    ``"shift"`` where one is a causal LM (``...ForCausalLM``, ``...LMHeadModel``, a decoder-only
-    ``...ForConditionalGeneration`` such as Llava; a PEFT ``PeftModelForCausalLM``), whose loss shifts the labels;
-    ``"aligned"`` where every one is another model with a head (seq2seq, masked LM, token classification), whose
-    loss scores the logits at position ``t`` against the labels at ``t``; None where there is none, or only models
-    without a head.
+    The outermost models decide (an ``EncoderDecoderModel``, not the ``GPT2LMHeadModel`` decoder inside it; the
+    model a PEFT ``PeftModelForCausalLM`` wraps): ``"shift"`` where one is a causal LM (``...ForCausalLM``,
+    ``...LMHeadModel``, a decoder-only ``...ForConditionalGeneration`` such as Llava), whose loss shifts the labels;
+    ``"aligned"`` where every one is another model with a head (seq2seq, masked LM, token classification, or one of
+    the few named like a causal LM whose loss does not shift, such as ``BartForCausalLM``), whose loss scores the
+    logits at position ``t`` against the labels at ``t``; None where there is none, or only models without a head. A
+    module of one's own named like a causal LM (``...ForCausalLM``, ``...LMHeadModel``) that holds no Hugging Face
+    model with a head is taken for one.
 
     Example:
         >>> class GPT2LMHeadModel(torch.nn.Module): ...
         >>> label_alignment(torch.nn.Sequential(GPT2LMHeadModel())), label_alignment(torch.nn.Linear(2, 2))
         ('shift', None)
     """
-    found: set[Literal["shift", "aligned"] | None] = set()
-    todo = [module]
-    while todo:
-        m = todo.pop()
-        if _is_pretrained(m):
-            found.add(_alignment_of(m))
-        elif type(m).__name__.endswith(_CAUSAL_HEADS[:2]):  # PEFT's PeftModelForCausalLM, a causal LM of one's own
-            found.add("shift")
-        else:
-            todo.extend(m.children())
+    found = _alignments_in(module)
     if "shift" in found:
         return "shift"
     return "aligned" if found == {"aligned"} else None
