@@ -95,6 +95,26 @@ def _look_up_both(outputs: Any, batch: Any, logits_key: str, labels_key: str) ->
     return (logits if isinstance(logits, Tensor) else None), (labels if isinstance(labels, Tensor) else None)
 
 
+def _is_tensor_pair(found: Any) -> bool:
+    """Whether ``found`` is two tensors, as ``token_accuracy_fn`` must return them."""
+    return (
+        isinstance(found, (tuple, list))
+        and len(found) == 2
+        and isinstance(found[0], Tensor)
+        and isinstance(found[1], Tensor)
+    )
+
+
+def _described(value: Any) -> str:
+    """What ``value`` is, in a few words: its type, and for a tuple or list the types inside."""
+    name = type(value).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    if isinstance(value, (tuple, list)):
+        inside = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"{article} {name} of {len(value)} ({inside})"
+    return f"{article} {name}"
+
+
 def virtual_tokens(module: Any) -> int:
     """The virtual tokens a PEFT prompt-learning model prepends to its logits (prompt tuning, P-tuning), else 0.
 
@@ -508,6 +528,14 @@ class TokenAccuracyTracker:
                 return
             if found is None:  # the function's way of skipping a batch
                 return
+            if not _is_tensor_pair(found):
+                self._skip(
+                    stage,
+                    "not a pair",
+                    f"`token_accuracy_fn` returned {_described(found)}, not `(logits, labels)`, two tensors (or None"
+                    " to leave the batch out).",
+                )
+                return
         elif outputs is None or (isinstance(outputs, Mapping) and not outputs):
             # `training_step` returned None: Lightning skipped the batch, and there is nothing to count. A
             # `validation_step` that returns nothing (the usual pattern) leaves no val_token_acc: say so, once.
@@ -543,6 +571,10 @@ class TokenAccuracyTracker:
             hits = metric.hits(logits, labels, shift)
         except ValueError as err:
             self._skip(stage, "mismatch", f"the logits and labels from `{where}` do not fit: {err}")
+            return
+        except Exception as err:  # a kind of tensor the metric's ops do not take (sparse): never the end of a run
+            why = f"scoring the logits and labels from `{where}` raised {type(err).__name__}: {err}"
+            self._skip(stage, "scoring", why)
             return
         if self._tell is not None:  # how the labels were aligned, said once a batch has been counted
             self._tell_shift(stage, self._tell)

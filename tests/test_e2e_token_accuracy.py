@@ -276,6 +276,7 @@ class Scripted(TinyLM):
             "missing": {"loss": out["loss"]},
             "mismatch": {**out, "labels": batch["labels"][:, :2]},
             "flag": {**out, "flag": True},
+            "sparse": {**out, "logits": out["logits"].to_sparse()},  # a layout the metric's ops do not take
         }[kind]
 
     def training_step(self, batch, batch_idx):
@@ -295,6 +296,15 @@ def raise_on_flagged(outputs, batch):
     if outputs.get("flag"):
         raise KeyError("scores")
     return outputs["logits"], batch["labels"]
+
+
+def returns_badly(value):
+    """A ``token_accuracy_fn`` that returns ``value(outputs, batch)`` on the flagged batches, a pair on the others."""
+
+    def fn(outputs, batch):
+        return value(outputs, batch) if outputs.get("flag") else (outputs["logits"], batch["labels"])
+
+    return fn
 
 
 def check_train_figures(model, csv, epoch_steps):
@@ -320,6 +330,13 @@ def check_train_figures(model, csv, epoch_steps):
         ("missing", None, r"`training_step` returned no logits \(looked for"),
         ("mismatch", None, "do not fit"),
         ("flag", raise_on_flagged, "`token_accuracy_fn` raised KeyError"),
+        # What the function returns is not two tensors: before, each of these ended the run, raised in the hook.
+        ("flag", returns_badly(lambda o, b: (o["logits"], b["labels"], 1)), r"returned a tuple of 3 \(Tensor,"),
+        ("flag", returns_badly(lambda o, b: o["logits"]), r"returned a Tensor, not `\(logits, labels\)`"),
+        ("flag", returns_badly(lambda o, b: 5), "returned an int, not"),
+        ("flag", returns_badly(lambda o, b: ([1.0], [1])), r"returned a tuple of 2 \(list, list\)"),
+        ("flag", returns_badly(lambda o, b: (o["logits"].numpy(), b["labels"].numpy())), r"\(ndarray, ndarray\)"),
+        ("sparse", None, "raised NotImplementedError"),  # before: the run ended, raised in the hook
     ],
 )
 def test_a_batch_left_out_does_not_turn_token_accuracy_off(tmp_path, kind, fn, warning):
