@@ -33,7 +33,16 @@ from lightning_monitor.alerts import json_float
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FLUSH_EVERY", "HISTORY_FILE", "Figures", "LazyFigures", "RunHistory", "learning_rates", "resolved"]
+__all__ = [
+    "ENDED_AT_MOST",
+    "FLUSH_EVERY",
+    "HISTORY_FILE",
+    "Figures",
+    "LazyFigures",
+    "RunHistory",
+    "learning_rates",
+    "resolved",
+]
 
 
 class LazyFigures(Protocol):
@@ -57,6 +66,8 @@ def resolved(figures: Figures) -> Mapping[str, float]:
 HISTORY_FILE = "monitor_history.jsonl"
 #: Records kept before they are appended, so a run without validation or alerts still writes as it goes.
 FLUSH_EVERY = 256
+#: The most characters of an exception's first line that the record of a fit's end keeps (:meth:`RunHistory.end`).
+ENDED_AT_MOST = 200
 #: The user's logged keys kept as losses: the pattern of the TensorBoard loss chart (no loss scale, no alert count).
 LOSS_KEY = re.compile(r"^(?!alerts/)(?!.*scale).*loss.*$")
 
@@ -171,6 +182,29 @@ class RunHistory:
         if len(self._records) >= FLUSH_EVERY:
             self.flush()
 
+    def end(self, step: int, epoch: int, exception: BaseException) -> None:
+        r"""Record that the fit ended at ``step`` with ``exception`` (``"ended"``: ``"interrupted"`` or ``"failed"``).
+
+        A ``KeyboardInterrupt`` or Lightning's ``SIGTERMException`` interrupted the run; any other exception failed
+        it. The record goes in the step's own (with its figures, if any), and the file is written at once.
+
+        Example:
+            >>> import tempfile
+            >>> history = RunHistory()
+            >>> history.begin(Path(tempfile.mkdtemp()) / HISTORY_FILE)
+            >>> history.end(7, 0, RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB"))
+            >>> print(history.path.read_text(), end="")
+            {"step": 7, "epoch": 0, "ended": "failed", "exception": "RuntimeError: CUDA out of memory."}
+        """
+        if self.path is None:
+            return
+        stopped = isinstance(exception, KeyboardInterrupt) or type(exception).__name__ == "SIGTERMException"
+        lines = str(exception).strip().splitlines()
+        text = type(exception).__name__ + (f": {lines[0]}" if lines else "")
+        record = self._records.setdefault(step, {"step": step, "epoch": epoch})
+        record.update(ended="interrupted" if stopped else "failed", exception=_shortened(text, ENDED_AT_MOST))
+        self.flush()
+
     def record_step(self, trainer: pl.Trainer, step: int, figures: Figures, *, logs: bool, alert: bool) -> None:
         """Record a check's figures and the learning rates at a logging step or an alert (then write at once).
 
@@ -264,6 +298,11 @@ class RunHistory:
                 " reads only what its loggers wrote.",
                 category=RuntimeWarning,
             )
+
+
+def _shortened(text: str, at_most: int) -> str:
+    """``text``, cut to ``at_most`` characters with an ellipsis where longer."""
+    return text if len(text) <= at_most else text[: at_most - 3] + "..."
 
 
 def learning_rates(optimizers: Sequence[Optimizer]) -> dict[str, float | Tensor]:

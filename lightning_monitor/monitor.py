@@ -500,6 +500,8 @@ class TrainingMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.state.fn == FITTING:  # the history says how the fit ended, for `report` (a fit it watched only)
+            self._writer.history.end(logging_step(trainer), self._epoch, exception)
         self._reads.clear()
         self._close_hooks()
 

@@ -682,3 +682,92 @@ def test_every_alert_kind_has_a_colour_of_its_own():
     colours = [ALERT_COLOURS.get(kind.value) for kind in AlertKind]
     assert None not in colours and FALLBACK_COLOUR not in colours
     assert len(set(colours)) == len(colours)
+
+
+class RaisesAt(RegressionModel):
+    """Raises ``error`` in ``training_step`` at step ``at`` (a user's bug, an out-of-memory error, a Ctrl+C)."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        super().__init__()
+        self.at, self.error = at, error
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.at:
+            raise self.error
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended:UserWarning")
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")  # the resume's
+def test_a_fit_that_raised_is_failed_not_healthy_until_it_is_resumed(tmp_path: Path) -> None:
+    # Before, the report of a run whose `training_step` raised at step 5 said "Verdict: HEALTHY".
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    x = torch.randn(8 * BATCHES_PER_EPOCH, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def session(model: pl.LightningModule, ckpt_path: Path | None = None) -> None:
+        trainer = pl.Trainer(
+            max_steps=8,
+            logger=TensorBoardLogger(tmp_path, name="run", version=0),
+            callbacks=[
+                TrainingMonitor(val_loss_key=None),
+                ModelCheckpoint(tmp_path / "checkpoints", "{step}", every_n_train_steps=3, save_top_k=-1),
+            ],
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, data, data, ckpt_path=ckpt_path)
+
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        session(RaisesAt(5, RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(more lines)")))
+    run_dir = tmp_path / "run" / "version_0"
+    run = load_run(run_dir)
+    assert run.ended is not None
+    assert (run.ended.step, run.ended.how, run.ended.exception) == (
+        5, "failed", "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    )  # fmt: skip
+    assert verdict(run) == "FAILED: RuntimeError at step 5"
+    assert fields(summarize_run(run))["Ended"] == (
+        "at step 5: the fit raised RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
+
+    # Resumed into the same folder from the checkpoint of step 3, and finished: the end recorded before is over.
+    session(RegressionModel(), ckpt_path=tmp_path / "checkpoints" / "step=3.ckpt")
+    run = load_run(run_dir)
+    assert run.ended is None
+    assert run.last_step == 7
+    assert verdict(run) == "HEALTHY"
+
+
+def test_a_fit_interrupted_by_ctrl_c_is_interrupted(tmp_path: Path) -> None:
+    import signal
+
+    torch.manual_seed(0)
+    x = torch.randn(8 * BATCHES_PER_EPOCH, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=8,
+        default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path, name="run", version=0),
+        callbacks=[TrainingMonitor(val_loss_key=None)],
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    handler = signal.getsignal(signal.SIGINT)
+    try:  # Lightning's graceful shutdown: SIGINT ignored from then on, and `sys.exit(1)`
+        with pytest.raises(SystemExit):
+            trainer.fit(RaisesAt(3, KeyboardInterrupt()), data, data)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    run = load_run(tmp_path / "run" / "version_0")
+    assert run.ended is not None and (run.ended.step, run.ended.how, run.ended.exception) == (
+        3, "interrupted", "KeyboardInterrupt",
+    )  # fmt: skip
+    assert verdict(run) == "INTERRUPTED at step 3 (KeyboardInterrupt)"
+    assert fields(summarize_run(run))["Ended"] == "at step 3: the fit was interrupted (KeyboardInterrupt)"

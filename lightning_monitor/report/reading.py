@@ -28,6 +28,7 @@ __all__ = [
     "NoLogsError",
     "Run",
     "RunAlert",
+    "RunEnd",
     "Series",
     "find_runs",
     "load_run",
@@ -158,6 +159,22 @@ class RunAlert:
         )
 
 
+@dataclass(frozen=True)
+class RunEnd:
+    """How a fit that did not end as Lightning ends one came to its end: the record ``monitor_history.jsonl`` keeps.
+
+    Attributes:
+        step: The step it ended at (where Lightning would have logged it).
+        how: ``"interrupted"`` (a ``KeyboardInterrupt``, Lightning's ``SIGTERMException``) or ``"failed"`` (any other
+            exception).
+        exception: The exception's type and the first line of its message, e.g. ``"RuntimeError: CUDA out of memory."``.
+    """
+
+    step: int
+    how: str
+    exception: str
+
+
 @dataclass
 class Run:
     """Everything read from one run folder.
@@ -177,6 +194,8 @@ class Run:
             a value that is not a number, a line that is not JSON). Files with nothing skipped are not listed.
         skipped_values: How many single values of ``metrics.csv`` were left out (not a number); the rest of their
             row is kept. A NaN or infinite value is a reading, not skipped.
+        ended: How the fit ended where it raised (an error, an interrupt), from the history's last record; ``None``
+            for a fit that finished, or was halted, or is still running, and for a run resumed after the exception.
     """
 
     path: Path
@@ -187,6 +206,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_values: int = 0
+    ended: RunEnd | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -424,10 +444,13 @@ def _read_history(run: Run, path: Path) -> dict[str, Series]:
         try:
             record = json.loads(line)
             step = read_index(record["step"])
+            how, exception = record.pop("ended", None), record.pop("exception", "")
             values = [(str(k), _float(v)) for k, v in record.items() if k != "step" and v is not None]
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             bad += 1
             continue
+        # Only the last record may say how the fit ended: a line after it is a resumed run's.
+        run.ended = RunEnd(step, how, str(exception)) if how in ("failed", "interrupted") else None
         for key, value in values:
             points.setdefault(key, []).append((step, value))
             if _TOTAL_NORM_KEY.fullmatch(key):

@@ -167,10 +167,11 @@ def learning_rate_at(run: Run, alert: RunAlert, keys: RunKeys | None = None) -> 
 
 
 def verdict(run: Run, keys: RunKeys | None = None) -> str:
-    """One line on the run's health: ``HALTED: ...``, ``WARNINGS: ...``, ``HEALTHY`` or ``NO DATA``.
+    """One line on the run's health: ``HALTED``, ``FAILED``, ``INTERRUPTED``, ``WARNINGS``, ``HEALTHY`` or ``NO DATA``.
 
-    A halt wins over warnings. A run without alerts whose loss or gradient norm went NaN or infinite (a run the
-    monitor did not watch) gets a warning too.
+    A halt wins over the rest. A fit that ended with an exception (:attr:`Run.ended`) is ``FAILED`` or
+    ``INTERRUPTED`` at its step, with its alerts after it. A run without alerts whose loss or gradient norm went NaN
+    or infinite (a run the monitor did not watch) gets a warning too.
 
     Example:
         >>> from pathlib import Path
@@ -181,6 +182,10 @@ def verdict(run: Run, keys: RunKeys | None = None) -> str:
         >>> run.alerts = [alert, alert]
         >>> verdict(run)
         'WARNINGS: 2 vanishing_grad alerts'
+        >>> from lightning_monitor.report import RunEnd
+        >>> run.ended = RunEnd(30, "failed", "RuntimeError: CUDA out of memory.")
+        >>> verdict(run)
+        'FAILED: RuntimeError at step 30, after 2 vanishing_grad alerts'
         >>> run.alerts.append(RunAlert("nonfinite_loss", 40, 1, float("nan"), None, "loss is nan", halted=True))
         >>> verdict(run)
         'HALTED: nonfinite_loss at step 40'
@@ -190,8 +195,17 @@ def verdict(run: Run, keys: RunKeys | None = None) -> str:
     if halt is not None:
         return f"HALTED: {halt.kind} at step {halt.step}"
     counts = run.alert_counts()
+    alerts = ", ".join(f"{n} {kind} alert{'s' if n > 1 else ''}" for kind, n in counts.items())
+    ended = run.ended
+    if ended is not None:
+        kind = ended.exception.split(":", 1)[0]
+        if ended.how == "interrupted":
+            text = f"INTERRUPTED at step {ended.step} ({kind})"
+        else:
+            text = f"FAILED: {kind} at step {ended.step}"
+        return f"{text}, after {alerts}" if alerts else text
     if counts:
-        return "WARNINGS: " + ", ".join(f"{n} {kind} alert{'s' if n > 1 else ''}" for kind, n in counts.items())
+        return "WARNINGS: " + alerts
     for key in (keys.train_loss, keys.val_loss, *keys.grad_norm):
         bad = run.scalars[key].nonfinite_steps if key is not None else ()
         if bad:
@@ -265,6 +279,10 @@ def summarize_run(run: Run, keys: RunKeys | None = None) -> str:
         rows.append(("Halted", f"yes, by {halt.kind} at step {halt.step} (epoch {halt.epoch}): {why}"))
     elif counts and ALERTS_FILE not in run.sources:
         rows.append(("Halted", f"unknown (no {ALERTS_FILE}; alerts were counted from the alerts/<kind> scalars)"))
+    ended = run.ended
+    if ended is not None and halt is None:
+        what = f"was interrupted ({ended.exception})" if ended.how == "interrupted" else f"raised {ended.exception}"
+        rows.append(("Ended", f"at step {ended.step}: the fit {what}"))
     rows.extend(("Note", note) for note in _notes(run, keys))
     rows.append(("Verdict", verdict(run, keys)))
 
