@@ -52,7 +52,9 @@ class ExplodingDetector:
     The limit in force (:attr:`limit_now`) depends on how much the detector has seen:
 
     * **for the first** ``early`` **checks**: the fixed ``limit`` (100), in a run that starts on the healthy side of
-      it (its first finite norm at or below ``limit``), and only where it is meaningful for the run's own scale: it
+      it (its first finite norm above 0 at or below ``limit``: a norm of exactly 0, as under a loss weight that
+      warms up from 0, tells no scale, and no limit is in force until one comes), and only where it is meaningful
+      for the run's own scale: it
       is raised to ``factor`` times the largest norm seen so far when that is higher (a run whose norms are already
       at 40 in its warm-up is not exploding at 150). A run whose norms are naturally in the hundreds or thousands (a
       summed loss, large regression targets) has no limit yet; it gets one :attr:`notice` instead, saying how to set
@@ -195,13 +197,14 @@ class ExplodingDetector:
             self.nonfinite = True
             return None
         self.nonfinite = False
-        if not self.warned and not self.starts_below:  # the first finite norm decides
+        if not self.warned and not self.starts_below and value > 0:  # the first norm above 0 decides: 0 tells no scale
             self.starts_below = value <= self.limit
             self.warned = not self.starts_below
             self._refresh()
             if self.warned:
+                first = "the first step" if self.seen == 0 else "its first step with a gradient above 0"
                 self.notice = (
-                    f"The {self.name} is {format_value(value)} at the first step, above {format_value(self.limit)} "
+                    f"The {self.name} is {format_value(value)} at {first}, above {format_value(self.limit)} "
                     "(the default exploding_grad_threshold), so that fixed limit stays off for this run; instead "
                     f"exploding_grad fires at {format_value(self.factor)}x the run's own tail (its "
                     f"{_ordinal(self.quantile)} percentile) once it has seen {self.early} steps. If norms this large "

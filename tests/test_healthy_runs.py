@@ -87,3 +87,69 @@ def test_a_run_that_starts_above_the_default_limit_gets_one_line_of_info_with_th
     assert len(told) == 1 and told[0].startswith("TrainingMonitor: The gradient norm is ")
     assert "at the first step, above 100" in told[0] and "set exploding_grad_threshold" in told[0]
     assert outcome.alerts == []
+
+
+class WarmedUpLoss:
+    """A regression on targets in the hundreds whose loss weight warms up from 0 (``min(1, step / 5)``): the first
+    gradient norm is exactly 0, the next ones above 100 (a probe's run of this shape was halted at step 4)."""
+
+    @staticmethod
+    def make():
+        import lightning.pytorch as pl
+        import torch
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                weight = min(1.0, self.global_step / 5)
+                return weight * torch.nn.functional.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        return Module()
+
+
+def test_a_first_gradient_of_zero_arms_no_limit_and_a_run_above_it_trains_on(tmp_path, caplog):
+    # Before, a first norm of 0 armed the fixed limit of 100: the norm of 175 at step 1 was `exploding_grad`, steps 1
+    # to 4 were skipped (so the norms stayed high) and the run was halted at step 4 of 30.
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_monitor import TrainingMonitor
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        x = torch.randn(30 * 8, 8)
+        data = DataLoader(TensorDataset(x, 200 * x.sum(1, keepdim=True)), batch_size=8)
+        model = WarmedUpLoss.make()
+        trainer = pl.Trainer(
+            max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks,
+        )  # fmt: skip
+        trainer.fit(model, data)
+        return trainer, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    norms = []
+
+    class Norms(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = [p.grad.double().norm() for p in pl_module.parameters() if p.grad is not None]
+            norms.append(float(torch.stack(grads).norm()))
+
+    _, bare = fit([Norms()])
+    assert norms[0] == 0.0 and min(norms[1:5]) > 100  # the run the test is about
+    monitor = TrainingMonitor()
+    with caplog.at_level(logging.INFO):
+        trainer, watched = fit([monitor])
+    assert monitor.alerts == [] and monitor.skipped_steps == 0
+    assert trainer.global_step == 30
+    assert torch.equal(watched, bare)
+    told = [r.getMessage() for r in caplog.records if "exploding_grad_threshold" in r.getMessage()]
+    assert len(told) == 1
+    assert "at its first step with a gradient above 0, above 100" in told[0]
