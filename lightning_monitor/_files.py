@@ -182,12 +182,12 @@ class AppendFile:
         (the first append then raises :class:`SymlinkError`); a file that cannot be moved stays too, and is appended to.
         """
         self.close()
-        if self.path.is_symlink() or not self.path.is_file():
-            return None
-        n = 1
-        while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
-            n += 1
-        try:
+        try:  # a path the system cannot look up (too long) has no earlier file to move, like a missing one
+            if self.path.is_symlink() or not self.path.is_file():
+                return None
+            n = 1
+            while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
+                n += 1
             self.path.rename(aside)
         except OSError:
             return None

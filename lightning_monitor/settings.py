@@ -402,12 +402,24 @@ def _number(
         return
     low = above if above is not None else 0.0
     strict = positive or above is not None
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
     if not (ok and (value > low if strict else value >= low)):
         also = " (or 'auto', the default rule, or None, off)" if auto else " (or None, off)" if optional else ""
         bound = f"{'>' if strict else '>='} {low:g}"
         raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {value!r}{also}")
     object.__setattr__(group, name, float(value))
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Whether ``value`` is finite as a float (an integer too large for one, ``10**400``, is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+#: The largest integer argument: the most an int64 holds (a window, a patience, ``ignore_index`` go to torch or C).
+_INT_MAX = 2**63 - 1
 
 
 def _required(f: Field[Any]) -> bool:
@@ -424,6 +436,8 @@ def _count(group: Any, name: str, least: int, *, optional: bool = False) -> None
         raise ValueError(f"Expected argument `{name}` to be an integer of at least {least}, but got {value!r}")
     if int(value) < least:
         raise ValueError(f"Expected argument `{name}` to be at least {least}, but got {value!r}")
+    if int(value) > _INT_MAX:
+        raise ValueError(f"Expected argument `{name}` to be at most 2**63 - 1, but got {value!r}")
     object.__setattr__(group, name, int(value))
 
 
@@ -431,6 +445,8 @@ def _integer(group: Any, name: str) -> None:
     value = getattr(group, name)
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
         raise ValueError(f"Expected argument `{name}` to be an integer, but got {value!r}")
+    if not -_INT_MAX - 1 <= int(value) <= _INT_MAX:
+        raise ValueError(f"Expected argument `{name}` to be an integer from -2**63 to 2**63 - 1, but got {value!r}")
     object.__setattr__(group, name, int(value))
 
 
@@ -462,13 +478,26 @@ def _file_name(group: Any, name: str) -> None:
         )
     if value in _TAKEN_NAMES or value.startswith("events.out.tfevents"):
         raise ValueError(
-            f"Expected argument `{name}` to be a file name that no other file of the run's folder has, but got"
-            f" {value!r}"
+            f"Expected argument `{name}` to be a file name that no other file or folder of the run's folder has, but"
+            f" got {value!r}"
+        )
+    if len(value.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+        raise ValueError(
+            f"Expected argument `{name}` to be a file name of at most {_NAME_MAX} bytes, but got {value!r}"
         )
 
 
-#: Files of a run's folder that the alerts file must not replace: the monitor's others and the loggers'.
-_TAKEN_NAMES = frozenset({"monitor_settings.json", "monitor_history.jsonl", "metrics.csv", "hparams.yaml"})
+#: What a run's folder holds that the alerts file must not replace or block: the monitor's other files and folders
+#: (``postmortem/``, ``recovery/``, ``lightning_monitor/`` in a W&B or MLflow run), and the loggers' and
+#: ``ModelCheckpoint``'s (``checkpoints/``, made at its first save: a file of that name before it ends the run).
+_TAKEN_NAMES = frozenset(
+    {
+        "monitor_settings.json", "monitor_history.jsonl", "metrics.csv", "hparams.yaml", "checkpoints", "postmortem",
+        "recovery", "lightning_monitor",
+    }
+)  # fmt: skip
+#: The longest file name most file systems take, in bytes (``NAME_MAX`` on Linux, macOS and Windows' NTFS).
+_NAME_MAX = 255
 
 
 def _step_kinds(argument: str, kinds: Any) -> frozenset[AlertKind]:

@@ -207,10 +207,40 @@ def test_alerts_file_must_be_a_plain_file_name(name):
         TrainingMonitor(alerts_file=name)
 
 
-@pytest.mark.parametrize("name", ["metrics.csv", SETTINGS_FILE])
+@pytest.mark.parametrize("name", ["metrics.csv", SETTINGS_FILE, "checkpoints", "postmortem", "recovery"])
 def test_alerts_file_must_not_be_another_file_of_the_folder(name):
+    # Before, "checkpoints" was taken: the first alert made a file there, and ModelCheckpoint's first save ended the
+    # run (FileExistsError); "postmortem" and "recovery" cost a halt its bundle and a recovery its states.
     with pytest.raises(ValueError, match=f"Expected argument `alerts_file` to be a file name that no other.*{name!r}"):
         TrainingMonitor(alerts_file=name)
+
+
+def test_alerts_file_must_be_a_name_the_file_system_takes(tmp_path):
+    # Before, a 300-character name was taken, and the run ended at its start (OSError: File name too long).
+    assert TrainingMonitor(alerts_file="x" * 255).config.response.alerts_file == "x" * 255
+    for name in ("x" * 256, "é" * 128):  # 256 bytes either way
+        with pytest.raises(ValueError, match="Expected argument `alerts_file` to be a file name of at most 255 bytes"):
+            TrainingMonitor(alerts_file=name)
+    from lightning_monitor._files import AppendFile
+
+    assert AppendFile(tmp_path / ("x" * 300)).set_aside() is None  # a path the system cannot look up: nothing to move
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [  # each was taken, and ended the run at its first step or batch (OverflowError, or torch's long long)
+        ({"exploding_grad_threshold": 10**400}, "`exploding_grad_threshold` to be a finite number > 0, but got 1000"),
+        ({"vanishing_grad_threshold": 10**400}, "`vanishing_grad_threshold` to be a finite number >= 0, but got 1000"),
+        ({"spike_window": 10**400}, "`spike_window` to be at most 2**63 - 1, but got 1000"),
+        ({"vanishing_grad_patience": 2**63}, "`vanishing_grad_patience` to be at most 2**63 - 1, but got 92233"),
+        ({"ignore_index": 2**63}, "`ignore_index` to be an integer from -2**63 to 2**63 - 1, but got 92233"),
+        ({"ignore_index": -(2**63) - 1}, "`ignore_index` to be an integer from -2**63 to 2**63 - 1, but got -9223372"),
+    ],
+)  # fmt: skip
+def test_integers_too_large_for_the_run_are_refused(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(f"Expected argument {message}")):
+        TrainingMonitor(**arguments)
+    assert TrainingMonitor(ignore_index=-(2**63), spike_window=2**63 - 1).config.tokens.ignore_index == -(2**63)
 
 
 CONFIG = """
