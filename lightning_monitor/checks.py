@@ -309,8 +309,8 @@ class OptimizerChecks:
         self.on_new_optimizer = on_new_optimizer
         self.checks: dict[int, OptimizerCheck] = {}
         self.order: ForwardOrder | None = None  # the layers' forward order, handed to each check for its messages
-        self._last: tuple[Optimizer, OptimizerCheck, int] | None = None  # what `for_optimizer` returned last
-        self._measured: dict[int, tuple[Optimizer, int]] = {}  # each check's optimizer and its number of groups
+        self._last: tuple[Optimizer, OptimizerCheck, Any] | None = None  # what `for_optimizer` returned last
+        self._measured: dict[int, tuple[Optimizer, Any]] = {}  # each check's optimizer and its groups' lists
         self._restored: dict[str, Any] = {}
 
     def reset(self) -> None:
@@ -318,8 +318,18 @@ class OptimizerChecks:
         self.checks, self._last, self._measured = {}, None, {}
 
     def for_optimizer(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> OptimizerCheck:
-        """The check of ``optimizer``, built on its first step (and after a resume, from the checkpoint)."""
-        groups = len(optimizer.param_groups)
+        """The check of ``optimizer``, built on its first step (and after a resume, from the checkpoint).
+
+        Its layers are measured again where the optimizer's parameters changed: a group added, or a group's list of
+        parameters replaced or grown or shrunk in place (model surgery: ``group["params"] = list(model.parameters())``
+        after a new head); told, at every step, by each group's list and its length.
+        """
+        param_groups = optimizer.param_groups
+        if len(param_groups) == 1:  # most runs: no tuple of tuples built per step
+            params = param_groups[0]["params"]
+            groups: Any = (id(params), len(params))
+        else:
+            groups = tuple((id(g["params"]), len(g["params"])) for g in param_groups)
         last = self._last
         if last is not None and last[0] is optimizer and last[2] == groups:  # every step of a single optimizer
             return last[1]
