@@ -71,6 +71,7 @@ DEFAULT_HALT_ON: tuple[AlertKindName, ...] = (
     "nonfinite_grad",
     "exploding_grad",
 )
+_DEFAULT_HALT_KINDS = frozenset(AlertKind(k) for k in DEFAULT_HALT_ON)
 #: The checks of one optimizer over which a step-level problem's recurrences count towards a halt.
 HALT_WINDOW = 32
 #: A step-level problem found at this many of the last :data:`HALT_WINDOW` checks halts, in a row or not: one that
@@ -319,6 +320,10 @@ class MonitorSettings:
         for name, given, default, other in (
             ("epoch_token_accuracy", tokens.epoch_token_accuracy, False, "token_accuracy=False"),
             ("token_accuracy_fn", tokens.token_accuracy_fn, None, "token_accuracy=False"),
+            ("top_k", tokens.top_k, 1, "token_accuracy=False"),
+            ("shift_labels", tokens.shift_labels, "auto", "token_accuracy=False"),
+            ("logits_key", tokens.logits_key, "logits", "token_accuracy=False"),
+            ("labels_key", tokens.labels_key, "labels", "token_accuracy=False"),
             ("token_acc_patience", validation.token_acc_patience, None, "token_accuracy=False"),
             ("token_acc_patience", validation.token_acc_patience, None, "val_loss_key=None"),
         ):
@@ -327,11 +332,47 @@ class MonitorSettings:
                     f"Expected argument `{name}` to be {default} with `{other}`, which turns off what it needs,"
                     f" but got {given!r}"
                 )
+        self._no_rule_turned_off()
         if self.recovery.recover_on and self.step.host_sync == "deferred":  # "auto" reads before the step then
             raise ValueError(
                 "Expected argument `host_sync` to be 'auto' or 'step' with `recover_on`, whose restore must come"
                 " before the bad step's update, but got 'deferred'"
             )
+
+    def _no_rule_turned_off(self) -> None:
+        """A kind named in ``halt_on``, ``skip_on`` or ``recover_on`` whose rule another argument turns off: refused.
+
+        Only a list given (other than its default) is held to it: the default ``halt_on`` names ``exploding_grad``,
+        and ``exploding_grad_threshold=None`` alone is a plain way to turn that rule off.
+        """
+        step, spikes, validation = self.step, self.spikes, self.validation
+        turned_off = {
+            AlertKind.EXPLODING_GRAD: ("exploding_grad_threshold=None", step.exploding_grad_threshold is None),
+            AlertKind.VANISHING_GRAD: ("vanishing_grad_threshold=None", step.vanishing_grad_threshold is None),
+            AlertKind.LOSS_SPIKE: ("loss_spike_threshold=None", spikes.loss_spike_threshold is None),
+            AlertKind.GRAD_SPIKE: ("grad_spike_threshold=None", spikes.grad_spike_threshold is None),
+            AlertKind.DIVERGING_LOSS: ("loss_divergence_factor=None", spikes.loss_divergence_factor is None),
+            AlertKind.LOSS_DRIFT: ("loss_drift_factor=None", spikes.loss_drift_factor is None),
+            AlertKind.DIVERGING_VAL_LOSS: ("val_loss_key=None", validation.val_loss_key is None),
+            AlertKind.TOKEN_ACC_STALL: (
+                "token_acc_patience=None" if validation.token_acc_patience is None else "token_accuracy=False",
+                validation.token_acc_patience is None or not self.tokens.token_accuracy,
+            ),
+        }
+        for argument, kinds, default in (
+            ("halt_on", self.response.halt_on, _DEFAULT_HALT_KINDS),
+            ("skip_on", self.response.skip_on, frozenset()),
+            ("recover_on", self.recovery.recover_on, frozenset()),
+        ):
+            if kinds == default:
+                continue
+            for kind in sorted(kinds, key=lambda k: k.value):
+                other, off = turned_off.get(kind, ("", False))
+                if off:
+                    raise ValueError(
+                        f"Expected argument `{argument}` to leave out {kind.value!r} with `{other}`, which turns"
+                        f" that rule off, but got {sorted(k.value for k in kinds)}"
+                    )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> MonitorSettings:

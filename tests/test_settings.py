@@ -304,3 +304,35 @@ def test_the_kinds_in_the_annotations_are_the_alert_kinds():
 def test_alert_kinds_still_work_from_python():
     monitor = TrainingMonitor(halt_on=[AlertKind.NONFINITE_LOSS], skip_on=["loss_spike"])
     assert monitor.halt_on == {AlertKind.NONFINITE_LOSS} and monitor.skip_on == {AlertKind.LOSS_SPIKE}
+
+
+OFF = "`halt_on` to leave out"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [  # each was taken, and the rule asked for never fired
+        ({"halt_on": ["loss_spike"], "loss_spike_threshold": None}, f"{OFF} 'loss_spike' with `loss_spike_threshold="),
+        ({"skip_on": ["grad_spike"], "grad_spike_threshold": None}, "`skip_on` to leave out 'grad_spike' with `grad_"),
+        ({"recover_on": ["loss_spike"], "loss_spike_threshold": None}, "`recover_on` to leave out 'loss_spike'"),
+        ({"halt_on": ["vanishing_grad"], "vanishing_grad_threshold": None}, f"{OFF} 'vanishing_grad' with `vanishing_"),
+        ({"halt_on": ["nonfinite_loss", "exploding_grad"], "exploding_grad_threshold": None}, f"{OFF} 'exploding"),
+        ({"halt_on": ["diverging_val_loss"], "val_loss_key": None}, f"{OFF} 'diverging_val_loss' with `val_loss_key="),
+        ({"halt_on": ["diverging_loss"], "loss_divergence_factor": None}, f"{OFF} 'diverging_loss' with `loss_diverge"),
+        ({"halt_on": ["loss_drift"], "loss_drift_factor": None}, f"{OFF} 'loss_drift' with `loss_drift_factor=None`"),
+        ({"halt_on": ["token_acc_stall"]}, f"{OFF} 'token_acc_stall' with `token_acc_patience=None`"),
+        ({"token_accuracy": False, "top_k": 5}, "`top_k` to be 1 with `token_accuracy=False`"),
+        ({"token_accuracy": False, "shift_labels": True}, "`shift_labels` to be auto with `token_accuracy=False`"),
+        ({"token_accuracy": False, "logits_key": "scores"}, "`logits_key` to be logits with `token_accuracy=False`"),
+    ],
+)  # fmt: skip
+def test_a_rule_asked_for_that_another_argument_turns_off_is_refused(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(f"Expected argument {message}")):
+        TrainingMonitor(**arguments)
+
+
+def test_the_default_lists_do_not_hold_a_rule_turned_off_against_it():
+    # `exploding_grad_threshold=None` is how that rule is turned off; the default `halt_on` names it.
+    monitor = TrainingMonitor(exploding_grad_threshold=None, val_loss_key=None, loss_spike_threshold=None)
+    assert monitor.halt_on == frozenset(AlertKind(k) for k in DEFAULT_HALT_ON)
+    assert TrainingMonitor(halt_on=["token_acc_stall"], token_acc_patience=3).halt_on == {AlertKind.TOKEN_ACC_STALL}
