@@ -500,14 +500,17 @@ def read_series(
         raise FileNotFoundError(f"No run at {str(root)!r}: no such file or folder")
     file, chosen = _locate(root, format)
     unreadable: dict[str, tuple[str, str]] = {}  # a CSV's key -> (its first value that is not a number, its step)
-    if chosen == "tensorboard":
-        columns = _read_tensorboard(file)
-    elif chosen == "trainer_state":
-        columns = _read_trainer_state(file)
-    elif chosen == "history":
-        columns = _read_history(file)
-    else:
-        columns = _read_csv(file, unreadable)
+    try:
+        if chosen == "tensorboard":
+            columns = _read_tensorboard(file)
+        elif chosen == "trainer_state":
+            columns = _read_trainer_state(file)
+        elif chosen == "history":
+            columns = _read_history(file)
+        else:
+            columns = _read_csv(file, unreadable)
+    except UnicodeDecodeError as err:  # a binary file under a text file's name
+        raise ValueError(f"{str(file)!r} is not a text file (UTF-8): byte {err.start} cannot be read") from None
     given_val = val_loss_key if require_val_loss_key else None
     points = _points(columns, loss_key, grad_norm_key, val_loss_key, given_val, unreadable)
     if not points:
@@ -632,7 +635,7 @@ def _read_csv(path: Path, unreadable: dict[str, tuple[str, str]]) -> Columns:
     A row whose step is not a whole number counts as unreadable under ``step`` (its values are not read).
     """
     columns: Columns = {}
-    with path.open(newline="", encoding="utf-8") as handle:
+    with path.open(newline="", encoding="utf-8-sig") as handle:  # "-sig": the byte-order mark Excel writes first
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "step" not in reader.fieldnames:
             raise ValueError(f"{str(path)!r} is not a CSV with a `step` column (its header: {reader.fieldnames})")
@@ -655,7 +658,7 @@ def _read_csv(path: Path, unreadable: dict[str, tuple[str, str]]) -> Columns:
 
 def _json_objects(path: Path) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSON-lines file, one per line; a line that does not read as one is passed over."""
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8-sig") as handle:
         for line in handle:
             try:
                 record = json.loads(line)
@@ -680,7 +683,7 @@ def _read_history(path: Path) -> Columns:
 
 def _read_trainer_state(path: Path) -> Columns:
     try:
-        history = json.loads(path.read_text(encoding="utf-8"))["log_history"]
+        history = json.loads(path.read_text(encoding="utf-8-sig"))["log_history"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{str(path)!r} is not a trainer_state.json with a `log_history` ({err!r})") from None
     columns: Columns = {}

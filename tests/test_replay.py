@@ -315,6 +315,23 @@ def test_a_file_that_holds_no_readable_run_is_an_error(tmp_path: Path, text: str
     assert main(["replay", str(run), "--format", format]) == 2
 
 
+def test_a_binary_file_is_an_error_that_says_so_and_a_byte_order_mark_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: the bare codec error ("'utf-8' codec can't decode bytes...") without the file; and Excel's CSV (a
+    # byte-order mark, CRLF) was "not a CSV with a `step` column (its header: ['\ufeffstep', ...])".
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert main(["replay", str(binary)]) == 2
+    assert f"{str(binary)!r} is not a text file (UTF-8): byte 128 cannot be read" in capsys.readouterr().err
+    excel = tmp_path / "excel.csv"
+    excel.write_bytes(b"\xef\xbb\xbfstep,loss,grad_norm\r\n" + b"".join(b"%d,2.0,1.0\r\n" % s for s in range(5)))
+    assert [(p.step, p.loss, p.grad_norm) for p in read_series(excel)[0]] == [(s, 2.0, 1.0) for s in range(5)]
+    state = tmp_path / "trainer_state.json"
+    state.write_bytes(b"\xef\xbb\xbf" + json.dumps({"log_history": [{"step": 1, "loss": 2.0}]}).encode())
+    assert [(p.step, p.loss) for p in read_series(state)[0]] == [(1, 2.0)]
+
+
 def test_a_validation_key_named_must_have_been_logged(tmp_path: Path) -> None:
     run = tmp_path / "run.csv"
     run.write_text("step,loss,val_loss\n0,2.0,\n1,2.0,3.0\n")
