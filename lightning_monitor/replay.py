@@ -261,7 +261,7 @@ def replay(
             val_loss_key=val_key,
             require_val_loss_key=given,
         )
-        own = _own_alerts(Path(path_or_series))
+        own = _own_alerts(_locate(Path(path_or_series), format)[0])  # beside the file read: W&B's, MLflow's too
         if own is not None:
             notes.append(own)
     else:
@@ -293,6 +293,11 @@ def replay(
         notice = getattr(state.detectors.exploding, "notice", None)
         if notice is not None and gap > 1:  # its "first step" is the first logged point here
             notice = notice.replace(" at the first step,", f" at the first logged point (step {point.step}),", 1)
+            notice = notice.replace(
+                " at its first step with a gradient above 0,",
+                f" at its first logged point with a gradient above 0 (step {point.step}),",
+                1,
+            )
         if notice is not None and notice not in notes:
             notes.append(notice)
         if not keep_going and any(a.halted for a in found):
@@ -346,7 +351,7 @@ def _own_alerts(path: Path) -> str | None:
     """What the run's own ``alerts.jsonl`` (beside the file replayed, or in the folder) recorded, in words."""
     folder = path if path.is_dir() else path.parent
     file = folder / _ALERTS_FILE
-    if not file.is_file() or file.is_symlink():
+    if not file.is_file():  # read through a link too: W&B's `files/` links to the run's own
         return None
     kinds: dict[str, int] = {}
     halted = None

@@ -580,6 +580,11 @@ def test_each_loggers_run_is_reportable_on_its_own(
         assert [(a.kind, a.step) for a in run.alerts] == [("nonfinite_loss", NAN_AT)]
         assert run.settings == json.loads((tb / "monitor_settings.json").read_text())
 
+        # Replayed from the logger's own folder, it says what the run's alerts.jsonl recorded (it said nothing before:
+        # it looked beside the folder named, not beside the history it read).
+        assert main(["replay", str(run_dir)]) == 0
+        assert "Note: The run's own alerts.jsonl records 1 alert (nonfinite_loss 1)." in capsys.readouterr().out
+
 
 @pytest.mark.timeout(240)
 def test_a_monitor_folder_inside_a_run_is_part_of_it(tmp_path: Path) -> None:
