@@ -561,6 +561,10 @@ class TokenAccuracyTracker:
             logits = logits[..., k:, :]
         if self._per_example is None:
             self._per_example = logits.ndim == 2 and labels.ndim == 1 and logits.dtype.is_floating_point
+        if labels.is_floating_point() and self._auto:  # a regression's or a multi-label classifier's targets
+            why = f"the labels from `{where}` are floating point ({labels.dtype}), targets with no class to score"
+            self._skip(stage, "no classes", why + ".", short=why)
+            return
         metric = self.metrics[stage]
         if metric.device != logits.device:  # the first batch: a blocking copy would wait for the forward pass
             self._add_held(stage)  # (none are held then; a later move counts those held first, where they are)
@@ -753,6 +757,14 @@ class TokenAccuracyTracker:
         a first training batch turns the training stage off with one line of info (``short`` says what it lacked, and
         the line how to have both figures), a validation batch is left out.
         """
+        if self._auto and not self._counted_train and cause == "no classes":  # nothing a step could return instead
+            if stage == "train":
+                self.disabled.update(("train", "val"))
+                rank_zero_info(
+                    f"TrainingMonitor: {short or why}, so there is no {self.key(stage)} or {self.key('val')} (token"
+                    " accuracy scores class labels; `token_accuracy=False` turns it off without this line)."
+                )
+            return
         if self._auto and not self._counted_train and cause in ("missing", "nothing"):
             if stage == "train":  # validation batches like it are left out quietly: the line says how to have both
                 self.disabled.add("train")

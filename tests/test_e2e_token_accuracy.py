@@ -550,6 +550,64 @@ def test_a_model_that_is_not_a_language_model_gets_one_line_of_info_by_default(t
     assert not any(key.endswith("token_acc") for key in trainer.callback_metrics)
 
 
+class BertTargets(pl.LightningModule):
+    """A Hugging Face ``BertForSequenceClassification`` on float targets: a regression (``num_labels=1``) or a
+    multi-label classifier, whose output carries logits and whose batch carries labels, none of them classes."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__()
+        t = pytest.importorskip("transformers")
+        labels = 1 if problem == "regression" else 3
+        config = t.BertConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            num_labels=labels, problem_type=f"{problem}_classification" if problem != "regression" else "regression",
+        )  # fmt: skip
+        self.model, self.labels = t.BertForSequenceClassification(config), labels
+
+    def batch(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(8)[None] * (i + 1) + torch.arange(4)[:, None]) % (V - 1) + 1
+        target = torch.rand(4, self.labels) if self.labels > 1 else torch.randn(4)
+        return {"input_ids": ids, "labels": (target > 0.5).float() if self.labels > 1 else target}
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch)
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.log("val_loss", out.loss)
+        return out
+
+    def train_dataloader(self):
+        return DataLoader([self.batch(i) for i in range(8)], batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader([self.batch(i) for i in range(2)], batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' notes on tiny configs, not the monitor's
+@pytest.mark.parametrize("problem", ["regression", "multi_label"])
+def test_float_targets_of_a_hugging_face_model_get_one_line_of_info_by_default(tmp_path, caplog, problem):
+    # Before, each stage warned: "left a batch out of train_acc ... Expected argument `target` to be an integer
+    # tensor": under `-W error` that ended a healthy run, and there was nothing to fix.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with caplog.at_level(logging.INFO):
+            trainer = make_trainer(tmp_path, [TrainingMonitor()], max_steps=8, val_check_interval=4)
+            trainer.fit(BertTargets(problem))
+    assert trainer.global_step == 8
+    info = [r.getMessage() for r in caplog.records if "_acc" in r.getMessage()]
+    key = "acc" if problem == "regression" else "token_acc"  # [B, 1] logits and [B] labels: a classifier's keys
+    assert info == [
+        "TrainingMonitor: the labels from `training_step` are floating point (torch.float32), targets with no class"
+        f" to score, so there is no train_{key} or val_{key} (token accuracy scores class labels;"
+        " `token_accuracy=False` turns it off without this line)."
+    ]
+    assert not any(k.endswith("acc") for k in trainer.callback_metrics)
+
+
 def test_bad_shapes_warn_once_and_training_goes_on(tmp_path):
     class WrongLabels(TinyLM):
         def training_step(self, batch, batch_idx):
