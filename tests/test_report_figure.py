@@ -303,3 +303,16 @@ def test_the_history_keeps_the_limits_for_the_report(tmp_path: Path) -> None:
     assert exploding.steps == (0, 1) == vanishing.steps
     assert math.isnan(exploding.values[0]) and exploding.values[1] == 100.0  # none armed at step 0
     assert vanishing.values[1] == 1e-4
+
+
+def test_a_point_alone_between_non_finite_steps_is_marked(tmp_path: Path) -> None:
+    # Before, the finite norms at steps 4 and 6 of a run whose norm was NaN at 3, 5 and 7 were on no segment and
+    # drew nothing at all.
+    norms = [1.0, 1.1, 1.2, "nan", 2.0, "nan", 3.0, "nan", 1.0, 1.1]
+    records = [{"step": s, "epoch": 0, "grad_norm": v} for s, v in enumerate(norms)]
+    plots = [plan_run(load_run(write_history(tmp_path / "run", records)))]
+    ax = axes_of(draw_figure(plots), plots, "grad_norm")
+    (line,) = [line for label, line in lines_by_label(ax).items() if "non-finite" not in label]
+    assert line.get_marker() == "o"
+    assert list(line.get_markevery()) == [4, 6]  # the two alone, and not the points of the segments
+    assert [line.get_xdata()[i] for i in line.get_markevery()] == [4, 6]

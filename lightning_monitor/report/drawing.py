@@ -156,9 +156,20 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     log = panel.yscale == "log"
     for line in panel.lines:
         shown = [v if _drawable(v, log) else math.nan for v in line.values]
-        lone = sum(not math.isnan(v) for v in shown) == 1  # a line through one point draws nothing
-        marker = "o" if line.points or lone else None
-        ax.plot(line.steps, shown, color=line.colour, lw=1.4, label=_legend(line.label), marker=marker, ms=4)
+        # A point with no drawn neighbour (one alone between NaN steps, or the only one) is on no segment: mark it.
+        alone = [
+            i
+            for i, v in enumerate(shown)
+            if not math.isnan(v)
+            and (i == 0 or math.isnan(shown[i - 1]))
+            and (i == len(shown) - 1 or math.isnan(shown[i + 1]))
+        ]
+        marker = "o" if line.points or alone else None
+        every = None if line.points or not alone else alone
+        ax.plot(
+            line.steps, shown, color=line.colour, lw=1.4, label=_legend(line.label), marker=marker, ms=4,
+            markevery=every,
+        )  # fmt: skip
         bad = line.nonfinite_steps
         if bad:  # at the top edge, whatever the y scale: x in data, y in axes coordinates
             ax.plot(
