@@ -500,7 +500,9 @@ class TrainingMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if trainer.state.fn == FITTING:  # the history says how the fit ended, for `report` (a fit it watched only)
+        # The history says how the fit ended, for `report`: a fit whose run this monitor set up (an exception before
+        # its `setup`, as in `prepare_data`, must not be written into the run of an earlier trainer's fit).
+        if trainer.state.fn == FITTING and self._fitted is not None and self._fitted() is trainer:
             self._writer.history.end(logging_step(trainer), self._epoch, exception)
         self._reads.clear()
         self._close_hooks()

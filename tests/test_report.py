@@ -771,3 +771,27 @@ def test_a_fit_interrupted_by_ctrl_c_is_interrupted(tmp_path: Path) -> None:
     )  # fmt: skip
     assert verdict(run) == "INTERRUPTED at step 3 (KeyboardInterrupt)"
     assert fields(summarize_run(run))["Ended"] == "at step 3: the fit was interrupted (KeyboardInterrupt)"
+
+
+def test_a_fit_that_raises_before_the_monitor_set_it_up_writes_nothing_into_an_earlier_run(tmp_path: Path) -> None:
+    class FailsToPrepare(RegressionModel):
+        def prepare_data(self) -> None:
+            raise OSError("the data set is not there")
+
+    torch.manual_seed(0)
+    x = torch.randn(8 * BATCHES_PER_EPOCH, 8)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    monitor = TrainingMonitor(val_loss_key=None)
+
+    def trainer(version: int) -> pl.Trainer:
+        return pl.Trainer(
+            max_steps=4, logger=TensorBoardLogger(tmp_path, name="run", version=version), callbacks=[monitor],
+            log_every_n_steps=1,
+            limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        )  # fmt: skip
+
+    trainer(0).fit(RegressionModel(), data, data)
+    with pytest.raises(OSError, match="the data set is not there"):
+        trainer(1).fit(FailsToPrepare(), data, data)
+    run = load_run(tmp_path / "run" / "version_0")
+    assert run.ended is None and verdict(run) == "HEALTHY"
