@@ -356,7 +356,9 @@ def test_a_resume_drops_the_history_of_the_steps_after_its_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match="killed"):
         fit(Killed(crash_at=17), max_steps=20)
     history = tmp_path / "csv" / "version_0" / "monitor_history.jsonl"
-    assert [line["step"] for line in jsonl(history)] == list(range(17))  # every step the killed run took
+    # Every step the killed run took, then how it ended, at the step it raised in.
+    assert [line["step"] for line in jsonl(history)] == [*range(17), 17]
+    assert jsonl(history)[-1] == {"step": 17, "epoch": 0, "ended": "failed", "exception": "RuntimeError: killed"}
     before = history.read_text().splitlines()
 
     fit(Killed(), max_steps=13, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=10.ckpt"))
