@@ -447,7 +447,7 @@ def _number(
     if not (ok and (value > low if strict else value >= low)):
         also = " (or 'auto', the default rule, or None, off)" if auto else " (or None, off)" if optional else ""
         bound = f"{'>' if strict else '>='} {low:g}"
-        raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {value!r}{also}")
+        raise ValueError(f"Expected argument `{name}` to be a finite number {bound}, but got {_shown(value)}{also}")
     object.__setattr__(group, name, float(value))
 
 
@@ -457,6 +457,14 @@ def _finite(value: numbers.Real) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, an integer of more than 24 digits cut short (``10**400`` is not 401 digits in a message)."""
+    text = repr(value)
+    if isinstance(value, numbers.Integral) and len(text) > 24:
+        return f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+    return text
 
 
 #: The largest integer argument: the most an int64 holds (a window, a patience, ``ignore_index`` go to torch or C).
@@ -478,7 +486,7 @@ def _count(group: Any, name: str, least: int, *, optional: bool = False) -> None
     if int(value) < least:
         raise ValueError(f"Expected argument `{name}` to be at least {least}, but got {value!r}")
     if int(value) > _INT_MAX:
-        raise ValueError(f"Expected argument `{name}` to be at most 2**63 - 1, but got {value!r}")
+        raise ValueError(f"Expected argument `{name}` to be at most 2**63 - 1, but got {_shown(value)}")
     object.__setattr__(group, name, int(value))
 
 
@@ -487,7 +495,9 @@ def _integer(group: Any, name: str) -> None:
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
         raise ValueError(f"Expected argument `{name}` to be an integer, but got {value!r}")
     if not -_INT_MAX - 1 <= int(value) <= _INT_MAX:
-        raise ValueError(f"Expected argument `{name}` to be an integer from -2**63 to 2**63 - 1, but got {value!r}")
+        raise ValueError(
+            f"Expected argument `{name}` to be an integer from -2**63 to 2**63 - 1, but got {_shown(value)}"
+        )
     object.__setattr__(group, name, int(value))
 
 
