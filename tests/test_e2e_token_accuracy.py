@@ -550,7 +550,21 @@ def test_a_model_that_is_not_a_language_model_gets_one_line_of_info_by_default(t
     assert not any(key.endswith("token_acc") for key in trainer.callback_metrics)
 
 
-class BertTargets(pl.LightningModule):
+class ReturnsModelOutput(pl.LightningModule):
+    """``training_step`` and ``validation_step`` return ``self.model``'s output; validation logs its loss."""
+
+    model: torch.nn.Module
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch)
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.log("val_loss", out.loss)
+        return out
+
+
+class BertTargets(ReturnsModelOutput):
     """A Hugging Face ``BertForSequenceClassification`` on float targets: a regression (``num_labels=1``) or a
     multi-label classifier, whose output carries logits and whose batch carries labels, none of them classes."""
 
@@ -568,14 +582,6 @@ class BertTargets(pl.LightningModule):
         ids = (torch.arange(8)[None] * (i + 1) + torch.arange(4)[:, None]) % (V - 1) + 1
         target = torch.rand(4, self.labels) if self.labels > 1 else torch.randn(4)
         return {"input_ids": ids, "labels": (target > 0.5).float() if self.labels > 1 else target}
-
-    def training_step(self, batch, batch_idx):
-        return self.model(**batch)
-
-    def validation_step(self, batch, batch_idx):
-        out = self.model(**batch)
-        self.log("val_loss", out.loss)
-        return out
 
     def train_dataloader(self):
         return DataLoader([self.batch(i) for i in range(8)], batch_size=None)
@@ -906,7 +912,7 @@ def test_a_causal_lm_on_labels_shifted_already_is_scored_as_they_are_and_says_so
     ]
 
 
-class SpeechCTC(pl.LightningModule):
+class SpeechCTC(ReturnsModelOutput):
     """A Hugging Face CTC speech model built from a config: per-frame logits ``[B, 79, V]``, labels ``[B, 5]``."""
 
     def __init__(self):
@@ -918,14 +924,6 @@ class SpeechCTC(pl.LightningModule):
             num_conv_pos_embedding_groups=2, feat_extract_norm="group", pad_token_id=0,
         )  # fmt: skip
         self.model = transformers.Wav2Vec2ForCTC(config)
-
-    def training_step(self, batch, batch_idx):
-        return self.model(**batch)
-
-    def validation_step(self, batch, batch_idx):
-        out = self.model(**batch)
-        self.log("val_loss", out.loss)
-        return out
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
