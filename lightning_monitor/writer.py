@@ -180,6 +180,10 @@ class RunWriter:
         if trainer.is_global_zero:
             self._loggers.log_figures(out, at)
 
+    def callback_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
+        """Put host figures in ``trainer.callback_metrics`` only, under the names they go out with (every rank)."""
+        mirror_callback_metrics(trainer, self._outgoing(trainer, figures, logging_step(trainer)))
+
     def _outgoing(self, trainer: pl.Trainer, figures: dict[str, float], at: int) -> dict[str, float]:
         """``figures`` under the names they go to the loggers and ``callback_metrics`` with (where they go out).
 

@@ -612,8 +612,11 @@ def test_a_monitor_folder_inside_a_run_is_part_of_it(tmp_path: Path) -> None:
         pytest.param(True, id="csv_logger"),
     ],
 )
-def test_early_stopping_watches_grad_norm(tmp_path, logger):
-    """`EarlyStopping(monitor="grad_norm")` finds the figure at each epoch's end, as the README promises."""
+@pytest.mark.parametrize("every", [1, 50])
+def test_early_stopping_watches_grad_norm(tmp_path, logger, every):
+    """`EarlyStopping(monitor="grad_norm")` finds the figure at each epoch's end, as the README promises: the
+    epoch's last step's, also where the epoch is shorter than `log_every_n_steps` (before, with 50, it was not there
+    and EarlyStopping raised "Early stopping conditioned on metric `grad_norm` which is not available")."""
     model = ScriptedModel()
     stopper = EarlyStopping(monitor="grad_norm", mode="min", patience=100, check_on_train_epoch_end=True)
     monitor = TrainingMonitor(val_loss_key=None)
@@ -624,7 +627,9 @@ def test_early_stopping_watches_grad_norm(tmp_path, logger):
         max_epochs=2,
         limit_train_batches=3,
         logger=CSVLogger(tmp_path) if logger else False,
+        log_every_n_steps=every,
     )
     trainer.fit(model, train_dataloaders=loader())
     assert trainer.global_step == 6
     assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])
+    assert close(float(stopper.best_score), min(model.reference[2], model.reference[5]))  # each epoch's last
