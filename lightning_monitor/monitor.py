@@ -741,6 +741,7 @@ class TrainingMonitor(Callback):
                 halt_mode=self.config.response.halt_mode,
                 halt_after=self._policy.halt_after,
                 after_halt=facts.halted,
+                skip_on=self._policy.skip_on,
             )
             order = None if self._checks.order is None else self._checks.order.sort
             names = check.norms.names

@@ -118,6 +118,9 @@ class AlertContext:
         halt_after: The ladder's ``halt_after``, quoted on its rungs.
         after_halt: Training had halted already (``min_steps`` keeps it going): a bad step is only skipped.
         ended: Said at the end of training (``on_train_end``): its advice is for the next run.
+        skip_on: The kinds that skip their step without halting (``skip_on``).
+        skipped_for: The alert kinds of the check whose rulings kept its step from the weights, for an alert that
+            did not (a ``diverging_loss`` at a step skipped for ``exploding_grad``); ``""`` for the rest.
     """
 
     at: int
@@ -138,6 +141,8 @@ class AlertContext:
     halt_after: int = 4
     after_halt: bool = False
     ended: bool = False
+    skip_on: frozenset[AlertKind] = frozenset()
+    skipped_for: str = ""
 
 
 def step_alerts(
@@ -164,19 +169,27 @@ def step_alerts(
         return []
     lr, lr_words = learning_rate_words(optimizer)
     held_peak = figures.grad_peak != figures.grad_norm
+    skips = [r.detection.kind for r in rulings if _skips(r, context)]  # the alerts the step was skipped for
     alerts = []
     for ruling in rulings:
         kind = ruling.detection.kind
         layers = blame(kind, names, figures.layer_sq, held_peak=held_peak, order=order)
+        others = [k.value for k in skips if k is not kind] if context.skipped and not _skips(ruling, context) else []
         blamed = replace(
             context,
             lr=lr,
             lr_words=lr_words,
             rank=figures.attribution(kind),
             blame=layers + _first_bad(kind, first_bad),
+            skipped_for=" and ".join(dict.fromkeys(others)),
         )
         alerts.append(make_alert(ruling, blamed))
     return alerts
+
+
+def _skips(ruling: Ruling, context: AlertContext) -> bool:
+    """Whether ``ruling`` keeps its step from the weights by itself: a rung of the ladder, or a ``skip_on`` kind."""
+    return ruling.rung is not Rung.ALERT or ruling.detection.kind in context.skip_on
 
 
 def validation_alerts(rulings: Sequence[Ruling], context: AlertContext, optimizer: Optimizer | None) -> list[Alert]:
@@ -270,9 +283,9 @@ def _what_was_done(context: AlertContext) -> str:
             f" (check_every_n_steps={every}) {'was' if covered == 2 else 'were'} applied unchecked."
         )
     elif context.skipped and context.weights_ok:
-        done = "The optimizer step was skipped, so the weights are unchanged."
+        done = f"The optimizer step was skipped{_for(context)}, so the weights are unchanged."
     elif context.skipped:  # weights already not finite: "unchanged" would read as "sound"
-        done = "The optimizer step was skipped."
+        done = f"The optimizer step was skipped{_for(context)}."
     elif covered > 1:
         done = (
             f"This check covers the last {covered} optimizer steps (check_every_n_steps={every}): the ones before"
@@ -283,6 +296,11 @@ def _what_was_done(context: AlertContext) -> str:
     if not context.weights_ok:
         done += " The weights are not finite (a step applied unchecked made them so): no checkpoint of them is kept."
     return done
+
+
+def _for(context: AlertContext) -> str:
+    """`` for exploding_grad`` where the step was skipped for another alert of the check, else ``""``."""
+    return f" for {context.skipped_for}" if context.skipped_for else ""
 
 
 def what_was_done(on_device: OnDevice, covered: int, every: int) -> str:

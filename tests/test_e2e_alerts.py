@@ -968,3 +968,22 @@ def test_a_training_loss_that_drifts_up_gets_a_warning_and_trains_on(tmp_path, d
         assert alert.threshold == pytest.approx(2 * 0.7385, rel=1e-3) and alert.value > alert.threshold
         assert alert.message.startswith("Training loss 1.748 (the median of its last 16 checks) > 2x its best level")
         assert "crept back up" in alert.message
+
+
+@pytest.mark.parametrize("skip_on", [(), ("loss_spike",)])
+def test_an_alert_at_a_step_skipped_for_another_says_which(tmp_path, skip_on):
+    # Before, the loss spike's message said "The optimizer step was skipped" as if the spike had skipped it, where the
+    # step was kept from the weights for the exploding gradient of the same step (a probe's `--lr 50` run).
+    model = ScriptedModel(loss_factor={70: 1e6})
+    monitor = TrainingMonitor(val_loss_key=None, loss_divergence_factor=None, skip_on=list(skip_on))
+    trainer = make_trainer(tmp_path, [monitor], max_steps=72)
+    trainer.fit(model, train_dataloaders=loader(n=200))
+    by_kind = {a.kind: a for a in monitor.alerts if a.step == 70}
+    assert set(by_kind) == {AlertKind.LOSS_SPIKE, AlertKind.EXPLODING_GRAD}
+    assert "The optimizer step was skipped, so the weights are unchanged." in by_kind[AlertKind.EXPLODING_GRAD].message
+    spike = by_kind[AlertKind.LOSS_SPIKE].message
+    if skip_on:  # the spike skips its step itself
+        assert "The optimizer step was skipped, so the weights are unchanged." in spike
+    else:
+        assert "The optimizer step was skipped for exploding_grad, so the weights are unchanged." in spike
+    assert all(torch.equal(a, b) for a, b in zip(model.weights_before[70], model.weights_before[71], strict=True))
