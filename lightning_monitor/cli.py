@@ -192,7 +192,7 @@ def _add_replay(commands: Any) -> None:
             "them). Print one line per alert, then a summary. Each logged training point is one check."
         ),
     )
-    replay.add_argument("path", metavar="PATH", type=Path, help="a run file, or a run folder")
+    replay.add_argument("path", metavar="PATH", type=Path, help="a run file, a run's folder, or a folder above one run")
     replay.add_argument(
         "--format", default="auto", choices=FORMATS, help="the file's format (default: told from the name/folder)"
     )
