@@ -815,7 +815,7 @@ class TrainingMonitor(Callback):
         # The epoch's last check in `callback_metrics`, where `EarlyStopping` and `ModelCheckpoint` look at the epoch's
         # end, as a metric the module logs on each step is there (an epoch shorter than `log_every_n_steps` had none).
         if self._latest is not None:
-            self._writer.callback_metrics(trainer, self._latest.logged())
+            self._writer.watched_metrics(trainer, self._latest.logged())
         # Gate on the settings only, never on what one rank saw: every rank must join the collective.
         if not self.config.tokens.token_accuracy:
             return

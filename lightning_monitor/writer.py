@@ -180,9 +180,19 @@ class RunWriter:
         if trainer.is_global_zero:
             self._loggers.log_figures(out, at)
 
-    def callback_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
-        """Put host figures in ``trainer.callback_metrics`` only, under the names they go out with (every rank)."""
-        mirror_callback_metrics(trainer, self._outgoing(trainer, figures, logging_step(trainer)))
+    def watched_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
+        """Put the host figures that a callback or scheduler watches in ``trainer.callback_metrics`` (every rank).
+
+        Those a callback names as its ``monitor`` (``EarlyStopping``, ``ModelCheckpoint``) or a scheduler as its
+        ``"monitor"``, under the names they go out with; no other, so that no key appears there earlier than at a
+        logging step for a run that reads none of them.
+        """
+        watched = {getattr(callback, "monitor", None) for callback in getattr(trainer, "callbacks", ())}
+        watched.update(config.monitor for config in trainer.lr_scheduler_configs)
+        out = self._outgoing(trainer, figures, logging_step(trainer))
+        shown = {key: value for key, value in out.items() if key in watched}
+        if shown:
+            mirror_callback_metrics(trainer, shown)
 
     def _outgoing(self, trainer: pl.Trainer, figures: dict[str, float], at: int) -> dict[str, float]:
         """``figures`` under the names they go to the loggers and ``callback_metrics`` with (where they go out).

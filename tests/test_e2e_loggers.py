@@ -633,3 +633,27 @@ def test_early_stopping_watches_grad_norm(tmp_path, logger, every):
     assert trainer.global_step == 6
     assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])
     assert close(float(stopper.best_score), min(model.reference[2], model.reference[5]))  # each epoch's last
+
+
+class PlateauOnGradNorm(ScriptedModel):
+    """`ReduceLROnPlateau` on the monitor's `grad_norm`, stepped at each epoch's end."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=100)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "grad_norm"}}
+
+
+def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(tmp_path):
+    # An epoch of 3 steps at `log_every_n_steps=50`: before, Lightning raised "ReduceLROnPlateau conditioned on metric
+    # grad_norm which is not available". The figures no callback or scheduler watches stay out until a logging step.
+    model = PlateauOnGradNorm()
+    trainer = make_trainer(
+        tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=-1, max_epochs=2, limit_train_batches=3,
+        log_every_n_steps=50, logger=CSVLogger(tmp_path),
+    )  # fmt: skip
+    trainer.fit(model, train_dataloaders=loader())
+    assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])
+    assert not [key for key in trainer.callback_metrics if key.startswith("grad_norm_layers/")]
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.best == pytest.approx(min(model.reference[2], model.reference[5]), rel=1e-5)
