@@ -12,7 +12,8 @@ them is the monitor's: Lightning's own rows (which always carry ``epoch``) stay 
 Lightning saves the logger after each of its rows, but some of a step's figures come a step later (a check read a
 step later, token accuracy counted at the end of the step): the writer keeps the newest step's rows pending at a
 save, and writes them at the next one (at the next logging step, or when the logger is finalized). For the run the
-logger's writer is given a ``log_metrics`` and a ``save`` of its own instance, and gets its class's back at the end.
+logger's writer is given a ``log_metrics`` and a ``save`` of its own instance (picklable objects, once, however many
+monitors or fits take it over), and gets back what it had at the end.
 """
 
 from __future__ import annotations
@@ -72,42 +73,82 @@ class CsvRows:
             writer.metrics.append(_MonitorRow({**values, "step": step}))
 
     def close(self) -> None:
-        """Give every writer its class's ``log_metrics`` and ``save`` back (``finalize`` then saves the rest)."""
+        """Give every writer its ``log_metrics`` and ``save`` back (``finalize`` then saves the rest).
+
+        A writer another :class:`CsvRows` took over (a second monitor, or a fit that ended without closing: the
+        tuner's) is given them back too; closing twice does nothing.
+        """
         for writer in self._writers.values():
-            writer.__dict__.pop("log_metrics", None)
-            writer.__dict__.pop("save", None)
+            for name in ("log_metrics", "save"):
+                part = writer.__dict__.get(name)
+                if isinstance(part, _WriterPart):
+                    if part.inner is None:
+                        del writer.__dict__[name]
+                    else:
+                        writer.__dict__[name] = part.inner
         self._writers = {}
 
     def _install(self, writer: Any) -> None:
         if id(writer) in self._writers or not isinstance(getattr(writer, "metrics", None), list):
             return
-        original = writer.log_metrics
-
-        def log_metrics(metrics_dict: dict[str, float], step: int | None = None) -> None:
-            # Lightning's row for a step the monitor began joins the monitor's row.
-            values = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics_dict.items()}
-            row = None if step is None else _row_for(writer.metrics, values, step, monitor_rows_only=True)
-            if row is None:
-                original(metrics_dict, step)
-            else:
-                row.update(values)
-
-        original_save = writer.save
-
-        def save() -> None:
-            # The newest step's rows stay pending: the figures of a check read a step later, and the token accuracy
-            # of a step (counted at its end), are written at the next step, after Lightning saved this one's row.
-            pending: list[dict[str, Any]] = writer.metrics
-            newest = max((r["step"] for r in pending if isinstance(r.get("step"), int)), default=None)
-            writer.metrics = [r for r in pending if r.get("step") != newest]
-            try:
-                original_save()
-            finally:
-                writer.metrics = [r for r in pending if r.get("step") == newest]
-
-        writer.log_metrics = log_metrics
-        writer.save = save
         self._writers[id(writer)] = writer
+        # Taken over already (another monitor of the trainer, or an earlier fit's that never ended): wrapping again
+        # would keep one more step pending at each save, and the outer wrapper's would overwrite the inner's rows.
+        if not isinstance(writer.__dict__.get("save"), _PendingSave):
+            writer.log_metrics = _JoiningLogMetrics(writer)
+            writer.save = _PendingSave(writer)
+
+
+class _WriterPart:
+    """A method of one experiment writer, set on the instance for the run (a class, so the writer still pickles).
+
+    ``inner`` is what the instance had under that name before (``None``: the class's method).
+    """
+
+    def __init__(self, writer: Any, name: str) -> None:
+        self.writer = writer
+        self.name = name
+        self.inner: Any = writer.__dict__.get(name)
+
+    def original(self) -> Any:
+        """The method this one stands in front of, bound to the writer."""
+        return self.inner if self.inner is not None else getattr(type(self.writer), self.name).__get__(self.writer)
+
+
+class _JoiningLogMetrics(_WriterPart):
+    """``log_metrics``: Lightning's row for a step the monitor began joins the monitor's row."""
+
+    def __init__(self, writer: Any) -> None:
+        super().__init__(writer, "log_metrics")
+
+    def __call__(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        values = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics_dict.items()}
+        row = None if step is None else _row_for(self.writer.metrics, values, step, monitor_rows_only=True)
+        if row is None:
+            self.original()(metrics_dict, step)
+        else:
+            row.update(values)
+
+
+class _PendingSave(_WriterPart):
+    """``save``: the newest step's rows stay pending.
+
+    The figures of a check read a step later, and the token accuracy of a step (counted at its end), are written at
+    the next step, after Lightning saved this one's row.
+    """
+
+    def __init__(self, writer: Any) -> None:
+        super().__init__(writer, "save")
+
+    def __call__(self) -> None:
+        writer = self.writer
+        pending: list[dict[str, Any]] = writer.metrics
+        newest = max((r["step"] for r in pending if isinstance(r.get("step"), int)), default=None)
+        writer.metrics = [r for r in pending if r.get("step") != newest]
+        try:
+            self.original()()
+        finally:
+            writer.metrics = [r for r in pending if r.get("step") == newest]
 
 
 def _row_for(

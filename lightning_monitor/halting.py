@@ -140,6 +140,11 @@ class StepGuard:
         self._on_device: dict[int, Tensor] = {}  # id -> the `found_inf` flag of a fused optimizer's coming step
         self._runs: dict[int, _StepRun] = {}  # id -> the `step` call under way
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (a pickled monitor) is installed on no optimizer: the run's optimizers, whose `step` an LR scheduler
+        # may have wrapped in a function that does not pickle, stay out of it.
+        return {"_installed": {}, "_armed": set(), "_on_device": {}, "_runs": {}}
+
     @property
     def armed(self) -> bool:
         """Whether a skip, or a device flag of :meth:`skip_on_device`, waits for its ``step()``."""

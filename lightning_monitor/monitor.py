@@ -61,6 +61,7 @@ from lightning_monitor.decision import (
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
 from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
+from lightning_monitor.history import HISTORY_FILE
 from lightning_monitor.judging import CALM, StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.keys import total_key
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
@@ -433,6 +434,15 @@ class TrainingMonitor(Callback):
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
         self._resumed = False  # set when a checkpoint restores the monitor, after `setup`
+        monitors = [callback for callback in getattr(trainer, "callbacks", ()) if isinstance(callback, TrainingMonitor)]
+        if len(monitors) > 1 and monitors[-1] is self:  # said once, by the last
+            self._warn(
+                "several_monitors",
+                f"The trainer has {len(monitors)} TrainingMonitor callbacks: each logs its figures under the same"
+                f" names (two `grad_norm` values a step in one chart) and writes its records into the same"
+                f" {HISTORY_FILE} in {str(self._writer.log_dir)!r}, which `report` then reads as one run. One"
+                " TrainingMonitor, given the settings wanted, is what the package is made for.",
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -452,6 +462,7 @@ class TrainingMonitor(Callback):
         self._token_every = self._every or int(getattr(trainer, "log_every_n_steps", 0) or 0)
         self._histograms = self._histograms_go_somewhere(trainer)
         self._show_on_bar = self.config.figures.progress_bar
+        self._writer.watch(trainer)  # the figures a callback or scheduler watches: in `callback_metrics` at each check
         unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
         self._guarded = unreadable is None
         if unreadable is not None:
@@ -506,6 +517,14 @@ class TrainingMonitor(Callback):
             self._writer.history.end(logging_step(trainer), self._epoch, exception)
         self._reads.clear()
         self._close_hooks()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A fit that ends without `on_train_end` or `on_exception` (the tuner's `lr_find` and `scale_batch_size`, or
+        # one with nothing left to train) must not leave the optimizers, the module and the loggers patched.
+        if stage == FITTING:
+            self._reads.clear()
+            self._close_hooks()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -617,6 +636,8 @@ class TrainingMonitor(Callback):
             state.next_check(check.index)
             record = self._latest = CheckRecord(check, figures, self._layer_norms, state.skipped_steps)
             self._writer.calm(at, self._epoch, record)
+            if self._writer.watched:
+                self._writer.watched_metrics(trainer, record.logged())
             return True
         packing = check.plain_packing(loss[1])
         pending = PendingCheck(optimizer, check, packing, at, self._epoch, False, None, self._batches)
@@ -704,6 +725,8 @@ class TrainingMonitor(Callback):
             # The common check: no alert, not logged; its record is made only if a bundle or the history reads it.
             self._writer.step(trainer, pending.at, pending.epoch, None, record, logs=False, alerts=(),
                               run_alerts=self._state.alerts)  # fmt: skip
+            if self._writer.watched:
+                self._writer.watched_metrics(trainer, record.logged())
             return
 
         logged = record.logged()
@@ -754,6 +777,8 @@ class TrainingMonitor(Callback):
         if pending.logs or alerts or not self._every:
             limits = judged.limits if judged.limits is not None else limits_in_force(detectors, check.suffix)
             kept = {**latest, **limits}
+        if self._writer.watched and not (pending.logs or halting or not trainer.loggers):  # else `step` puts them
+            self._writer.watched_metrics(trainer, logged)
         # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
         self._writer.step(trainer, pending.at, pending.epoch, logged, kept, logs=pending.logs or bool(halting),
                           alerts=alerts, run_alerts=self._state.alerts, halting=bool(halting))  # fmt: skip
@@ -812,10 +837,6 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The epoch's last check in `callback_metrics`, where `EarlyStopping` and `ModelCheckpoint` look at the epoch's
-        # end, as a metric the module logs on each step is there (an epoch shorter than `log_every_n_steps` had none).
-        if self._latest is not None:
-            self._writer.watched_metrics(trainer, self._latest.logged())
         # Gate on the settings only, never on what one rank saw: every rank must join the collective.
         if not self.config.tokens.token_accuracy:
             return

@@ -109,6 +109,7 @@ class RunWriter:
         self._unmade = False  # the run's folder waits for its first alert (rank zero)
         self._renamed: dict[str, str] = {}  # a key the run logs itself too -> the name the monitor's goes out under
         self._taken: tuple[int, int, frozenset[str]] | None = None  # the names the run's `self.log` uses, as seen
+        self.watched: frozenset[str] = frozenset()  # the names a callback or scheduler of the run watches
 
     def begin(
         self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False, *, at_once: bool = True
@@ -180,17 +181,25 @@ class RunWriter:
         if trainer.is_global_zero:
             self._loggers.log_figures(out, at)
 
-    def watched_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
-        """Put the host figures that a callback or scheduler watches in ``trainer.callback_metrics`` (every rank).
+    def watch(self, trainer: pl.Trainer) -> None:
+        """Learn which of the monitor's figures the run watches, at the start of training (once per fit).
 
         Those a callback names as its ``monitor`` (``EarlyStopping``, ``ModelCheckpoint``) or a scheduler as its
-        ``"monitor"``, under the names they go out with; no other, so that no key appears there earlier than at a
-        logging step for a run that reads none of them.
+        ``"monitor"`` (``ReduceLROnPlateau``): they go to ``callback_metrics`` at every check
+        (:meth:`watched_metrics`), as a metric the module logs at every step is there.
         """
-        watched = {getattr(callback, "monitor", None) for callback in getattr(trainer, "callbacks", ())}
-        watched.update(config.monitor for config in trainer.lr_scheduler_configs)
+        names = [getattr(callback, "monitor", None) for callback in getattr(trainer, "callbacks", ())]
+        names += [config.monitor for config in trainer.lr_scheduler_configs]
+        self.watched = frozenset(name for name in names if isinstance(name, str))
+
+    def watched_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
+        """Put the host figures of a check that the run watches (:meth:`watch`) in ``callback_metrics`` (every rank).
+
+        Under the names they go out with; no other, so that no key appears there earlier than at a logging step for
+        a run that reads none of them.
+        """
         out = self._outgoing(trainer, figures, logging_step(trainer))
-        shown = {key: value for key, value in out.items() if key in watched}
+        shown = {key: value for key, value in out.items() if key in self.watched}
         if shown:
             mirror_callback_metrics(trainer, shown)
 

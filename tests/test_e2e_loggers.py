@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -636,18 +637,24 @@ def test_early_stopping_watches_grad_norm(tmp_path, logger, every):
 
 
 class PlateauOnGradNorm(ScriptedModel):
-    """`ReduceLROnPlateau` on the monitor's `grad_norm`, stepped at each epoch's end."""
+    """`ReduceLROnPlateau` on the monitor's `grad_norm`, stepped at each epoch's end or at each step."""
+
+    def __init__(self, interval: str = "epoch") -> None:
+        super().__init__()
+        self.interval = interval
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
-        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=100)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "grad_norm"}}
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=100, threshold=0.0)
+        config = {"scheduler": scheduler, "monitor": "grad_norm", "interval": self.interval}
+        return {"optimizer": optimizer, "lr_scheduler": config}
 
 
-def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(tmp_path):
-    # An epoch of 3 steps at `log_every_n_steps=50`: before, Lightning raised "ReduceLROnPlateau conditioned on metric
+@pytest.mark.parametrize("interval", ["epoch", "step"])
+def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(tmp_path, interval):
+    # Epochs of 3 steps at `log_every_n_steps=50`: before, Lightning raised "ReduceLROnPlateau conditioned on metric
     # grad_norm which is not available". The figures no callback or scheduler watches stay out until a logging step.
-    model = PlateauOnGradNorm()
+    model = PlateauOnGradNorm(interval)
     trainer = make_trainer(
         tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=-1, max_epochs=2, limit_train_batches=3,
         log_every_n_steps=50, logger=CSVLogger(tmp_path),
@@ -656,4 +663,103 @@ def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(t
     assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])
     assert not [key for key in trainer.callback_metrics if key.startswith("grad_norm_layers/")]
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    assert scheduler.best == pytest.approx(min(model.reference[2], model.reference[5]), rel=1e-5)
+    seen = model.reference if interval == "step" else [model.reference[2], model.reference[5]]  # what it stepped on
+    assert scheduler.best == pytest.approx(min(seen), rel=1e-5)
+
+
+def test_callbacks_that_check_at_validation_end_find_grad_norm_of_the_last_step(tmp_path):
+    """`val_check_interval=0.5` in epochs of 8 steps, at `log_every_n_steps=50`: `EarlyStopping` and
+    `ModelCheckpoint` check `grad_norm` at each validation's end. Before, neither found it ("Early stopping conditioned
+    on metric `grad_norm` which is not available"), and where a logging step had come, they read its figure, not
+    the last step's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = ScriptedModel()
+    stopper = EarlyStopping(monitor="grad_norm", mode="min", patience=100, check_on_train_epoch_end=False)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="grad_norm", mode="min", save_top_k=1)
+    trainer = make_trainer(
+        tmp_path, [TrainingMonitor(val_loss_key=None), stopper, best], max_steps=-1, max_epochs=2,
+        limit_train_batches=8, val_check_interval=0.5, log_every_n_steps=5, logger=CSVLogger(tmp_path),
+        enable_checkpointing=True,
+    )  # fmt: skip
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
+    at_validation = [model.reference[step] for step in (3, 7, 11, 15)]  # the steps each validation follows
+    assert close(float(stopper.best_score), min(at_validation))
+    assert close(float(best.best_model_score), min(at_validation))
+
+
+class PeekLogger(pl.Callback):
+    """Pickles the logger and the monitor in the middle of the fit (a launcher or a sweep tool may)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import pickle
+
+        if batch_idx == 3:
+            monitor = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingMonitor))
+            self.sizes = [len(pickle.dumps(trainer.logger)), len(pickle.dumps(monitor))]
+
+
+def csv_steps(tmp_path: Path, key: str) -> list[int]:
+    """The steps of ``metrics.csv``'s rows (under ``tmp_path``) that hold ``key``."""
+    import csv
+
+    (path,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
+    with path.open() as file:
+        return [int(row["step"]) for row in csv.DictReader(file) if row.get(key)]
+
+
+class SizedLoggedLoss(LoggedLoss):
+    """`LoggedLoss` with its own loader, of `batch_size` (which the tuner's `scale_batch_size` sets)."""
+
+    batch_size = 2
+
+    def train_dataloader(self):
+        return loader(batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("before", ["lr_find", "scale_batch_size", "nothing_to_train", "another_monitor"])
+def test_the_runs_own_csv_rows_are_all_written(tmp_path, before):
+    """Before the fit: the tuner's `lr_find` or `scale_batch_size` (which end their fit without `on_train_end`), a fit
+    with nothing left to train, or a second monitor on the trainer. Before, `metrics.csv` lost the run's own rows:
+    the monitor had taken the CSV writer over again each time (16 `train_loss` rows became 1). The logger and the
+    monitor pickle in the middle of the fit, and the writer is given back at the end."""
+    from lightning.pytorch.tuner import Tuner
+
+    from lightning_monitor.csv_rows import _PendingSave
+
+    model = SizedLoggedLoss()
+    peek = PeekLogger()
+    monitors = [TrainingMonitor(val_loss_key=None)]
+    if before == "another_monitor":
+        monitors.append(TrainingMonitor(layer_norms=False))  # its `state_key` differs: Lightning takes both
+    trainer = make_trainer(
+        tmp_path, [*monitors, peek], max_steps=-1, max_epochs=1, limit_train_batches=8, logger=CSVLogger(tmp_path)
+    )
+    if before == "lr_find":
+        Tuner(trainer).lr_find(model, num_training=5, update_attr=False)
+    elif before == "scale_batch_size":
+        Tuner(trainer).scale_batch_size(model, max_trials=2, steps_per_trial=2)
+        model.batch_size = 2  # the same steps as the others
+    elif before == "nothing_to_train":
+        trainer.fit(model)
+        trainer.fit(model)  # max_epochs reached: no `on_train_start`, no `on_train_end`
+        trainer.fit_loop.max_epochs = 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    caught = [w for w in caught if "TrainingMonitor" in str(w.message)]
+    steps = list(range(16)) if before == "nothing_to_train" else list(range(8))
+    assert csv_steps(tmp_path, "train_loss") == steps
+    # Two monitors log two `grad_norm` a step, as they say at the start (below).
+    assert sorted(set(csv_steps(tmp_path, "grad_norm"))) == steps
+    if before != "another_monitor":
+        assert csv_steps(tmp_path, "grad_norm") == steps
+    else:
+        assert [str(w.message).count("2 TrainingMonitor callbacks") for w in caught] == [1]
+    assert min(peek.sizes) > 0
+    writer = trainer.logger.experiment
+    assert not isinstance(writer.__dict__.get("save"), _PendingSave)
+    assert "log_metrics" not in writer.__dict__
