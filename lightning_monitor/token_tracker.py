@@ -557,7 +557,9 @@ class TokenAccuracyTracker:
         logits, labels = found
         # PEFT prompt tuning: the logits of the virtual tokens come first; those of the inputs follow, aligned.
         k = self.virtual_tokens
-        if k and logits.ndim == labels.ndim + 1 >= 3 and logits.shape[-2] - labels.shape[-1] == k:
+        virtual = bool(k) and logits.ndim == labels.ndim + 1 >= 3 and logits.shape[-2] - labels.shape[-1] == k
+        with_virtual = logits
+        if virtual:
             logits = logits[..., k:, :]
         if self._per_example is None:
             self._per_example = logits.ndim == 2 and labels.ndim == 1 and logits.dtype.is_floating_point
@@ -571,6 +573,11 @@ class TokenAccuracyTracker:
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         auto = self.shift == "auto" and self.find is None and not self._per_example  # a class label: nothing to shift
         shift = self._auto_shift(stage, outputs, batch, labels) if auto else (False if self._per_example else None)
+        if virtual and (metric.shift if shift is None else shift):
+            # PEFT puts `ignore_index` labels before the inputs' and the model's loss shifts: the last virtual token's
+            # logits predict the first label. Scored as that loss scores them, with one ignored label in front.
+            logits = with_virtual[..., k - 1 :, :]
+            labels = torch.cat([labels.new_full((*labels.shape[:-1], 1), metric.ignore_index), labels], dim=-1)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric.hits(logits, labels, shift)
         except ValueError as err:
@@ -776,8 +783,9 @@ class TokenAccuracyTracker:
         if (stage, cause) in self._warned:
             return
         self._warned.add((stage, cause))
+        said = why if why.endswith(".") else why + "."  # an error's text may end without one
         rank_zero_warn(
-            f"TrainingMonitor left a batch out of {self.key(stage)}: {why} Batches like it are left out too, without"
+            f"TrainingMonitor left a batch out of {self.key(stage)}: {said} Batches like it are left out too, without"
             " another warning (pass `token_accuracy=False` to turn token accuracy off).",
             category=RuntimeWarning,
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import TinyLM, TokenData, V, count_syncs, csv_column, make_trainer, tb_scalars
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from sync_count import HostSyncCounter
@@ -1352,13 +1353,17 @@ class PromptTuned(pl.LightningModule):
         self.model = peft.get_peft_model(_tiny_gpt2(), config)
         self.virtual = virtual
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.without_first: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def training_step(self, batch, batch_idx):
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
         assert out.logits.shape[1] == self.virtual + batch["labels"].shape[1]
-        # By hand: the inputs' logits come after the virtual tokens'; the logits at t predict the label at t + 1.
-        inputs = out.logits.detach()[:, self.virtual :]
-        self.seen.append((inputs[:, :-1].argmax(-1), batch["labels"][:, 1:]))
+        # By hand: PEFT puts -100 labels before the inputs', and the model's loss shifts: the logits from the last
+        # virtual token's on predict the labels, the first label included. That is the loss the model returns.
+        scored = out.logits.detach()[:, self.virtual - 1 : -1]
+        assert torch.allclose(F.cross_entropy(scored.flatten(0, 1), batch["labels"].flatten()), out.loss.detach())
+        self.seen.append((scored.argmax(-1), batch["labels"]))
+        self.without_first.append((scored[:, 1:].argmax(-1), batch["labels"][:, 1:]))  # the old alignment
         return out
 
     def configure_optimizers(self):
@@ -1366,28 +1371,36 @@ class PromptTuned(pl.LightningModule):
 
 
 class Ids(torch.utils.data.Dataset):
-    def __init__(self, n: int):
+    def __init__(self, n: int, prompt: int = 2):
         g = torch.Generator().manual_seed(3)
         self.ids = torch.randint(0, 97, (n, 12), generator=g)
+        if not prompt:  # a first token of its own, then one repeated: a model learns them in a few steps
+            self.ids[:, 0], self.ids[:, 1:] = 5, 7
+        self.prompt = prompt
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
         labels = self.ids[i].clone()
-        labels[:2] = -100  # a prompt left out of the loss
+        labels[: self.prompt] = -100  # a prompt left out of the loss
         return {"input_ids": self.ids[i], "labels": labels}
 
 
 @pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
 )  # peft 0.21 on transformers 5
-def test_peft_prompt_tuning_logits_are_aligned_with_the_labels(tmp_path):
+@pytest.mark.parametrize("prompt", [2, 0])
+def test_peft_prompt_tuning_logits_are_aligned_with_the_labels(tmp_path, prompt):
+    # With no prompt left out, the first label counts: the last virtual token's logits predict it, as in the model's
+    # loss (before, the monitor scored one position a sequence fewer: 0.886 where the loss's positions give 0.8125).
     model, csv = PromptTuned(virtual=5), CSVLogger(tmp_path, name="csv")
     make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], logger=csv, max_steps=4).fit(
-        model, DataLoader(Ids(16), batch_size=4)
+        model, DataLoader(Ids(16, prompt), batch_size=4)
     )  # a shape warning would fail the test (warnings are errors)
     logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
     assert [s for s, _ in logged] == [0, 1, 2, 3]
     for step, value in logged:
         assert value == pytest.approx(reference([model.seen[step]]), abs=1e-12)
+    if not prompt:  # the data make the first label tell: the old alignment gives other figures
+        assert [reference([s]) for s in model.seen] != [reference([s]) for s in model.without_first]
