@@ -143,7 +143,7 @@ class StepGuard:
     def __getstate__(self) -> dict[str, Any]:
         # A copy (a pickled monitor) is installed on no optimizer: the run's optimizers, whose `step` an LR scheduler
         # may have wrapped in a function that does not pickle, stay out of it.
-        return {"_installed": {}, "_armed": set(), "_on_device": {}, "_runs": {}}
+        return StepGuard().__dict__
 
     @property
     def armed(self) -> bool:

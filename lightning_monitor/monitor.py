@@ -515,7 +515,6 @@ class TrainingMonitor(Callback):
         # its `setup`, as in `prepare_data`, must not be written into the run of an earlier trainer's fit).
         if trainer.state.fn == FITTING and self._fitted is not None and self._fitted() is trainer:
             self._writer.history.end(logging_step(trainer), self._epoch, exception)
-        self._reads.clear()
         self._close_hooks()
 
     @override
@@ -523,7 +522,6 @@ class TrainingMonitor(Callback):
         # A fit that ends without `on_train_end` or `on_exception` (the tuner's `lr_find` and `scale_batch_size`, or
         # one with nothing left to train) must not leave the optimizers, the module and the loggers patched.
         if stage == FITTING:
-            self._reads.clear()
             self._close_hooks()
 
     @override
@@ -635,9 +633,7 @@ class TrainingMonitor(Callback):
         if judged is CALM and state.stopping_reason is None:
             state.next_check(check.index)
             record = self._latest = CheckRecord(check, figures, self._layer_norms, state.skipped_steps)
-            self._writer.calm(at, self._epoch, record)
-            if self._writer.watched:
-                self._writer.watched_metrics(trainer, record.logged())
+            self._writer.calm(trainer, at, self._epoch, record)
             return True
         packing = check.plain_packing(loss[1])
         pending = PendingCheck(optimizer, check, packing, at, self._epoch, False, None, self._batches)
@@ -725,8 +721,6 @@ class TrainingMonitor(Callback):
             # The common check: no alert, not logged; its record is made only if a bundle or the history reads it.
             self._writer.step(trainer, pending.at, pending.epoch, None, record, logs=False, alerts=(),
                               run_alerts=self._state.alerts)  # fmt: skip
-            if self._writer.watched:
-                self._writer.watched_metrics(trainer, record.logged())
             return
 
         logged = record.logged()
@@ -777,8 +771,6 @@ class TrainingMonitor(Callback):
         if pending.logs or alerts or not self._every:
             limits = judged.limits if judged.limits is not None else limits_in_force(detectors, check.suffix)
             kept = {**latest, **limits}
-        if self._writer.watched and not (pending.logs or halting or not trainer.loggers):  # else `step` puts them
-            self._writer.watched_metrics(trainer, logged)
         # A halting step logs its figures whatever the interval: Lightning logs there too (`should_stop`).
         self._writer.step(trainer, pending.at, pending.epoch, logged, kept, logs=pending.logs or bool(halting),
                           alerts=alerts, run_alerts=self._state.alerts, halting=bool(halting))  # fmt: skip
@@ -1006,7 +998,8 @@ class TrainingMonitor(Callback):
         self._validation.load_state_dict(state_dict)
         self._checks.load_state_dict(state_dict.get("watches", {}))
 
-    def _close_hooks(self) -> None:  # at the end of training, or on an exception
+    def _close_hooks(self) -> None:  # at the end of training, on an exception, or at a fit's teardown
+        self._reads.clear()  # a deferred check not read by now never will be
         for hooks in (self._checks.order, self._activations):
             if hooks is not None:
                 hooks.close()

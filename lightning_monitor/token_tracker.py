@@ -555,12 +555,9 @@ class TokenAccuracyTracker:
                 return
             found = logits, labels
         logits, labels = found
-        # PEFT prompt tuning: the logits of the virtual tokens come first; those of the inputs follow, aligned.
+        # PEFT prompt tuning: the logits of the virtual tokens come first; those of the inputs follow (cut below).
         k = self.virtual_tokens
         virtual = bool(k) and logits.ndim == labels.ndim + 1 >= 3 and logits.shape[-2] - labels.shape[-1] == k
-        with_virtual = logits
-        if virtual:
-            logits = logits[..., k:, :]
         if self._per_example is None:
             self._per_example = logits.ndim == 2 and labels.ndim == 1 and logits.dtype.is_floating_point
         if labels.is_floating_point() and self._auto:  # a regression's or a multi-label classifier's targets
@@ -576,8 +573,10 @@ class TokenAccuracyTracker:
         if virtual and (metric.shift if shift is None else shift):
             # PEFT puts `ignore_index` labels before the inputs' and the model's loss shifts: the last virtual token's
             # logits predict the first label. Scored as that loss scores them, with one ignored label in front.
-            logits = with_virtual[..., k - 1 :, :]
+            logits = logits[..., k - 1 :, :]
             labels = torch.cat([labels.new_full((*labels.shape[:-1], 1), metric.ignore_index), labels], dim=-1)
+        elif virtual:
+            logits = logits[..., k:, :]  # aligned with the labels as they are
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric.hits(logits, labels, shift)
         except ValueError as err:

@@ -261,6 +261,11 @@ class RunWriter:
         out = self._outgoing(trainer, logged, at) if logged and goes_out else logged
         if goes_out:
             mirror_callback_metrics(trainer, out or {})
+        elif self.watched:  # a check that does not log: the figures the run watches only
+            if logged is not None:
+                self.watched_metrics(trainer, logged)
+            elif isinstance(latest, CheckRecord):  # the common check's record, made here
+                self.watched_metrics(trainer, latest.logged())
         if trainer.is_global_zero and (alerts or (logs and out)):
             self._publish(trainer, alerts, run_alerts, out if logs else None, at)
         self.recent.append((at, epoch, latest))
@@ -268,9 +273,14 @@ class RunWriter:
         if halting:
             self.sync(trainer)
 
-    def calm(self, at: int, epoch: int, record: CheckRecord) -> None:
-        """:meth:`step` for a check that neither logs nor alerts, in a run with a logger: its record is only kept."""
+    def calm(self, trainer: pl.Trainer, at: int, epoch: int, record: CheckRecord) -> None:
+        """:meth:`step` for a check that neither logs nor alerts, in a run with a logger.
+
+        Its record is only kept, and the figures the run watches (:meth:`watch`) go to ``callback_metrics``.
+        """
         self.recent.append((at, epoch, record))
+        if self.watched:
+            self.watched_metrics(trainer, record.logged())
 
     def alerts(self, trainer: pl.Trainer, alerts: Sequence[Alert], run_alerts: Sequence[Alert]) -> None:
         """On rank zero: write ``alerts`` to the console, every logger and the JSON-lines file.

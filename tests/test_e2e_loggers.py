@@ -668,7 +668,7 @@ def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(t
 
 
 def test_callbacks_that_check_at_validation_end_find_grad_norm_of_the_last_step(tmp_path):
-    """`val_check_interval=0.5` in epochs of 8 steps, at `log_every_n_steps=50`: `EarlyStopping` and
+    """`val_check_interval=0.5` in epochs of 8 steps, at `log_every_n_steps=5`: `EarlyStopping` and
     `ModelCheckpoint` check `grad_norm` at each validation's end. Before, neither found it ("Early stopping conditioned
     on metric `grad_norm` which is not available"), and where a logging step had come, they read its figure, not
     the last step's."""
@@ -704,11 +704,8 @@ class PeekLogger(pl.Callback):
 
 def csv_steps(tmp_path: Path, key: str) -> list[int]:
     """The steps of ``metrics.csv``'s rows (under ``tmp_path``) that hold ``key``."""
-    import csv
-
     (path,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
-    with path.open() as file:
-        return [int(row["step"]) for row in csv.DictReader(file) if row.get(key)]
+    return [step for step, _ in csv_column(path, key)]
 
 
 class SizedLoggedLoss(LoggedLoss):
