@@ -139,6 +139,10 @@ class StepGuard:
         self._armed: set[int] = set()
         self._on_device: dict[int, Tensor] = {}  # id -> the `found_inf` flag of a fused optimizer's coming step
         self._runs: dict[int, _StepRun] = {}  # id -> the `step` call under way
+        self._checked: set[int] = set()  # ids whose coming step was checked (see `checked`)
+        #: Called with a wrapped optimizer whose ``step()`` (or closure evaluation) comes with no check since its last:
+        #: a step taken outside Lightning's precision plugin, which calls ``on_before_optimizer_step``.
+        self.unchecked: Callable[[Optimizer], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (a pickled monitor) is installed on no optimizer: the run's optimizers, whose `step` an LR scheduler
@@ -175,6 +179,15 @@ class StepGuard:
         for optimizer in optimizers:
             if id(optimizer) not in self._installed:
                 self.install(optimizer)
+
+    def checked(self, optimizer: Optimizer) -> None:
+        """Note that the coming ``step()`` of ``optimizer``, or its closure evaluation under way, was checked.
+
+        Where a wrapped optimizer steps (or its closure returns) with no such note since its last step, the guard
+        calls :attr:`unchecked` first: a raw optimizer's ``step()`` in manual optimization
+        (``self.optimizers(use_pl_optimizer=False)``) reaches no Lightning hook, and would go unchecked.
+        """
+        self._checked.add(id(optimizer))
 
     def skip_kind(self, optimizer: Optimizer) -> SkipKind:
         """What :meth:`skip` would do to the coming ``step()`` of ``optimizer`` if called now (nothing is armed).
@@ -236,6 +249,7 @@ class StepGuard:
         self._armed.clear()
         self._on_device.clear()
         self._runs.clear()
+        self._checked.clear()
 
     def evaluation(self, optimizer: Optimizer) -> int:
         """Which closure evaluation the ``step()`` under way of ``optimizer`` is at: 1 for its first, 0 outside one.
@@ -252,12 +266,15 @@ class StepGuard:
         keyword = "closure" in kwargs
         closure = kwargs["closure"] if keyword else (args[0] if args else None)
         if not callable(closure):  # fp16 AMP: Lightning evaluated the closure, the GradScaler calls `step()` alone
+            self._ensure_checked(optimizer)  # or a raw optimizer's `step()`: the gradients are there now
             if self._take(optimizer):
                 return None
             return self._call(optimizer, original, args, kwargs, None)
         if self._take(optimizer):  # skipped before the step began (not from its closure): the closure alone runs
             with torch.enable_grad():
-                return closure()
+                loss = closure()
+            self._checked.discard(id(optimizer))
+            return loss
         run = _StepRun(versions=_versions(optimizer), saved=_save_lbfgs(optimizer))
         guard = self
 
@@ -296,6 +313,7 @@ class StepGuard:
         run.moved = run.versions is not None and run.versions != _versions(optimizer)
         run.evaluations += 1
         loss = closure(*args, **kwargs)
+        self._ensure_checked(optimizer)  # Lightning's closure checked it; a raw optimizer's own closure did not
         self._set_found_inf(optimizer, run)  # a device flag set inside the closure (deferred checks)
         if self._runs.get(id(optimizer)) is not run or not self._take(optimizer):
             return loss
@@ -336,6 +354,13 @@ class StepGuard:
             run.had_found_inf, run.flagged = getattr(optimizer, "found_inf", None), True
         had = run.had_found_inf
         optimizer.found_inf = bad if had is None else had + bad.to(had.device)  # type: ignore[attr-defined]
+
+    def _ensure_checked(self, optimizer: Optimizer) -> None:
+        """Have the step about to be taken checked, unless it was: once per ``step()`` or closure evaluation."""
+        key = id(optimizer)
+        if key not in self._checked and self.unchecked is not None:
+            self.unchecked(optimizer)
+        self._checked.discard(key)
 
     def _take(self, optimizer: Optimizer) -> bool:
         if id(optimizer) in self._armed:

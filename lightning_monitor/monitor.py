@@ -355,6 +355,7 @@ class TrainingMonitor(Callback):
         config = self.config
         self._state = RunState()
         self._guard = StepGuard()  # skips an optimizer step exactly, its gradients left in place
+        self._guard.unchecked = self._check_raw_step  # a step that no Lightning hook announced
         self._warn = WarnOnce()
         detectors = functools.partial(StepDetectors.from_settings, config.step, config.spikes)
         self._checks = OptimizerChecks(detectors, on_new_optimizer=self._guard.install)
@@ -556,6 +557,7 @@ class TrainingMonitor(Callback):
         # Gate: check on check steps (per optimizer), logging steps and a step that may be the run's last; in between
         # keep the worst figures on the device. A deferred check of this optimizer's last step is decided first.
         self._step_closed = True
+        self._guard.checked(optimizer)
         if self._guard.armed:  # a skip the GradScaler never reached (it found an overflow) is void
             self._guard.disarm()
         if not self._lean and self._reads:  # a deferred check waits (host_sync="deferred"; never in a lean run)
@@ -602,6 +604,20 @@ class TrainingMonitor(Callback):
         # Read: now (the one host sync), or at this optimizer's next step with the device guard applied meanwhile.
         for pending, figures in self._reads.submit(started, packed, self._device_rule(check)):
             self._step_check(trainer, pending, figures)
+
+    def _check_raw_step(self, optimizer: Optimizer) -> None:
+        """Check a step of the run's optimizer that came without ``on_before_optimizer_step``, as that hook would.
+
+        Lightning calls the hook from its precision plugin, inside the step of a ``LightningOptimizer``. A raw
+        optimizer's ``step()`` in manual optimization (``self.optimizers(use_pl_optimizer=False)``), or an
+        ``optimizer_step`` override that steps ``optimizer.optimizer`` itself, goes around it: the guard, which wraps
+        the optimizer's own ``step``, calls this first (the guard is on the optimizers from the training's start to
+        its end, so a step a validation run takes in between is checked too).
+        """
+        trainer = self._fitted() if self._fitted is not None else None
+        if trainer is None or trainer.lightning_module is None:
+            return
+        self.on_before_optimizer_step(trainer, trainer.lightning_module, optimizer)
 
     def _calm_step(self, trainer: pl.Trainer, optimizer: Optimizer, check: OptimizerCheck, at: int) -> bool:
         """Check a step the short way, where nothing but the loss and the norms is due; whether it did.

@@ -22,6 +22,7 @@ from helpers import (
     TokenData,
     V,
     all_finite,
+    close,
     csv_column,
     loader,
     make_trainer,
@@ -280,6 +281,102 @@ def test_the_alert_of_a_zeroed_step_does_not_say_the_weights_are_unchanged(tmp_p
     assert alert.step == k and all_finite(model)
     assert "weights are unchanged" not in alert.message
     assert "replaced by zeros" in alert.message
+
+
+# --------------------------------------------------------------- 3b. a step taken around Lightning's plugin
+
+
+class AroundThePlugin(BoringModel):
+    """Steps its optimizer where no Lightning hook runs; the loss at batch ``nan_at`` is NaN.
+
+    ``how``: ``"raw"`` (manual optimization, ``use_pl_optimizer=False``, ``step()`` after the backward),
+    ``"raw_closure"`` (the same, its own closure given to ``step``), ``"override"`` (automatic optimization, an
+    ``optimizer_step`` that steps ``optimizer.optimizer`` with Lightning's closure) or ``"lightning"`` (manual
+    optimization through the ``LightningOptimizer``, for comparison).
+    """
+
+    def __init__(self, how: str, nan_at: int = 3) -> None:
+        super().__init__()
+        self.how, self.nan_at = how, nan_at
+        self.automatic_optimization = how == "override"
+        self.norms: list[float] = []  # the reference: the total norm after each backward
+        self.before: dict[int, list[torch.Tensor]] = {}  # the weights as each batch begins
+        self.losses: list[float] = []
+
+    def loss_at(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self(batch).sum()
+        self.losses.append(loss.item())
+        return loss * math.nan if batch_idx == self.nan_at else loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.before[batch_idx] = weights(self)
+        if self.automatic_optimization:
+            return self.loss_at(batch, batch_idx)
+        opt = self.optimizers(use_pl_optimizer=self.how == "lightning")
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = self.loss_at(batch, batch_idx)
+            self.manual_backward(loss)
+            return loss
+
+        if self.how == "raw_closure":
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        return None
+
+    def on_after_backward(self) -> None:
+        from helpers import total_norm
+
+        self.norms.append(total_norm(self))
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+ONE_EPOCH = {"max_steps": -1, "max_epochs": 1, "limit_train_batches": 6, "limit_val_batches": 1}
+
+
+@pytest.mark.parametrize("how", ["raw", "raw_closure", "override", "lightning"])
+def test_a_step_taken_around_lightnings_hooks_is_checked_and_skipped(tmp_path, how):
+    """A NaN at batch 3 is caught, and its step kept from the weights, however the optimizer is stepped."""
+    model = AroundThePlugin(how)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    # A raw optimizer's steps are not counted in `global_step` (Lightning's own behaviour): 6 batches, one epoch.
+    trainer = fit(tmp_path, model, [monitor], logger=CSVLogger(tmp_path), **ONE_EPOCH)
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 3)]
+    assert monitor.skipped_steps == 1 and all_finite(model)
+    assert same_weights(model.before[4], model.before[3])  # the NaN step changed nothing
+    assert not same_weights(model.before[5], model.before[4])  # the others are applied
+    logged = csv_column(f"{trainer.log_dir}/metrics.csv", "grad_norm")
+    assert [s for s, _ in logged] == list(range(6))  # each step checked once: one figure a step
+    for (step, seen), ref in zip(logged, model.norms, strict=True):
+        assert math.isnan(seen) if step == 3 else close(seen, ref)
+
+
+def test_a_raw_optimizer_step_in_validation_is_checked_too(tmp_path):
+    """A step taken while a validation runs (no training batch under way) reaches the weights as well."""
+
+    class StepsInValidation(AroundThePlugin):
+        def on_validation_epoch_end(self) -> None:
+            self.before[-1] = weights(self)
+            for param in self.parameters():  # Lightning set them to None as the validation began
+                param.grad = torch.full_like(param, math.nan)
+            self.optimizers(use_pl_optimizer=False).step()
+            self.after = weights(self)
+
+    model = StepsInValidation("raw", nan_at=-1)
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False)
+    trainer = fit(tmp_path, model, [monitor], logger=CSVLogger(tmp_path), val_check_interval=6, **ONE_EPOCH)
+    # The validation at the epoch's end comes before Lightning counts its last batch: at step 5, as its metrics are.
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_GRAD, 5)]
+    assert same_weights(model.after, model.before[-1]) and all_finite(model)
+    assert trainer.global_step == 0  # raw steps: Lightning counts none
 
 
 # -------------------------------------------------------------------------------- 4. LBFGS, many evaluations
