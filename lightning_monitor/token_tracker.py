@@ -159,8 +159,11 @@ def _alignment_of(model: Any) -> Literal["shift", "aligned"] | None:
     The model's class decides, or the first Hugging Face class it derives from (a user's ``class
     Student(GPT2LMHeadModel)`` is scored as GPT-2 is).
     """
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
         return "aligned"  # T5, BART, Whisper, EncoderDecoderModel, VisionEncoderDecoderModel: decoder inputs shifted
+    if getattr(getattr(config, "text_config", None), "is_encoder_decoder", False):
+        return "aligned"  # a vision model in front of a seq2seq language model (InstructBLIP with Flan-T5)
     for cls in type(model).__mro__:
         name = cls.__name__
         if name == "PreTrainedModel":
@@ -555,9 +558,11 @@ class TokenAccuracyTracker:
                 return
             found = logits, labels
         logits, labels = found
-        # PEFT prompt tuning: the logits of the virtual tokens come first; those of the inputs follow (cut below).
+        # Logits longer than the labels: PEFT prompt tuning's virtual tokens come first, or a causal LM's image tokens
+        # (GIT); the logits of the inputs follow (cut below).
+        longer = logits.shape[-2] - labels.shape[-1] if logits.ndim == labels.ndim + 1 >= 3 else 0
         k = self.virtual_tokens
-        virtual = bool(k) and logits.ndim == labels.ndim + 1 >= 3 and logits.shape[-2] - labels.shape[-1] == k
+        virtual = bool(k) and longer == k
         if self._per_example is None:
             self._per_example = logits.ndim == 2 and labels.ndim == 1 and logits.dtype.is_floating_point
         if labels.is_floating_point() and self._auto:  # a regression's or a multi-label classifier's targets
@@ -577,6 +582,10 @@ class TokenAccuracyTracker:
             labels = torch.cat([labels.new_full((*labels.shape[:-1], 1), metric.ignore_index), labels], dim=-1)
         elif virtual:
             logits = logits[..., k:, :]  # aligned with the labels as they are
+        elif longer > 0 and self.causal_lm and self.find is None and (metric.shift if shift is None else shift):
+            # A Hugging Face causal LM that puts positions of its own before the text's (GIT's image tokens): its
+            # loss scores the logits of the text's positions, shifted, and so does this.
+            logits = logits[..., longer:, :]
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric.hits(logits, labels, shift)
         except ValueError as err:

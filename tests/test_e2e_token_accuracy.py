@@ -983,6 +983,21 @@ def _hf_family(name: str):
             vision_feature_select_strategy="default", image_seq_length=4,
         )  # fmt: skip
         return t.LlavaForConditionalGeneration(config), True
+    if name == "git":  # image tokens before the text: logits [B, n_image + T, V]; its loss shifts the text's part
+        git = t.GitConfig(
+            vision_config={"image_size": 8, "patch_size": 4, "hidden_size": 16, **small}, hidden_size=16,
+            vocab_size=V, max_position_embeddings=32, **small,
+        )  # fmt: skip
+        return t.GitForCausalLM(git), True
+    if name == "instructblip_t5":  # a vision model in front of Flan-T5: named like a causal LM, its loss aligned
+        t5 = t.T5Config(vocab_size=V, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, decoder_start_token_id=0)
+        vision = {"image_size": 8, "patch_size": 4, "hidden_size": 16, **small}
+        qformer = {"hidden_size": 16, "vocab_size": V, "max_position_embeddings": 32, "encoder_hidden_size": 16}
+        config = t.InstructBlipConfig(
+            vision_config=vision, qformer_config={**qformer, **small}, text_config=t5.to_dict(), num_query_tokens=3
+        )
+        config.image_token_id = V - 1
+        return t.InstructBlipForConditionalGeneration(config), False
     if name == "gpt2_double_heads":
         return t.GPT2DoubleHeadsModel(t.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32)), True
     if name == "xlnet":  # a permutation LM named like a causal one (`...LMHeadModel`): its loss is aligned
@@ -1032,6 +1047,11 @@ class FamilyTokens(torch.utils.data.Dataset):
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": target}
         if self.family == "vit_trocr":
             return {"pixel_values": image, "labels": target}
+        if self.family == "git":
+            return {"input_ids": ids, "pixel_values": image, "labels": ids.clone()}
+        if self.family == "instructblip_t5":  # three image tokens (the query tokens' places), then the prompt
+            prompt = torch.cat([torch.full((3,), V - 1), ids])
+            return {"input_ids": prompt, "qformer_input_ids": ids, "pixel_values": image, "labels": target}
         if self.family == "llava":
             ids = torch.cat([torch.full((4,), V - 1), ids])  # four image tokens, then the text
             return {"input_ids": ids, "pixel_values": image, "labels": torch.where(ids == V - 1, -100, ids)}
@@ -1050,8 +1070,8 @@ class HFFamily(pl.LightningModule):
     def _step(self, batch, stage):
         out = self.model(**batch)
         logits, labels = out.logits.detach(), batch["labels"]
-        if self.shifts:
-            logits, labels = logits[:, :-1], labels[:, 1:]
+        if self.shifts:  # GIT's image positions come first: its loss scores the text's
+            logits, labels = logits[:, logits.shape[1] - labels.shape[1] : -1], labels[:, 1:]
         kept = labels != -100
         self.scored[stage].append((int(((logits.argmax(-1) == labels) & kept).sum()), int(kept.sum())))
         # The reference's alignment is the model's own: its loss is the cross-entropy of the logits so aligned.
@@ -1077,7 +1097,7 @@ class HFFamily(pl.LightningModule):
     "family",
     [
         "t5", "bert_gpt2", "vit_trocr", "llava", "gpt2_double_heads", "xlnet", "xlm", "cpmant", "bart_causal",
-        "trocr_causal", "lora_bart_causal", "student",
+        "trocr_causal", "lora_bart_causal", "student", "git", "instructblip_t5",
     ],
 )  # fmt: skip
 def test_each_hugging_face_family_is_scored_as_its_own_loss_aligns_it(tmp_path, caplog, family):
