@@ -11,8 +11,9 @@ with anything to draw), 2 for a usage error or a folder without logs.
 
 ``replay`` (see :mod:`lightning_monitor.replay`) says what ``TrainingMonitor`` would have alerted over a finished
 run, and where it would have halted: ``lightning-monitor replay PATH [--format FORMAT] [--set KEY=VALUE ...]
-[--loss-key KEY] [--grad-norm-key KEY] [--keep-going] [--amp]``. Exit codes: 0 when replayed, 1 when a file could not
-be read, 2 for a usage error, a bad setting, no run, or a file with no figure it can read.
+[--defaults] [--loss-key KEY] [--grad-norm-key KEY] [--keep-going] [--amp]``, with the run's own settings (its
+``monitor_settings.json``) unless ``--defaults``. Exit codes: 0 when replayed, 1 when a file could not be read, 2 for
+a usage error, a bad setting, no run, or a file with no figure it can read.
 """
 
 from __future__ import annotations
@@ -188,8 +189,9 @@ def _add_replay(commands: Any) -> None:
             "Read a finished run's logged training loss, gradient norm and validation loss (TensorBoard events, a "
             "CSVLogger metrics.csv, the monitor's monitor_history.jsonl, a Hugging Face trainer_state.json, or a "
             "plain CSV of step,loss,grad_norm,val_loss) and run TrainingMonitor's own detectors and halting rule "
-            "over it, with the settings given by --set (TrainingMonitor's keyword arguments, checked as it checks "
-            "them). Print one line per alert, then a summary. Each logged training point is one check."
+            "over it, with the run's own settings (its monitor_settings.json, where the monitor watched it) and those "
+            "given by --set (TrainingMonitor's keyword arguments, checked as it checks them). Print one line per "
+            "alert, then a summary. Each logged training point is one check."
         ),
     )
     replay.add_argument("path", metavar="PATH", type=Path, help="a run file, a run's folder, or a folder above one run")
@@ -206,6 +208,11 @@ def _add_replay(commands: Any) -> None:
             "a TrainingMonitor argument, e.g. exploding_grad_threshold=50, halt_on=nonfinite_loss,exploding_grad, "
             "halt_on=[] (none), val_loss_key=eval_loss; repeat for several"
         ),
+    )
+    replay.add_argument(
+        "--defaults",
+        action="store_true",
+        help="replay with TrainingMonitor's defaults (and --set), not the settings in the run's monitor_settings.json",
     )
     replay.add_argument("--loss-key", default=None, help="the training loss key (default: first of loss, ...)")
     replay.add_argument("--grad-norm-key", default=None, help="the gradient norm key (default: grad_norm, ...)")
@@ -241,6 +248,7 @@ def _replay(args: argparse.Namespace) -> int:
             grad_norm_key=args.grad_norm_key,
             keep_going=args.keep_going,
             amp=args.amp,
+            run_settings=not args.defaults,
             **settings,
         )
     except FileNotFoundError as err:

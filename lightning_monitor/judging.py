@@ -237,8 +237,8 @@ def _beyond(detectors: StepDetectors, step: StepFigures) -> dict[AlertKind, Dete
         if nonfinite_grad and AlertKind.NONFINITE_LOSS not in out:
             out[AlertKind.NONFINITE_GRAD] = _described(AlertKind.NONFINITE_GRAD, "gradient norm", peak, None)
         if d.exploding is not None and d.exploding.beyond:
-            limit = d.exploding.limit_now
-            out[AlertKind.EXPLODING_GRAD] = _described(AlertKind.EXPLODING_GRAD, "gradient norm", peak, limit)
+            limit, argument = d.exploding.limit_now, getattr(d.exploding, "argument", None)  # a fixed limit's name
+            out[AlertKind.EXPLODING_GRAD] = _described(AlertKind.EXPLODING_GRAD, "gradient norm", peak, limit, argument)
         if d.vanishing is not None and d.vanishing.beyond:
             out[AlertKind.VANISHING_GRAD] = _described(AlertKind.VANISHING_GRAD, "gradient norm", grad, None)
         if d.grad_spike is not None and d.grad_spike.beyond and AlertKind.EXPLODING_GRAD not in out:
@@ -252,10 +252,14 @@ def _beyond(detectors: StepDetectors, step: StepFigures) -> dict[AlertKind, Dete
     return out
 
 
-def _described(kind: AlertKind, name: str, value: float, limit: float | None) -> Detection:
-    """A figure beyond its limit, described as a detection would be (``"gradient norm 512 > 100"``)."""
+def _described(kind: AlertKind, name: str, value: float, limit: float | None, argument: str | None = None) -> Detection:
+    """A figure beyond its limit, described as a detection would be (``"gradient norm 512 > 100"``).
+
+    A limit the user set is named as the detection names it (``"... > exploding_grad_threshold=100"``).
+    """
     if not math.isfinite(value):
         return Detection(kind, value, None, f"{name} is {format_value(value)}")
     if limit is not None and math.isfinite(limit):
-        return Detection(kind, value, limit, f"{name} {format_value(value)} > {format_value(limit)}")
+        shown = format_value(limit) if argument is None else f"{argument}={format_value(limit)}"
+        return Detection(kind, value, limit, f"{name} {format_value(value)} > {shown}")
     return Detection(kind, value, limit, f"{name} {format_value(value)} is beyond its limit")

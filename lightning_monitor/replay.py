@@ -73,6 +73,7 @@ VAL_LOSS_KEYS = ("val_loss", "val/loss", "eval_loss", "eval/loss", "val_loss_epo
 _EVENTS_PREFIX = "events.out.tfevents."
 _HISTORY_FILE = "monitor_history.jsonl"  # `lightning_monitor.history.HISTORY_FILE`, without importing torch
 _ALERTS_FILE = "alerts.jsonl"  # the monitor's default `alerts_file`
+_SETTINGS_FILE = "monitor_settings.json"  # `lightning_monitor.run_folder.SETTINGS_FILE`
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,14 @@ def replay(
     grad_norm_key: str | None = None,
     keep_going: bool = False,
     amp: bool = False,
+    run_settings: bool = True,
     **monitor_kwargs: Any,
 ) -> ReplayResult:
     """Run the monitor's detectors and decisions over a finished run's figures.
+
+    A run the monitor watched has its settings in ``monitor_settings.json`` beside its logs. The replay of its file
+    or folder takes them (those that differ from the defaults, said in a note), so that it judges the run as the
+    monitor did; ``monitor_kwargs`` override them, and ``run_settings=False`` replays with the defaults instead.
 
     Args:
         path_or_series: A run's file or folder (see :func:`read_series`), or its points.
@@ -234,6 +240,8 @@ def replay(
             run): a non-finite gradient norm is then an overflow the scaler skipped, alerted only when
             ``amp_overflow_patience`` come in a row, as the monitor does under AMP. Points with a logged loss scale
             are judged as under AMP whatever this says.
+        run_settings: Take the settings of the run's ``monitor_settings.json``, where there is one beside the file
+            read (a path only).
         **monitor_kwargs: ``TrainingMonitor``'s keyword arguments (``val_loss_key`` also picks the validation
             loss read from a file); validated as ``TrainingMonitor`` validates them.
 
@@ -241,18 +249,30 @@ def replay(
         The alerts and where training would have halted.
 
     Raises:
-        ValueError: If a setting's value is not what ``TrainingMonitor`` accepts, or the file cannot be read as
-            ``format``.
+        ValueError: If a setting's value is not what ``TrainingMonitor`` accepts (the run's own too), or the file
+            cannot be read as ``format``.
         TypeError: If a keyword argument is not one of ``TrainingMonitor``'s.
         FileNotFoundError: If the path holds no run that can be read.
     """
     from lightning_monitor.monitor import TrainingMonitor  # torch, only when something is replayed
 
-    config = TrainingMonitor(**monitor_kwargs).config
     notes: list[str] = []
+    config = TrainingMonitor(**monitor_kwargs).config  # the settings given are checked as the monitor checks them
     if isinstance(path_or_series, (str, os.PathLike)):
+        located = _locate(Path(path_or_series), format)[0]
+        if run_settings:
+            taken, note = _run_settings(located, TrainingMonitor().config.as_dict(), monitor_kwargs)
+            notes.extend([note] if note else [])
+            if taken:
+                try:
+                    config = TrainingMonitor(**{**taken, **monitor_kwargs}).config
+                except (TypeError, ValueError) as err:
+                    raise ValueError(
+                        f"{err} (from the run's {_SETTINGS_FILE}; --set overrides it, --defaults replays without it)"
+                    ) from err
         val_key = config.validation.val_loss_key
-        given = "val_loss_key" in monitor_kwargs and val_key not in (None, "auto")  # a key the user named: logged
+        # A key the user named must have been logged; the run's own (its settings') is looked for as the monitor did.
+        given = "val_loss_key" in monitor_kwargs and val_key not in (None, "auto")
         points, source = read_series(
             path_or_series,
             format,
@@ -261,7 +281,8 @@ def replay(
             val_loss_key=val_key,
             require_val_loss_key=given,
         )
-        own = _own_alerts(_locate(Path(path_or_series), format)[0])  # beside the file read: W&B's, MLflow's too
+        alerts_file = config.response.alerts_file
+        own = None if alerts_file is None else _own_alerts(located, alerts_file)  # W&B's, MLflow's beside it too
         if own is not None:
             notes.append(own)
     else:
@@ -347,10 +368,47 @@ def _median_gap(steps: list[int]) -> int:
     return gaps[len(gaps) // 2] if gaps else 1
 
 
-def _own_alerts(path: Path) -> str | None:
-    """What the run's own ``alerts.jsonl`` (beside the file replayed, or in the folder) recorded, in words."""
+def _run_settings(path: Path, defaults: dict[str, Any], given: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The settings of the run's ``monitor_settings.json`` beside ``path`` that differ from ``defaults``, and a note.
+
+    Settings this version does not know (a file of another version) are left out, said in the note. A file that
+    cannot be read as a JSON object is said in the note and taken for none.
+    """
     folder = path if path.is_dir() else path.parent
-    file = folder / _ALERTS_FILE
+    file = folder / _SETTINGS_FILE
+    if not file.is_file():
+        return {}, ""
+    try:
+        loaded = json.loads(file.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return {}, f"The run's {_SETTINGS_FILE} could not be read ({type(err).__name__}): replayed with the defaults."
+    if not isinstance(loaded, dict):
+        return {}, f"The run's {_SETTINGS_FILE} holds no settings (not a JSON object): replayed with the defaults."
+    unknown = sorted(str(key) for key in loaded if key not in defaults)
+    taken = {key: value for key, value in loaded.items() if key in defaults and value != defaults[key]}
+    shown = [f"{key}={_shown(value)}" for key, value in taken.items() if key not in given]
+    overridden = [key for key in taken if key in given]
+    parts = [f"Settings of the run's {_SETTINGS_FILE}: " + (", ".join(shown) if shown else "the defaults")]
+    if overridden:
+        parts.append(f"{', '.join(overridden)} as --set gives {'it' if len(overridden) == 1 else 'them'}")
+    if unknown:
+        parts.append(
+            f"left out, unknown to this version: {', '.join(unknown[:8])}{', ...' if len(unknown) > 8 else ''}"
+        )
+    return taken, "; ".join(parts) + " (--defaults replays without them)."
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as ``--set`` takes it (``halt_on=[]``, ``val_loss_key=None``)."""
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _own_alerts(path: Path, name: str = _ALERTS_FILE) -> str | None:
+    """What the run's own alerts file (beside the file replayed, or in the folder) recorded, in words."""
+    folder = path if path.is_dir() else path.parent
+    file = folder / name
     if not file.is_file():  # read through a link too: W&B's `files/` links to the run's own
         return None
     kinds: dict[str, int] = {}
@@ -369,7 +427,7 @@ def _own_alerts(path: Path) -> str | None:
     total = sum(kinds.values())
     listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
     end = "" if halted is None else f", and halted at step {halted[0]} ({halted[1]})"
-    return f"The run's own {_ALERTS_FILE} records {total} alert{'s' if total != 1 else ''} ({listed}){end}."
+    return f"The run's own {name} records {total} alert{'s' if total != 1 else ''} ({listed}){end}."
 
 
 def _after(alerts: list[ReplayAlert]) -> list[ReplayAlert]:

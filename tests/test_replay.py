@@ -350,3 +350,70 @@ def test_replay_climbs_the_escalation_ladder():
     result = replay(points)
     assert [(a.step, a.action) for a in result.alerts] == [(3, "skip"), (6, "skip"), (9, "halt")]
     assert result.halt_step == 9
+
+
+def test_a_run_folder_is_replayed_with_the_runs_own_settings(real_run: dict[str, Any], capsys: Any) -> None:
+    # The run's monitor_settings.json is beside its logs: its replay judges it as the monitor did, with no --set.
+    result = replay(real_run["tb"])
+    assert _alerts(result) == real_run["alerts"] and result.halt_step == NAN_STEP
+    order = list(json.loads((real_run["tb"] / "monitor_settings.json").read_text()))  # as the file has them
+    ordered = sorted(SETTINGS.items(), key=lambda item: order.index(item[0]))
+    shown = ", ".join(f"{k}={'[' + ','.join(v) + ']' if isinstance(v, list) else v}" for k, v in ordered)
+    assert f"Settings of the run's monitor_settings.json: {shown} (--defaults replays without them)." in result.notes
+    # With the defaults instead it is judged otherwise (the run's own halt, at the NaN, is not where it halts).
+    defaults = replay(real_run["tb"], run_settings=False)
+    assert defaults.halt_step not in (None, NAN_STEP) and _alerts(defaults) != real_run["alerts"]
+    assert not any("monitor_settings.json" in note for note in defaults.notes)
+    # What --set gives overrides the file's; the CLI's --defaults is run_settings=False.
+    overridden = replay(real_run["tb"], halt_on=[])
+    assert overridden.halt_step is None
+    assert any(
+        note.endswith("; halt_on as --set gives it (--defaults replays without them).") for note in overridden.notes
+    )
+    assert main(["replay", str(real_run["tb"]), "--defaults"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        defaults.summary().splitlines()[-2],
+        defaults.summary().splitlines()[-1],
+    ]
+
+
+def test_the_runs_settings_file_of_another_version_or_unreadable(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.csv").write_text(
+        "step,loss,grad_norm\n" + "".join(f"{s},1.0,{60.0 if s == 3 else 1.0}\n" for s in range(6))
+    )
+    settings = run / "monitor_settings.json"
+    # A key this version does not take is left out, said; the others are taken (the 60 crosses 50 and halts).
+    settings.write_text(json.dumps({"exploding_grad_threshold": 50, "halt_after": 1, "a_future_knob": 3}))
+    result = replay(run / "run.csv")
+    assert _alerts(result) == [("exploding_grad", 3, True)]
+    assert (
+        "Settings of the run's monitor_settings.json: exploding_grad_threshold=50, halt_after=1; left out, unknown to"
+        " this version: a_future_knob (--defaults replays without them)."
+    ) in result.notes
+    # A value this version refuses is an error that names the file and the way out.
+    settings.write_text(json.dumps({"top_k": 0}))
+    with pytest.raises(
+        ValueError, match=r"top_k.*\(from the run's monitor_settings.json; --set overrides it, --defaults"
+    ):
+        replay(run / "run.csv")
+    assert replay(run / "run.csv", top_k=1).halt_step is None  # --set puts it right
+    # A file that is not JSON is said, and the run replayed with the defaults.
+    settings.write_text("{not json")
+    result = replay(run / "run.csv")
+    assert (
+        result.alerts == ()
+        and ("The run's monitor_settings.json could not be read (JSONDecodeError): replayed with the defaults.")
+        in result.notes
+    )
+
+
+def test_the_runs_own_alerts_file_is_the_one_its_settings_name(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.csv").write_text("step,loss,grad_norm\n0,1.0,1.0\n1,1.0,1.0\n")
+    (run / "monitor_settings.json").write_text(json.dumps({"alerts_file": "health.jsonl"}))
+    (run / "health.jsonl").write_text(json.dumps({"kind": "loss_spike", "step": 1, "halted": False}) + "\n")
+    result = replay(run / "run.csv")
+    assert "The run's own health.jsonl records 1 alert (loss_spike 1)." in result.notes
