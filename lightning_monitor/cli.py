@@ -52,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments, without the program name; ``sys.argv[1:]`` when ``None``.
 
     Returns:
-        0 on success, 1 when the report could not be written, 2 for a folder without logs (or no subcommand).
+        0 on success, 1 when the report could not be written (or the output's reader closed it early), 2 for a
+        folder without logs (or no subcommand).
 
     Example:
         >>> main(["report", "/no/such/folder"])
@@ -63,9 +64,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    if args.command == "replay":
-        return _replay(args)
-    return _report(args)
+    try:
+        return _replay(args) if args.command == "replay" else _report(args)
+    except BrokenPipeError:  # the reader went away (`| head`): stop writing, without a traceback
+        _quiet_stdout()
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at the null device: the interpreter's flush at exit then finds no closed pipe.
+
+    Python's own recipe for ``SIGPIPE`` (the ``signal`` module's documentation).
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured): nothing to flush
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:

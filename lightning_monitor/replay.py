@@ -273,20 +273,13 @@ def replay(
         val_key = config.validation.val_loss_key
         # A key the user named must have been logged; the run's own (its settings') is looked for as the monitor did.
         given = "val_loss_key" in monitor_kwargs and val_key not in (None, "auto")
-        points, source = read_series(
-            path_or_series,
-            format,
-            loss_key=loss_key,
-            grad_norm_key=grad_norm_key,
-            val_loss_key=val_key,
-            require_val_loss_key=given,
-        )
+        points, source, read_val_key = _read_series(path_or_series, format, loss_key, grad_norm_key, val_key, given)
         alerts_file = config.response.alerts_file
         own = None if alerts_file is None else _own_alerts(located, alerts_file)  # W&B's, MLflow's beside it too
         if own is not None:
             notes.append(own)
     else:
-        points, source = list(path_or_series), "series"
+        points, source, read_val_key = list(path_or_series), "series", None
     gap = _median_gap([p.step for p in points if p.trains])
     if gap > 1:
         notes.append(
@@ -297,6 +290,8 @@ def replay(
     if amp:  # an unknown loss scale: one that never falls, so only a streak of overflows alerts
         points = [replace(p, loss_scale=math.inf) if p.trains and p.loss_scale is None else p for p in points]
     state = _ReplayState.from_settings(config)
+    if read_val_key is not None and state.validation.rising is not None:  # its messages name the key read
+        state.validation.watch(read_val_key)
     if config.recovery.recover_on:
         notes.append(
             "recover_on is not replayed: a rewind changes the figures that follow it, so its kinds are reported where"
@@ -556,6 +551,19 @@ def read_series(
         >>> source == f"plain CSV {run}"
         True
     """
+    points, source, _ = _read_series(path, format, loss_key, grad_norm_key, val_loss_key, require_val_loss_key)
+    return points, source
+
+
+def _read_series(
+    path: str | os.PathLike[str],
+    format: Format,
+    loss_key: str | None,
+    grad_norm_key: str | None,
+    val_loss_key: str | None,
+    require_val_loss_key: bool,
+) -> tuple[list[Point], str, str | None]:
+    """:func:`read_series`, and the key its validation loss was read from (``None`` where there is none)."""
     if format not in FORMATS:
         raise ValueError(f"Expected argument `format` to be one of {list(FORMATS)}, but got {format!r}")
     root = Path(path)
@@ -575,7 +583,7 @@ def read_series(
     except UnicodeDecodeError as err:  # a binary file under a text file's name
         raise ValueError(f"{str(file)!r} is not a text file (UTF-8): byte {err.start} cannot be read") from None
     given_val = val_loss_key if require_val_loss_key else None
-    points = _points(columns, loss_key, grad_norm_key, val_loss_key, given_val, unreadable)
+    points, val_key = _points(columns, loss_key, grad_norm_key, val_loss_key, given_val, unreadable)
     if not points:
         logged = ", ".join(sorted(columns)) or "none"
         raise ValueError(
@@ -589,7 +597,7 @@ def read_series(
         "trainer_state": "trainer_state.json",
         "plain": "plain CSV",
     }
-    return points, f"{words[chosen]} {file}"
+    return points, f"{words[chosen]} {file}", val_key
 
 
 def _locate(root: Path, format: str) -> tuple[Path, str]:
@@ -768,7 +776,8 @@ def _points(
     val_key: str | None,
     given_val: str | None = None,
     unreadable: Mapping[str, tuple[str, str]] | None = None,
-) -> list[Point]:
+) -> tuple[list[Point], str | None]:
+    """The points of the keys picked, and the validation loss's key (``None`` where none was logged)."""
     loss = _pick(columns, loss_key, LOSS_KEYS, "loss_key")
     grad = _pick(columns, grad_key, GRAD_NORM_KEYS, "grad_norm_key")
     val = None if val_key is None else _pick(columns, given_val, (val_key, *VAL_LOSS_KEYS), "val_loss_key")
@@ -780,7 +789,7 @@ def _points(
     scale = columns.get("loss_scale", {})
     chosen = {name: columns.get(key, {}) if key else {} for name, key in (("l", loss), ("g", grad), ("v", val))}
     steps = sorted(set(chosen["l"]) | set(chosen["g"]) | set(chosen["v"]))
-    return [
+    points = [
         Point(
             step,
             loss=chosen["l"].get(step),
@@ -790,6 +799,7 @@ def _points(
         )
         for step in steps
     ]
+    return points, val if chosen["v"] else None
 
 
 def _pick(columns: Mapping[str, Any], given: str | None, candidates: Sequence[str], argument: str) -> str | None:

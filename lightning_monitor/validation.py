@@ -140,13 +140,17 @@ class ValidationCheck:
             )
         return ValidationFigures(fsum(seen) / len(seen) if seen else None, rows["val_token_counts"], self.key)
 
+    def watch(self, key: str) -> None:
+        """Watch ``key`` as the validation loss, named so in the messages."""
+        self.key = key
+        if self.rising is not None:
+            self.rising.name = key
+
     def _choose(self, metrics: Mapping[str, Any]) -> None:
         """``val_loss_key="auto"``: watch the one metric named like a validation loss, and say which, once."""
         found = validation_loss_keys(metrics)
         if len(found) == 1:
-            self.key = found[0]
-            if self.rising is not None:
-                self.rising.name = self.key
+            self.watch(found[0])
             why = "the logged metric named like a validation loss"
             if self.key == "val_loss":  # found by its exact name: nothing guessed
                 why = "the logged validation loss"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +127,8 @@ def test_trainer_state_with_a_jump_and_a_blowup(tmp_path: Path) -> None:
     result = replay(tmp_path, halt_after=1, halt_on=["diverging_val_loss"])
     assert _alerts(result) == [("exploding_grad", 40, False), ("diverging_val_loss", 120, True)]
     assert (result.train_points, result.val_points, result.last_step) == (12, 5, 120)
+    # The message names the key the run logged, as the monitor names the one `val_loss_key="auto"` finds.
+    assert result.alerts[1].reason == "eval_loss rose 4 times in a row (0.5 -> 0.6 -> 0.7 -> 0.8 -> 0.9)"
 
 
 def test_a_run_that_ends_off_its_best_validation_loss_is_told_so_at_its_last_step(tmp_path: Path) -> None:
@@ -417,3 +421,22 @@ def test_the_runs_own_alerts_file_is_the_one_its_settings_name(tmp_path: Path) -
     (run / "health.jsonl").write_text(json.dumps({"kind": "loss_spike", "step": 1, "halted": False}) + "\n")
     result = replay(run / "run.csv")
     assert "The run's own health.jsonl records 1 alert (loss_spike 1)." in result.notes
+
+
+def test_output_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path: Path) -> None:
+    # `lightning-monitor replay RUN | head -1`: the reader closes the pipe while alerts are still being written
+    # (160 kB of them, more than a pipe holds).
+    run = tmp_path / "run.csv"
+    run.write_text("step,loss,grad_norm\n" + "".join(f"{s},1.0,{60.0 if s % 2 else 1.0}\n" for s in range(4000)))
+    command = [sys.executable, "-m", "lightning_monitor", "replay", str(run), "--set", "exploding_grad_threshold=50"]
+    process = subprocess.Popen(
+        [*command, "--set", "halt_on=[]"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    process.stdout.close()
+    error = process.stderr.read()
+    process.stderr.close()
+    assert process.wait(timeout=60) == 1
+    assert first == "step 1: alert exploding_grad: gradient norm 60 > exploding_grad_threshold=50\n"
+    assert error == ""
