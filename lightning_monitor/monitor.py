@@ -480,6 +480,17 @@ class TrainingMonitor(Callback):
         # "auto" reads before the step with `watch_activations` and `recover_on`: both act on the step the check is
         # about, before its update.
         deferred = deferred and not self.config.step.watch_activations and not self.config.recovery.recover_on
+        watched = self._writer.watched_step_figures if deferred else []
+        if watched:
+            # A callback or a scheduler reads a figure of the checks at the step's end (`ReduceLROnPlateau` stepped
+            # at each step): deferred, it would find none at the first step and the step before's at each other.
+            deferred = False
+            if self.config.step.host_sync == "deferred":
+                rank_zero_info(
+                    "TrainingMonitor reads each check before its step, not at the next (`host_sync='deferred'`): a"
+                    f" callback or scheduler watches {', '.join(watched)}, which must be the step's own when it"
+                    " reads it."
+                )
         self._reads = DeferredReads(self._guard) if deferred else StepReads()
         # The short way of a calm step (`_calm_step`), for a run whose checks carry nothing but the loss and the norms.
         self._layer_norms = self.config.step.layer_norms

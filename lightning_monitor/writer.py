@@ -18,7 +18,7 @@ from lightning_monitor._lightning import logging_step, mirror_callback_metrics, 
 from lightning_monitor.alerts import Alert
 from lightning_monitor.histograms import Histogram, write_histograms
 from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolved
-from lightning_monitor.keys import RENAMED_PREFIX
+from lightning_monitor.keys import ALERTS_PREFIX, GRAD_NORM, RENAMED_PREFIX, UPDATE_RATIO, WEIGHT_NORM
 from lightning_monitor.run_folder import (
     SETTINGS_FILE,
     claim_version,
@@ -39,6 +39,12 @@ __all__ = ["RECENT_CHECKS", "CheckRecord", "RunWriter"]
 
 #: How many checks the post-mortem bundle's history keeps.
 RECENT_CHECKS = 256
+
+#: The beginnings of the names of the figures a training check logs (a watched one is read before its step).
+_STEP_FIGURES = (
+    GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, ALERTS_PREFIX, RENAMED_PREFIX, "skipped_steps", "loss_scale",
+    "train_token_acc", "train_acc",
+)  # fmt: skip
 
 
 class CheckRecord(NamedTuple):
@@ -191,6 +197,15 @@ class RunWriter:
         names = [getattr(callback, "monitor", None) for callback in getattr(trainer, "callbacks", ())]
         names += [config.monitor for config in trainer.lr_scheduler_configs]
         self.watched = frozenset(name for name in names if isinstance(name, str))
+
+    @property
+    def watched_step_figures(self) -> list[str]:
+        """The figures of the training checks (``grad_norm``...) the run watches, not its own metrics; sorted.
+
+        Such a figure must be the step's own when a callback or a scheduler reads it, at the step's end: its check
+        is read before the step, never deferred to the next one.
+        """
+        return sorted(name for name in self.watched if name.startswith(_STEP_FIGURES))
 
     def watched_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
         """Put the host figures of a check that the run watches (:meth:`watch`) in ``callback_metrics`` (every rank).

@@ -650,16 +650,28 @@ class PlateauOnGradNorm(ScriptedModel):
         return {"optimizer": optimizer, "lr_scheduler": config}
 
 
+@pytest.mark.parametrize("host_sync", ["step", "deferred"])
 @pytest.mark.parametrize("interval", ["epoch", "step"])
-def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(tmp_path, interval):
+def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(tmp_path, caplog, interval, host_sync):
     # Epochs of 3 steps at `log_every_n_steps=50`: before, Lightning raised "ReduceLROnPlateau conditioned on metric
     # grad_norm which is not available". The figures no callback or scheduler watches stay out until a logging step.
+    # Deferred reads (the default on CUDA) did the same at the first step, and gave the step before's figure after.
     model = PlateauOnGradNorm(interval)
     trainer = make_trainer(
-        tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=-1, max_epochs=2, limit_train_batches=3,
-        log_every_n_steps=50, logger=CSVLogger(tmp_path),
+        tmp_path, [TrainingMonitor(val_loss_key=None, host_sync=host_sync)], max_steps=-1, max_epochs=2,
+        limit_train_batches=3, log_every_n_steps=50, logger=CSVLogger(tmp_path),
     )  # fmt: skip
-    trainer.fit(model, train_dataloaders=loader())
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, train_dataloaders=loader())
+    told = [r.getMessage() for r in caplog.records if "not at the next" in r.getMessage()]
+    assert told == (
+        []
+        if host_sync == "step"
+        else [
+            "TrainingMonitor reads each check before its step, not at the next (`host_sync='deferred'`): a callback or"
+            " scheduler watches grad_norm, which must be the step's own when it reads it."
+        ]
+    )
     assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])
     assert not [key for key in trainer.callback_metrics if key.startswith("grad_norm_layers/")]
     scheduler = trainer.lr_scheduler_configs[0].scheduler
@@ -667,7 +679,8 @@ def test_a_scheduler_on_grad_norm_finds_it_and_no_unwatched_figure_comes_early(t
     assert scheduler.best == pytest.approx(min(seen), rel=1e-5)
 
 
-def test_callbacks_that_check_at_validation_end_find_grad_norm_of_the_last_step(tmp_path):
+@pytest.mark.parametrize("host_sync", ["step", "deferred"])
+def test_callbacks_that_check_at_validation_end_find_grad_norm_of_the_last_step(tmp_path, host_sync):
     """`val_check_interval=0.5` in epochs of 8 steps, at `log_every_n_steps=5`: `EarlyStopping` and
     `ModelCheckpoint` check `grad_norm` at each validation's end. Before, neither found it ("Early stopping conditioned
     on metric `grad_norm` which is not available"), and where a logging step had come, they read its figure, not
@@ -678,7 +691,7 @@ def test_callbacks_that_check_at_validation_end_find_grad_norm_of_the_last_step(
     stopper = EarlyStopping(monitor="grad_norm", mode="min", patience=100, check_on_train_epoch_end=False)
     best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="grad_norm", mode="min", save_top_k=1)
     trainer = make_trainer(
-        tmp_path, [TrainingMonitor(val_loss_key=None), stopper, best], max_steps=-1, max_epochs=2,
+        tmp_path, [TrainingMonitor(val_loss_key=None, host_sync=host_sync), stopper, best], max_steps=-1, max_epochs=2,
         limit_train_batches=8, val_check_interval=0.5, log_every_n_steps=5, logger=CSVLogger(tmp_path),
         enable_checkpointing=True,
     )  # fmt: skip
