@@ -423,3 +423,39 @@ def test_a_trainer_with_the_real_deepspeed_strategy(stage):
     pytest.importorskip("deepspeed")  # not in the test extra: a heavy install; run where it is installed
     trainer = pl.Trainer(strategy=DeepSpeedStrategy(stage=stage), logger=False, enable_progress_bar=False)
     assert f"(ZeRO stage {stage})" in gradients_unreadable(trainer)
+
+
+class RawOptimizerOnRanks(TensorBatchModel):
+    """Manual optimization with the raw optimizer (no Lightning hook runs at its step); a NaN loss on rank 1 only."""
+
+    def __init__(self, nan_at: int = 3) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.nan_at = nan_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers(use_pl_optimizer=False)
+        opt.zero_grad()
+        loss = self(batch[0]).sum()
+        if self.global_rank == 1 and batch_idx == self.nan_at:
+            loss = loss * float("nan")
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@ddp
+def test_a_raw_optimizer_step_is_checked_on_every_rank_alike(tmp_path):
+    """Each rank's guard has its step checked; the check's collective meets on both, and the NaN is kept out of both."""
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(val_loss_key=None)  # the default ladder: an isolated NaN is skipped, the run goes on
+    fit(tmp_path, RawOptimizerOnRanks(), 2, monitor=monitor, max_steps=-1, max_epochs=1, limit_train_batches=6)
+    rank0, rank1 = reports(tmp_path)
+    for report in (rank0, rank1):
+        assert report["finite"] and report["stopping_reason"] is None
+        assert [(a["kind"], a["step"], a["rank"]) for a in report["alerts"]] == [("nonfinite_loss", 3, 1)]
+    assert rank0["latest"]["grad_norm"] == rank1["latest"]["grad_norm"]  # the gradients DDP averaged
+    norms = csv_column(tmp_path / "csv" / "version_0" / "metrics.csv", "grad_norm")
+    assert [step for step, _ in norms] == list(range(6))
