@@ -143,9 +143,24 @@ _ALIGNED_DESPITE_NAME = frozenset(
         "XLNetLMHeadModel", "XLMWithLMHeadModel", "FlaubertWithLMHeadModel", "CpmAntForCausalLM",
         "BartForCausalLM", "BigBirdPegasusForCausalLM", "BlenderbotForCausalLM", "BlenderbotSmallForCausalLM",
         "MarianForCausalLM", "MBartForCausalLM", "MvpForCausalLM", "PegasusForCausalLM", "PLBartForCausalLM",
-        "TrOCRForCausalLM", "WhisperForCausalLM",
+        "TrOCRForCausalLM", "WhisperForCausalLM", "ProphetNetForCausalLM", "MusicgenForCausalLM",
+        "MusicgenMelodyForCausalLM",
     }
 )  # fmt: skip
+#: Hugging Face models whose own loss shifts the labels, named like no causal LM (a scan of the causal-LM and
+#: image-text-to-text classes of transformers 5.25 on tiny configs, 2026-12-07: their loss is the cross-entropy of
+#: ``logits[:, :-1]`` against ``labels[:, 1:]``).
+_SHIFTED_DESPITE_NAME = frozenset(
+    {"IdeficsForVisionText2Text", "EvollaForProteinText2Text", "BertGenerationDecoder", "NemotronH_Omni_Reasoning_V3"}
+)
+
+
+def _codebooks(logits: Tensor, labels: Tensor) -> bool:
+    """Whether ``logits [B * K, T, V]`` and ``labels [B, T, K]`` are those of a model of ``K`` codebooks (MusicGen)."""
+    if logits.ndim != 3 or labels.ndim != 3 or labels.shape[-1] < 2:
+        return False
+    batch, steps, books = labels.shape
+    return logits.shape[0] == batch * books and logits.shape[1] == steps
 
 
 def _is_pretrained(module: Any) -> bool:
@@ -170,6 +185,8 @@ def _alignment_of(model: Any) -> Literal["shift", "aligned"] | None:
             break
         if name in _ALIGNED_DESPITE_NAME:
             return "aligned"
+        if name in _SHIFTED_DESPITE_NAME:
+            return "shift"
         if name.endswith(_CAUSAL_HEADS):
             return "shift"  # GPT-2, Llama, Llava, Qwen2-VL...: labels are the input ids, shifted inside the loss
         if "For" in name or "LMHead" in name:
@@ -586,6 +603,11 @@ class TokenAccuracyTracker:
             # A Hugging Face causal LM that puts positions of its own before the text's (GIT's image tokens): its
             # loss scores the logits of the text's positions, shifted, and so does this.
             logits = logits[..., longer:, :]
+        elif self.aligned_model and self.find is None and _codebooks(logits, labels):
+            # A model of several codebooks (MusicGen): logits [B * K, T, V] against labels [B, T, K], each codebook
+            # scored as it is, as its loss scores them.
+            batch, steps, books = labels.shape
+            logits, labels = logits.reshape(batch, books, steps, logits.shape[-1]), labels.transpose(1, 2)
         try:  # shapes and dtypes are checked on the host; labels out of range are counted in `invalid`, not read
             hits = metric.hits(logits, labels, shift)
         except ValueError as err:

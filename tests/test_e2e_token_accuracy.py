@@ -998,6 +998,36 @@ def _hf_family(name: str):
         )
         config.image_token_id = V - 1
         return t.InstructBlipForConditionalGeneration(config), False
+    if name == "idefics":  # named `...ForVisionText2Text`: its loss shifts
+        idefics = t.IdeficsConfig(
+            vocab_size=V, hidden_size=16, vision_config={"embed_dim": 16, "image_size": 8, "patch_size": 4, **small},
+            **small,
+        )  # fmt: skip
+        return t.IdeficsForVisionText2Text(idefics), True
+    if name == "evolla":  # named `...ForProteinText2Text`: its loss shifts
+        protein = {"vocab_size": V, "hidden_size": 16, **small}
+        evolla = t.EvollaConfig(
+            vocab_size=V, hidden_size=16, num_key_value_heads=2, protein_encoder_config=protein, **small
+        )  # fmt: skip
+        return t.EvollaForProteinText2Text(evolla), True
+    if name == "bert_generation":  # a decoder named like no causal LM: its loss shifts
+        config = t.BertGenerationConfig(
+            vocab_size=V, hidden_size=16, max_position_embeddings=32, is_decoder=True, **small
+        )
+        return t.BertGenerationDecoder(config), True
+    if name == "prophetnet_causal":  # ProphetNet's decoder alone: its (main-stream) loss is aligned
+        prophet = t.ProphetNetConfig(
+            vocab_size=V, hidden_size=16, encoder_ffn_dim=32, decoder_ffn_dim=32, num_encoder_layers=1,
+            num_decoder_layers=1, num_encoder_attention_heads=2, num_decoder_attention_heads=2, ngram=1,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        return t.ProphetNetForCausalLM(prophet), False
+    if name == "musicgen":  # 4 codebooks: logits [B * 4, T, V] against labels [B, T, 4], each codebook aligned
+        musicgen = t.MusicgenDecoderConfig(
+            vocab_size=V, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2, num_codebooks=4,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        return t.MusicgenForCausalLM(musicgen), False
     if name == "gpt2_double_heads":
         return t.GPT2DoubleHeadsModel(t.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32)), True
     if name == "xlnet":  # a permutation LM named like a causal one (`...LMHeadModel`): its loss is aligned
@@ -1047,6 +1077,12 @@ class FamilyTokens(torch.utils.data.Dataset):
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": target}
         if self.family == "vit_trocr":
             return {"pixel_values": image, "labels": target}
+        if self.family == "idefics":  # one image per sequence, every text position attending to it
+            ones = torch.ones(len(ids), 1, dtype=torch.long)
+            return {"input_ids": ids, "pixel_values": image[None], "image_attention_mask": ones, "labels": ids.clone()}
+        if self.family == "musicgen":  # [K, T] codes per example (the model takes them as B * K rows), labels [T, K]
+            codes = torch.stack([(ids + k) % (V - 2) + 1 for k in range(4)])
+            return {"input_ids": codes, "labels": codes.T.clone()}
         if self.family == "git":
             return {"input_ids": ids, "pixel_values": image, "labels": ids.clone()}
         if self.family == "instructblip_t5":  # three image tokens (the query tokens' places), then the prompt
@@ -1068,8 +1104,12 @@ class HFFamily(pl.LightningModule):
         self.scored: dict[str, list[tuple[int, int]]] = {"train": [], "val": []}
 
     def _step(self, batch, stage):
+        if batch.get("input_ids", torch.empty(0)).ndim == 3:  # MusicGen's codes, [B, K, T]: the model takes [B * K, T]
+            batch = {**batch, "input_ids": batch["input_ids"].flatten(0, 1)}
         out = self.model(**batch)
         logits, labels = out.logits.detach(), batch["labels"]
+        if labels.ndim == 3:  # its codebooks, each scored as it is: [B, K, T, V] against [B, K, T]
+            logits, labels = logits.unflatten(0, (labels.shape[0], labels.shape[2])), labels.transpose(1, 2)
         if self.shifts:  # GIT's image positions come first: its loss scores the text's
             logits, labels = logits[:, logits.shape[1] - labels.shape[1] : -1], labels[:, 1:]
         kept = labels != -100
@@ -1097,7 +1137,8 @@ class HFFamily(pl.LightningModule):
     "family",
     [
         "t5", "bert_gpt2", "vit_trocr", "llava", "gpt2_double_heads", "xlnet", "xlm", "cpmant", "bart_causal",
-        "trocr_causal", "lora_bart_causal", "student", "git", "instructblip_t5",
+        "trocr_causal", "lora_bart_causal", "student", "git", "instructblip_t5", "idefics", "evolla",
+        "bert_generation", "prophetnet_causal", "musicgen",
     ],
 )  # fmt: skip
 def test_each_hugging_face_family_is_scored_as_its_own_loss_aligns_it(tmp_path, caplog, family):
