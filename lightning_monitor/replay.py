@@ -381,16 +381,17 @@ def _run_settings(path: Path, defaults: dict[str, Any], given: Mapping[str, Any]
         return {}, f"The run's {_SETTINGS_FILE} holds no settings (not a JSON object): replayed with the defaults."
     unknown = sorted(str(key) for key in loaded if key not in defaults)
     taken = {key: value for key, value in loaded.items() if key in defaults and value != defaults[key]}
+    if not taken and not unknown:
+        return {}, f"The run's {_SETTINGS_FILE} holds the defaults."
     shown = [f"{key}={_shown(value)}" for key, value in taken.items() if key not in given]
     overridden = [key for key in taken if key in given]
-    parts = [f"Settings of the run's {_SETTINGS_FILE}: " + (", ".join(shown) if shown else "the defaults")]
+    parts = [", ".join(shown)] if shown else []
     if overridden:
         parts.append(f"{', '.join(overridden)} as --set gives {'it' if len(overridden) == 1 else 'them'}")
     if unknown:
-        parts.append(
-            f"left out, unknown to this version: {', '.join(unknown[:8])}{', ...' if len(unknown) > 8 else ''}"
-        )
-    return taken, "; ".join(parts) + " (--defaults replays without them)."
+        listed = ", ".join(unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+        parts.append(f"{'' if parts else 'the defaults; '}left out, unknown to this version: {listed}")
+    return taken, f"Settings of the run's {_SETTINGS_FILE}: " + "; ".join(parts) + " (--defaults replays without them)."
 
 
 def _shown(value: Any) -> str:

@@ -396,6 +396,13 @@ def test_the_runs_settings_file_of_another_version_or_unreadable(tmp_path: Path)
         "Settings of the run's monitor_settings.json: exploding_grad_threshold=50, halt_after=1; left out, unknown to"
         " this version: a_future_knob (--defaults replays without them)."
     ) in result.notes
+    # Every setting overridden, a file of the defaults: said as it is.
+    overridden = replay(run / "run.csv", exploding_grad_threshold=70, halt_after=2)
+    said = "exploding_grad_threshold, halt_after as --set gives them; left out, unknown to this version: a_future_knob"
+    assert overridden.alerts == ()
+    assert f"Settings of the run's monitor_settings.json: {said} (--defaults replays without them)." in overridden.notes
+    settings.write_text(json.dumps({"halt_after": 4}))
+    assert "The run's monitor_settings.json holds the defaults." in replay(run / "run.csv").notes
     # A value this version refuses is an error that names the file and the way out.
     settings.write_text(json.dumps({"top_k": 0}))
     with pytest.raises(
