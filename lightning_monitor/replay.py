@@ -568,8 +568,6 @@ def _read_series(
     if format not in FORMATS:
         raise ValueError(f"Expected argument `format` to be one of {list(FORMATS)}, but got {format!r}")
     root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"No run at {str(root)!r}: no such file or folder")
     file, chosen = _locate(root, format)
     unreadable: dict[str, tuple[str, str]] = {}  # a CSV's key -> (its first value that is not a number, its step)
     try:
@@ -603,6 +601,8 @@ def _read_series(
 
 def _locate(root: Path, format: str) -> tuple[Path, str]:
     """The file (or events folder) to read, and its format."""
+    if not root.exists():
+        raise FileNotFoundError(f"No run at {str(root)!r}: no such file or folder")
     if root.is_file():
         name = root.name
         if format != "auto":

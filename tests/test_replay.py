@@ -255,6 +255,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(run), "--set", "top_k=0"]) == 2
     assert "Expected argument `top_k` to be at least 1, but got 0" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing")]) == 2
+    assert f"No run at {str(tmp_path / 'missing')!r}: no such file or folder" in capsys.readouterr().err
     assert main(["replay", str(run), "--set", "nokey"]) == 2
 
 
