@@ -40,11 +40,9 @@ __all__ = ["RECENT_CHECKS", "CheckRecord", "RunWriter"]
 #: How many checks the post-mortem bundle's history keeps.
 RECENT_CHECKS = 256
 
-#: The beginnings of the names of the figures a training check logs (a watched one is read before its step).
-_STEP_FIGURES = (
-    GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, ALERTS_PREFIX, RENAMED_PREFIX, "skipped_steps", "loss_scale",
-    "train_token_acc", "train_acc",
-)  # fmt: skip
+#: The beginnings of the names of the figures a training check logs (a watched one is read before its step). Not
+#: the token accuracy: a step's counts are read at the next check whenever the check itself is read.
+_STEP_FIGURES = (GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, ALERTS_PREFIX, RENAMED_PREFIX, "skipped_steps", "loss_scale")
 
 
 class CheckRecord(NamedTuple):
