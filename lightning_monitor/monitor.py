@@ -623,10 +623,14 @@ class TrainingMonitor(Callback):
         optimizer's ``step()`` in manual optimization (``self.optimizers(use_pl_optimizer=False)``), or an
         ``optimizer_step`` override that steps ``optimizer.optimizer`` itself, goes around it: the guard, which wraps
         the optimizer's own ``step``, calls this first (the guard is on the optimizers from the training's start to
-        its end, so a step a validation run takes in between is checked too).
+        its end, so a step a validation run takes in between is checked too). Not while the trainer runs without this
+        monitor among its callbacks: a ``LearningRateFinder`` or ``BatchSizeFinder`` called mid-fit swaps them for its
+        own, and its search steps, which it undoes, are not the run's.
         """
         trainer = self._fitted() if self._fitted is not None else None
         if trainer is None or trainer.lightning_module is None:
+            return
+        if not any(callback is self for callback in trainer.callbacks):
             return
         self.on_before_optimizer_step(trainer, trainer.lightning_module, optimizer)
 

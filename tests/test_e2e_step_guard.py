@@ -29,7 +29,7 @@ from helpers import (
     same_weights,
     weights,
 )
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, LearningRateFinder, StochasticWeightAveraging
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -637,3 +637,48 @@ def test_after_a_halt_no_step_is_applied_while_min_steps_keeps_lightning_trainin
     assert monitor.skipped_steps == 7
     # Every step after the halt logs (`should_stop` is set): the count goes up by one at each.
     assert csv_column(f"{trainer.log_dir}/metrics.csv", "skipped_steps") == [(s, s - 4.0) for s in range(5, 12)]
+
+
+class WithLearningRate(BoringModel):
+    """BoringModel with the `lr` the finder sets, and no scheduler of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 1e-3
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class FinderAtEpochOne(LearningRateFinder):
+    """Lightning's `LearningRateFinder`, run as the second epoch begins (the guard is on the optimizer by then)."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass  # not at the start
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            self.lr_find(trainer, pl_module)
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+def test_a_learning_rate_finder_run_mid_fit_searches_as_without_the_monitor(tmp_path):
+    """The finder swaps the trainer's callbacks for its own while it searches, and undoes its steps: they are not the
+    run's, and the raw-step check must not judge, skip or halt them (it did: four `exploding_grad` skips and a halt in
+    a helper's probe, and another curve)."""
+    results = []
+    for callbacks in ([], [TrainingMonitor(val_loss_key=None)]):
+        torch.manual_seed(0)
+        model = WithLearningRate()
+        finder = FinderAtEpochOne(num_training_steps=40, max_lr=1e4, early_stop_threshold=None, update_attr=False)
+        trainer = make_trainer(
+            tmp_path, [finder, *callbacks], max_steps=-1, max_epochs=3, limit_train_batches=64, limit_val_batches=0
+        )  # with validation batches the finder takes no step here
+        trainer.fit(model)
+        results.append((finder.optimal_lr.results, weights(model), trainer.global_step))
+        if callbacks:
+            assert callbacks[0].alerts == [] and not trainer.should_stop
+    (plain, plain_weights, plain_steps), (monitored, monitored_weights, monitored_steps) = results
+    assert plain["loss"] == monitored["loss"] and plain["lr"] == monitored["lr"]
+    assert max(plain["loss"]) > 1e3  # a search the monitor would have acted on
+    assert same_weights(plain_weights, monitored_weights) and plain_steps == monitored_steps == 192
