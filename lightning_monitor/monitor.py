@@ -630,7 +630,7 @@ class TrainingMonitor(Callback):
         trainer = self._fitted() if self._fitted is not None else None
         if trainer is None or trainer.lightning_module is None:
             return
-        if not any(callback is self for callback in trainer.callbacks):
+        if not any(callback is self for callback in getattr(trainer, "callbacks", ())):
             return
         self.on_before_optimizer_step(trainer, trainer.lightning_module, optimizer)
 
