@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monitor._compat import FITTING, Callback, rank_zero_info, rank_zero_warn
-from lightning_monitor._host import world_size
+from lightning_monitor._host import gather_ranks, host_dtype, world_size
 from lightning_monitor._lightning import (
     batches_begun_in_epoch,
     grad_scaler,
@@ -337,6 +337,7 @@ class TrainingMonitor(Callback):
         self._scaler: torch.amp.GradScaler | None = None  # fixed for a run, found at its start, as the next two are
         self._ranks, self._every, self._every_n = 1, 0, self.config.step.check_every_n_steps
         self._token_every = 0  # the logging interval token accuracy is counted at (see `setup`)
+        self._watched_accuracy = False  # a callback or scheduler watches the training token accuracy
         self._batches: list[tuple[int, Any]] = []  # the micro-batches of the optimizer step under way
         self._step_closed = True  # an optimizer step was taken since the last batch began
         self._activations: ActivationWatch | None = None
@@ -464,6 +465,9 @@ class TrainingMonitor(Callback):
         self._histograms = self._histograms_go_somewhere(trainer)
         self._show_on_bar = self.config.figures.progress_bar
         self._writer.watch(trainer)  # the figures a callback or scheduler watches: in `callback_metrics` at each check
+        # A watched training token accuracy is each step's own when read, at the step's end (an extra read a step).
+        watched_accuracy = self._writer.watched & {self._tokens.key("train"), "train_token_acc", "train_acc"}
+        self._watched_accuracy = bool(watched_accuracy) and bool(self.config.tokens.token_accuracy)
         unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
         self._guarded = unreadable is None
         if unreadable is not None:
@@ -847,10 +851,30 @@ class TrainingMonitor(Callback):
         if not self._step_closed:  # the batch's optimizer step is not complete
             self._tokens.end_batch(outputs, batch)
             return
+        if self._watched_accuracy:  # every step counted, and its figure in `callback_metrics` before it closes
+            self._tokens.end_batch(outputs, batch)
+            self._watched_step_accuracy(trainer, pl_module.device)
+            self._tokens.close_step(True)
+            return
         next_logs = is_logging_step(trainer, logging_step(trainer) + 1, self._token_every)
         self._tokens.end_batch(
             outputs, batch, bool(self._token_every) and (next_logs or not pl_module.automatic_optimization)
         )
+
+    def _watched_step_accuracy(self, trainer: pl.Trainer, device: torch.device) -> None:
+        """Put the training token accuracy of the step ending now in ``callback_metrics``, for the run's watchers.
+
+        A callback (``EarlyStopping``, ``ModelCheckpoint``) or a scheduler watching it reads it after the step's
+        ``on_train_batch_end``: at a step-interval scheduler's update, a validation's end or the epoch's end. The
+        loggers still get the figure at logging steps only. One collective and one read, on every rank alike (the
+        gate is a setting and the step's end): paid only by a run that watches the figure.
+        """
+        counts = self._tokens.step_counts()
+        local = torch.zeros(4, device=device) if counts is None else counts.to(device)
+        rows = gather_ranks(local.to(host_dtype(device)), self._ranks)
+        key, value = self._tokens.accuracy("train", rows, warn=False)
+        if value is not None:
+            self._writer.watched_metrics(trainer, {key: value})
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -633,6 +633,10 @@ class TokenAccuracyTracker:
         """Whether the last :meth:`mark` was tagged ``tag``."""
         return self._mark is not None and self._mark[0] == tag
 
+    def step_counts(self) -> Tensor | None:
+        """The counts of the optimizer step under way, since its mark (``None`` where it is not marked)."""
+        return self.counts_since_mark(self._window)
+
     def counts_since_mark(self, tag: int) -> Tensor | None:
         """The counts since :meth:`mark` was called with ``tag``, else None.
 

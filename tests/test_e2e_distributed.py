@@ -24,6 +24,7 @@ from helpers import (
     csv_column,
     jsonl,
 )
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
@@ -101,6 +102,7 @@ class TensorBatchModel(RankFaults):
 
 def fit(tmp_path: Path, model: pl.LightningModule, devices: int, **kwargs: Any) -> pl.Trainer:
     monitor = kwargs.pop("monitor", None) or TrainingMonitor(halt_after=1, val_loss_key=None)
+    after = kwargs.pop("callbacks_after", [])
     loader = kwargs.pop("train_dataloaders", None) or data()
     options: dict[str, Any] = {
         "default_root_dir": tmp_path,
@@ -116,7 +118,7 @@ def fit(tmp_path: Path, model: pl.LightningModule, devices: int, **kwargs: Any) 
     if devices > 1:
         options["strategy"] = "ddp_spawn"
     options.update(kwargs)
-    trainer = pl.Trainer(callbacks=[monitor, RankReport(tmp_path)], **options)
+    trainer = pl.Trainer(callbacks=[monitor, RankReport(tmp_path), *after], **options)
     trainer.fit(model, train_dataloaders=loader)
     return trainer
 
@@ -459,3 +461,28 @@ def test_a_raw_optimizer_step_is_checked_on_every_rank_alike(tmp_path):
     assert rank0["latest"]["grad_norm"] == rank1["latest"]["grad_norm"]  # the gradients DDP averaged
     norms = csv_column(tmp_path / "csv" / "version_0" / "metrics.csv", "grad_norm")
     assert [step for step, _ in norms] == list(range(6))
+
+
+class BestScores(pl.Callback):
+    """Writes each rank's `EarlyStopping` best score at the end of training."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (stopper,) = [c for c in trainer.callbacks if isinstance(c, EarlyStopping)]
+        score = {"best": float(stopper.best_score), "seen": float(trainer.callback_metrics["train_acc"])}
+        (self.folder / f"best{trainer.global_rank}.json").write_text(json.dumps(score))
+
+
+@ddp
+def test_a_watched_training_accuracy_is_gathered_on_every_rank_alike(tmp_path):
+    """Each step's figure is read at its end on both ranks (one collective): the same on both, and no hang."""
+    torch.manual_seed(0)
+    stopper = EarlyStopping(monitor="train_acc", mode="max", patience=100, check_on_train_epoch_end=True)
+    fit(
+        tmp_path, TensorBatchModel(), 2, monitor=TrainingMonitor(val_loss_key=None), max_steps=-1, max_epochs=2,
+        limit_train_batches=3, log_every_n_steps=50, callbacks_after=[stopper, BestScores(tmp_path)],
+    )  # fmt: skip
+    rank0, rank1 = (json.loads((tmp_path / f"best{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1 and 0.0 <= rank0["best"] <= 1.0

@@ -701,6 +701,59 @@ def test_callbacks_that_check_at_validation_end_find_grad_norm_of_the_last_step(
     assert close(float(best.best_model_score), min(at_validation))
 
 
+class AccuracyOnEachStep(ScriptedModel):
+    """The suite's model; each step's own accuracy (its `[B, 2]` logits against the labels) kept as the reference.
+
+    A plateau scheduler on `train_acc`, stepped at each step, with `plateau=True`.
+    """
+
+    def __init__(self, plateau: bool = False) -> None:
+        super().__init__()
+        self.plateau = plateau
+        self.accuracy: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        self.accuracy.append(float((out["logits"].argmax(-1) == out["labels"]).double().mean()))
+        return out
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.plateau:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=100, threshold=0.0)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "monitor": "train_acc", "interval": "step"},
+        }
+
+
+@pytest.mark.parametrize("every", [1, 50])
+def test_a_watched_training_accuracy_is_each_steps_own(tmp_path, every):
+    """`EarlyStopping` at each epoch's end, `ModelCheckpoint` at each validation's end and a step-interval
+    `ReduceLROnPlateau`, all on `train_acc`. Before, with epochs shorter than `log_every_n_steps`, Lightning raised
+    "Early stopping conditioned on metric `train_acc` which is not available"; the loggers' rows are as they were."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = AccuracyOnEachStep(plateau=True)
+    stopper = EarlyStopping(monitor="train_acc", mode="max", patience=100, check_on_train_epoch_end=True)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_acc", mode="max", save_top_k=1)
+    trainer = make_trainer(
+        tmp_path, [stopper, TrainingMonitor(val_loss_key=None), best], max_steps=-1, max_epochs=2,
+        limit_train_batches=4, val_check_interval=2, log_every_n_steps=every, logger=CSVLogger(tmp_path),
+        enable_checkpointing=True,
+    )  # fmt: skip
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8))
+    acc = model.accuracy
+    assert len(acc) == 8 and len(set(acc)) > 1  # a reference that can disagree
+    assert float(stopper.best_score) == pytest.approx(max(acc[3], acc[7]))  # each epoch's last step
+    assert float(best.best_model_score) == pytest.approx(max(acc[1], acc[3], acc[5], acc[7]))  # before each validation
+    assert trainer.lr_scheduler_configs[0].scheduler.best == pytest.approx(max(acc))  # every step
+    logged = csv_column(f"{trainer.logger.log_dir}/metrics.csv", "train_acc")
+    assert [s for s, _ in logged] == ([] if every == 50 else list(range(8)))  # the loggers: logging steps only
+    assert [v for _, v in logged] == pytest.approx([] if every == 50 else acc)
+
+
 class PeekLogger(pl.Callback):
     """Pickles the logger and the monitor in the middle of the fit (a launcher or a sweep tool may)."""
 
