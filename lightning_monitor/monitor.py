@@ -68,7 +68,7 @@ from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
 from lightning_monitor.run_state import RunState
 from lightning_monitor.settings import DEFAULT_HALT_ON, AlertKindName, MonitorSettings, StepKindName
-from lightning_monitor.token_tracker import Stage, TokenAccuracyTracker
+from lightning_monitor.token_tracker import COUNTS, Stage, TokenAccuracyTracker
 from lightning_monitor.validation import ValidationCheck
 from lightning_monitor.weights import WeightWatch
 from lightning_monitor.wording import AlertContext, recovered_alert, step_alerts, validation_alerts
@@ -870,7 +870,7 @@ class TrainingMonitor(Callback):
         gate is a setting and the step's end): paid only by a run that watches the figure.
         """
         counts = self._tokens.step_counts()
-        local = torch.zeros(4, device=device) if counts is None else counts.to(device)
+        local = torch.zeros(COUNTS, device=device) if counts is None else counts.to(device)
         rows = gather_ranks(local.to(host_dtype(device)), self._ranks)
         key, value = self._tokens.accuracy("train", rows, warn=False)
         if value is not None:
