@@ -466,7 +466,7 @@ class TrainingMonitor(Callback):
         self._show_on_bar = self.config.figures.progress_bar
         self._writer.watch(trainer)  # the figures a callback or scheduler watches: in `callback_metrics` at each check
         # A watched training token accuracy is each step's own when read, at the step's end (an extra read a step).
-        watched_accuracy = self._writer.watched & {self._tokens.key("train"), "train_token_acc", "train_acc"}
+        watched_accuracy = self._writer.watched & {"train_token_acc", "train_acc"}  # as `TokenAccuracyTracker.key`
         self._watched_accuracy = bool(watched_accuracy) and bool(self.config.tokens.token_accuracy)
         unreadable = gradients_unreadable(trainer)  # DeepSpeed: its engine holds the gradients and takes the step
         self._guarded = unreadable is None

@@ -592,14 +592,15 @@ class TokenAccuracyTracker:
             metric.to(logits.device, non_blocking=copies_without_blocking(logits.device))
         auto = self.shift == "auto" and self.find is None and not self._per_example  # a class label: nothing to shift
         shift = self._auto_shift(stage, outputs, batch, labels) if auto else (False if self._per_example else None)
-        if virtual and (metric.shift if shift is None else shift):
+        shifts = metric.shift if shift is None else shift  # what the metric will do with this batch
+        if virtual and shifts:
             # PEFT puts `ignore_index` labels before the inputs' and the model's loss shifts: the last virtual token's
             # logits predict the first label. Scored as that loss scores them, with one ignored label in front.
             logits = logits[..., k - 1 :, :]
             labels = torch.cat([labels.new_full((*labels.shape[:-1], 1), metric.ignore_index), labels], dim=-1)
         elif virtual:
             logits = logits[..., k:, :]  # aligned with the labels as they are
-        elif longer > 0 and self.causal_lm and self.find is None and (metric.shift if shift is None else shift):
+        elif longer > 0 and self.causal_lm and self.find is None and shifts:
             # A Hugging Face causal LM that puts positions of its own before the text's (GIT's image tokens): its
             # loss scores the logits of the text's positions, shifted, and so does this.
             logits = logits[..., longer:, :]

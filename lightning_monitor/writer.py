@@ -42,7 +42,10 @@ RECENT_CHECKS = 256
 
 #: The beginnings of the names of the figures a training check logs (a watched one is read before its step). Not
 #: the token accuracy: a step's counts are read at the next check whenever the check itself is read.
-_STEP_FIGURES = (GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, ALERTS_PREFIX, RENAMED_PREFIX, "skipped_steps", "loss_scale")
+_STEP_FIGURES = (
+    GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, ALERTS_PREFIX, RENAMED_PREFIX, "skipped_steps", "loss_scale",
+    "grad_nonfinite_values", "weight_nonfinite_values",
+)  # fmt: skip
 
 
 class CheckRecord(NamedTuple):
@@ -114,6 +117,9 @@ class RunWriter:
         self._renamed: dict[str, str] = {}  # a key the run logs itself too -> the name the monitor's goes out under
         self._taken: tuple[int, int, frozenset[str]] | None = None  # the names the run's `self.log` uses, as seen
         self.watched: frozenset[str] = frozenset()  # the names a callback or scheduler of the run watches
+        #: Those of them that are figures of the training checks (``grad_norm``...), sorted: where there are none
+        #: (a run that watches only its own ``val_loss``), a check puts nothing in ``callback_metrics``.
+        self.watched_step_figures: list[str] = []
 
     def begin(
         self, trainer: pl.Trainer, settings: Mapping[str, Any], carry_on: bool = False, *, at_once: bool = True
@@ -195,15 +201,9 @@ class RunWriter:
         names = [getattr(callback, "monitor", None) for callback in getattr(trainer, "callbacks", ())]
         names += [config.monitor for config in trainer.lr_scheduler_configs]
         self.watched = frozenset(name for name in names if isinstance(name, str))
-
-    @property
-    def watched_step_figures(self) -> list[str]:
-        """The figures of the training checks (``grad_norm``...) the run watches, not its own metrics; sorted.
-
-        Such a figure must be the step's own when a callback or a scheduler reads it, at the step's end: its check
-        is read before the step, never deferred to the next one.
-        """
-        return sorted(name for name in self.watched if name.startswith(_STEP_FIGURES))
+        # Such a figure must be the step's own when a callback or a scheduler reads it, at the step's end: its check
+        # is read before the step, never deferred to the next one.
+        self.watched_step_figures = sorted(name for name in self.watched if name.startswith(_STEP_FIGURES))
 
     def watched_metrics(self, trainer: pl.Trainer, figures: dict[str, float]) -> None:
         """Put the host figures of a check that the run watches (:meth:`watch`) in ``callback_metrics`` (every rank).
@@ -274,7 +274,7 @@ class RunWriter:
         out = self._outgoing(trainer, logged, at) if logged and goes_out else logged
         if goes_out:
             mirror_callback_metrics(trainer, out or {})
-        elif self.watched:  # a check that does not log: the figures the run watches only
+        elif self.watched_step_figures:  # a check that does not log: the figures the run watches only
             if logged is not None:
                 self.watched_metrics(trainer, logged)
             elif isinstance(latest, CheckRecord):  # the common check's record, made here
@@ -292,7 +292,7 @@ class RunWriter:
         Its record is only kept, and the figures the run watches (:meth:`watch`) go to ``callback_metrics``.
         """
         self.recent.append((at, epoch, record))
-        if self.watched:
+        if self.watched_step_figures:
             self.watched_metrics(trainer, record.logged())
 
     def alerts(self, trainer: pl.Trainer, alerts: Sequence[Alert], run_alerts: Sequence[Alert]) -> None:

@@ -144,6 +144,35 @@ def test_python_calls_per_step_stay_pinned(tmp_path: Path) -> None:
     assert {kind: len(counts) for kind, counts in by_kind.items()} == dict.fromkeys(by_kind, 1), by_kind
 
 
+class WatchesItsOwnMetric(pl.Callback):
+    """A callback watching a metric of the module's (as `ModelCheckpoint(monitor="val_loss")` does), none of the
+    monitor's figures."""
+
+    monitor = "val_loss"
+
+
+def calls_per_step(tmp_path: Path, callbacks: list[pl.Callback]) -> dict[int, int]:
+    """The monitor's Python calls at each step of the calm run of the pinned test, with ``callbacks`` beside it."""
+    counter = CallCounter()
+    monitor = TrainingMonitor()
+    counter.wrap(monitor)
+    trainer = make_trainer(
+        tmp_path, [monitor, *callbacks], max_steps=STEPS, logger=CSVLogger(tmp_path), log_every_n_steps=LOG_EVERY,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(CalmModel(), loader(n=2 * STEPS))
+    assert monitor.alerts == []
+    return {step: counter.counts[step] for step in range(COUNTED_FROM, STEPS)}
+
+
+def test_a_run_watching_only_its_own_metrics_pays_nothing_at_a_check(tmp_path: Path) -> None:
+    # Watched names go to `callback_metrics` at every check where one is a figure of the checks (`grad_norm`); a run
+    # whose callbacks watch only its own metrics makes the same calls as a run watching none (it used to build each
+    # calm check's figures and their outgoing names, to mirror none of them).
+    alone = calls_per_step(tmp_path / "alone", [])
+    assert calls_per_step(tmp_path / "watching", [WatchesItsOwnMetric()]) == alone
+
+
 class FileEvents:
     """The files opened and folders made under ``root`` while :attr:`on`, seen by a process-wide audit hook."""
 
