@@ -259,7 +259,7 @@ def replay(
     notes: list[str] = []
     config = TrainingMonitor(**monitor_kwargs).config  # the settings given are checked as the monitor checks them
     if isinstance(path_or_series, (str, os.PathLike)):
-        located = _locate(Path(path_or_series), format)[0]
+        located, chosen = _located(path_or_series, format)
         if run_settings:
             taken, note = _run_settings(located, TrainingMonitor().config.as_dict(), monitor_kwargs)
             notes.extend([note] if note else [])
@@ -273,7 +273,7 @@ def replay(
         val_key = config.validation.val_loss_key
         # A key the user named must have been logged; the run's own (its settings') is looked for as the monitor did.
         given = "val_loss_key" in monitor_kwargs and val_key not in (None, "auto")
-        points, source, read_val_key = _read_series(path_or_series, format, loss_key, grad_norm_key, val_key, given)
+        points, source, read_val_key = _read_located(located, chosen, loss_key, grad_norm_key, val_key, given)
         alerts_file = config.response.alerts_file
         own = None if alerts_file is None else _own_alerts(located, alerts_file)  # W&B's, MLflow's beside it too
         if own is not None:
@@ -552,23 +552,27 @@ def read_series(
         >>> source == f"plain CSV {run}"
         True
     """
-    points, source, _ = _read_series(path, format, loss_key, grad_norm_key, val_loss_key, require_val_loss_key)
+    located = _located(path, format)
+    points, source, _ = _read_located(*located, loss_key, grad_norm_key, val_loss_key, require_val_loss_key)
     return points, source
 
 
-def _read_series(
-    path: str | os.PathLike[str],
-    format: Format,
+def _located(path: str | os.PathLike[str], format: str) -> tuple[Path, str]:
+    """``format`` checked, then the file (or events folder) of the run at ``path`` and its format (:func:`_locate`)."""
+    if format not in FORMATS:
+        raise ValueError(f"Expected argument `format` to be one of {list(FORMATS)}, but got {format!r}")
+    return _locate(Path(path), format)
+
+
+def _read_located(
+    file: Path,
+    chosen: str,
     loss_key: str | None,
     grad_norm_key: str | None,
     val_loss_key: str | None,
     require_val_loss_key: bool,
 ) -> tuple[list[Point], str, str | None]:
-    """:func:`read_series`, and the key its validation loss was read from (``None`` where there is none)."""
-    if format not in FORMATS:
-        raise ValueError(f"Expected argument `format` to be one of {list(FORMATS)}, but got {format!r}")
-    root = Path(path)
-    file, chosen = _locate(root, format)
+    """:func:`read_series` of a located run, and the key its validation loss was read from (``None``: none)."""
     unreadable: dict[str, tuple[str, str]] = {}  # a CSV's key -> (its first value that is not a number, its step)
     try:
         if chosen == "tensorboard":

@@ -448,3 +448,10 @@ def test_output_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path: Path
     assert process.wait(timeout=60) == 1
     assert first == "step 1: alert exploding_grad: gradient norm 60 > exploding_grad_threshold=50\n"
     assert error == ""
+
+
+def test_a_format_not_known_is_an_error_naming_it_for_a_folder_too(real_run: dict[str, Any]) -> None:
+    # A folder is searched for the format's file: the format must be checked first, by `replay` as by `read_series`.
+    for read in (replay, read_series):
+        with pytest.raises(ValueError, match=r"Expected argument `format` to be one of .*, but got 'bogus'"):
+            read(real_run["tb"], format="bogus")
