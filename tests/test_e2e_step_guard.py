@@ -27,6 +27,7 @@ from helpers import (
     loader,
     make_trainer,
     same_weights,
+    total_norm,
     weights,
 )
 from lightning.pytorch.callbacks import Callback, LearningRateFinder, StochasticWeightAveraging
@@ -328,8 +329,6 @@ class AroundThePlugin(BoringModel):
         return None
 
     def on_after_backward(self) -> None:
-        from helpers import total_norm
-
         self.norms.append(total_norm(self))
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
