@@ -17,9 +17,11 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
     from lightning.pytorch.strategies import Strategy
+    from torch import Tensor
 
 __all__ = [
     "batches_begun_in_epoch",
+    "clipping_words",
     "may_be_last_step",
     "STEP_HOOKS",
     "grad_scaler",
@@ -187,16 +189,31 @@ def names_logged_by_the_run(
         return (0, 0, frozenset())
 
 
-def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -> None:
+def clipping_words(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+    """How Lightning clips the gradients after ``on_before_optimizer_step``, in words, or ``""`` where it does not.
+
+    ``"gradient_clip_val=1"``, with ``", gradient_clip_algorithm='value'"`` for clipping by value. Only in automatic
+    optimization: Lightning refuses ``gradient_clip_val`` in manual optimization, where a module clips by itself.
+    """
+    value = getattr(trainer, "gradient_clip_val", None)
+    if not pl_module.automatic_optimization or not isinstance(value, (int, float)) or not value > 0:
+        return ""
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    by_value = str(getattr(algorithm, "value", algorithm)).lower() == "value"
+    return f"gradient_clip_val={value:g}" + (", gradient_clip_algorithm='value'" if by_value else "")
+
+
+def mirror_callback_metrics(trainer: pl.Trainer, figures: Mapping[str, float]) -> dict[str, Tensor]:
     """Put host figures in ``trainer.callback_metrics``, where ``ModelCheckpoint`` and ``EarlyStopping`` look.
 
     The public property rebuilds every logged metric and reads each ``prog_bar`` one on the host, a device sync per
-    metric; the dict behind it takes CPU tensors for free.
+    metric; the dict behind it takes CPU tensors for free. Returns the tensors put there.
     """
     # One tensor for all the figures, viewed per key: one creation per logging step instead of one per figure.
     values = dict(zip(figures, torch.tensor(list(figures.values())).unbind(), strict=True))
     target = getattr(trainer._logger_connector, "_callback_metrics", None)
     (target if isinstance(target, dict) else trainer.callback_metrics).update(values)
+    return values
 
 
 def progress_bar_values(trainer: pl.Trainer) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_monitor.grad_norms import layer_name
+from lightning_monitor.grad_norms import layer_name, module_name
 
 __all__ = ["ActivationWatch", "ForwardOrder"]
 
@@ -85,10 +85,14 @@ class ActivationWatch:
     """Flag, on the device, every module whose output was not finite since the last :meth:`reset`.
 
     Args:
-        module: The model. Every submodule without children (``nn.Linear``, ``nn.LayerNorm``...) is watched.
+        module: The model. Every submodule is watched, those with children too: a NaN made by a block's own code
+            (a residual sum, attention arithmetic in its ``forward``) after its children ran is the block's, where
+            watching only the children would blame the next module that reads it. The first flagged in the order
+            outputs were produced (a module's output comes after its children's) is the one named.
 
     Attributes:
-        names: The watched modules, in registration order; :meth:`flags` has one entry per name.
+        names: The watched modules, in registration order, named as the gradient norms name layers (without the
+            components ``torch.compile``, FSDP and PEFT insert); :meth:`flags` has one entry per name.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
@@ -102,13 +106,13 @@ class ActivationWatch:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        leaves = [(n, m) for n, m in module.named_modules() if n and not any(True for _ in m.children())]
-        self.names = [n for n, _ in leaves]
+        watched = [(n, m) for n, m in module.named_modules() if n]
+        self.names = [module_name(n) for n, _ in watched]
         device = next(module.parameters(), torch.zeros(())).device
         self._flags = torch.zeros(len(self.names), device=device)
-        self._order: list[int] = []  # indices of leaves in the order their outputs were first produced
+        self._order: list[int] = []  # indices of modules in the order their outputs were first produced
         self._ran: set[int] = set()
-        self._handles = [m.register_forward_hook(self._check(i)) for i, (_, m) in enumerate(leaves)]
+        self._handles = [m.register_forward_hook(self._check(i)) for i, (_, m) in enumerate(watched)]
 
     def _check(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older torch without public DTensor
 
 from lightning_monitor._host import fsum, host_dtype, to_device
 
-__all__ = ["LayerGradNorms", "combine_ranks", "layer_name"]
+__all__ = ["LayerGradNorms", "combine_ranks", "layer_name", "module_name"]
 
 #: Path components that wrappers insert into parameter names (FSDP, activation checkpointing, torch.compile).
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_forward_module"})
@@ -86,6 +86,20 @@ def layer_name(param_name: str) -> str:
         if i and part in _PEFT_ADAPTERS:
             return ".".join(modules[:i])
     return ".".join(modules) or parts[-1]
+
+
+def module_name(path: str) -> str:
+    """Return a module's path without the components wrappers insert, as :func:`layer_name` drops them.
+
+    Example:
+        >>> module_name("model._orig_mod.head")
+        'model.head'
+        >>> module_name("model.base_model.model.model.layers.1.mlp.down_proj.base_layer")
+        'model.model.layers.1.mlp.down_proj'
+        >>> module_name("model.base_model.model.model.layers.1.mlp.down_proj.lora_A.default")
+        'model.model.layers.1.mlp.down_proj.lora_A.default'
+    """
+    return ".".join(_unwrapped([*path.split("."), ""])[:-1])  # a last component, as a parameter's name has
 
 
 def _unwrapped(parts: list[str]) -> list[str]:

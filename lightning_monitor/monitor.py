@@ -34,6 +34,7 @@ from lightning_monitor._compat import FITTING, Callback, rank_zero_info, rank_ze
 from lightning_monitor._host import gather_ranks, host_dtype, world_size
 from lightning_monitor._lightning import (
     batches_begun_in_epoch,
+    clipping_words,
     grad_scaler,
     gradients_unreadable,
     is_logging_step,
@@ -349,7 +350,10 @@ class TrainingMonitor(Callback):
         self._lean = False  # the run's calm steps take the short way (see `on_train_start`)
         self._epoch = 0  # `trainer.current_epoch`, read at each epoch's start (for `_calm_step`)
         self._epoch_began_before = False  # this fit resumed in the middle of the epoch under way
+        self._val_acc: float | None = None  # the token accuracy of the validation run under way, once gathered
+        self._val_shown: dict[str, Tensor] = {}  # and what of it went to `callback_metrics`
         self._layer_norms = True  # `layer_norms`, read at the run's start (for `_calm_step`)
+        self._clipping = ""  # how Lightning clips the run's gradients, in words (read at the run's start)
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -464,6 +468,7 @@ class TrainingMonitor(Callback):
         self._token_every = self._every or int(getattr(trainer, "log_every_n_steps", 0) or 0)
         self._histograms = self._histograms_go_somewhere(trainer)
         self._show_on_bar = self.config.figures.progress_bar
+        self._clipping = clipping_words(trainer, pl_module)  # what the advice of a gradient alert takes into account
         self._writer.watch(trainer)  # the figures a callback or scheduler watches: in `callback_metrics` at each check
         # A watched training token accuracy is each step's own when read, at the step's end (an extra read a step).
         watched_accuracy = self._writer.watched & {"train_token_acc", "train_acc"}  # as `TokenAccuracyTracker.key`
@@ -523,6 +528,7 @@ class TrainingMonitor(Callback):
         ended = decide_at_end(self._validation.at_end(), self._policy)
         if ended.rulings:  # at the last step trained (where Lightning logged it last), in its epoch
             self._act_on_validation(trainer, ended, self._epoch, at=max(logging_step(trainer) - 1, 0), ended=True)
+        self._writer.release(trainer)
         self._close_hooks()
 
     @override
@@ -531,6 +537,7 @@ class TrainingMonitor(Callback):
         # its `setup`, as in `prepare_data`, must not be written into the run of an earlier trainer's fit).
         if trainer.state.fn == FITTING and self._fitted is not None and self._fitted() is trainer:
             self._writer.history.end(logging_step(trainer), self._epoch, exception)
+            self._writer.release(trainer)
         self._close_hooks()
 
     @override
@@ -538,6 +545,8 @@ class TrainingMonitor(Callback):
         # A fit that ends without `on_train_end` or `on_exception` (the tuner's `lr_find` and `scale_batch_size`, or
         # one with nothing left to train) must not leave the optimizers, the module and the loggers patched.
         if stage == FITTING:
+            if self._fitted is not None and self._fitted() is trainer:
+                self._writer.release(trainer)
             self._close_hooks()
 
     @override
@@ -794,6 +803,7 @@ class TrainingMonitor(Callback):
                 halt_after=self._policy.halt_after,
                 after_halt=facts.halted,
                 skip_on=self._policy.skip_on,
+                clipping=self._clipping,
             )
             order = None if self._checks.order is None else self._checks.order.sort
             names = check.norms.names
@@ -846,6 +856,8 @@ class TrainingMonitor(Callback):
         # optimization its batches share one logging step; in manual optimization each batch has its own, and the
         # optimizer may step after several, so every step is marked. In one process (a lean run), a tracker that counts
         # no training batch (a model without logits) has nothing to count or carry: it is left alone.
+        if self._writer.held is not None and self._step_closed:  # the fit's first step closed: its figures go out
+            self._writer.release(trainer)
         if self._lean and self._tokens.training_off:
             return
         if not self._step_closed:  # the batch's optimizer step is not complete
@@ -928,6 +940,22 @@ class TrainingMonitor(Callback):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tokens.reset("val")
+        self._val_acc, self._val_shown = None, {}
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The validation's token accuracy, in `callback_metrics` before any callback's `on_validation_end`, where
+        # `EarlyStopping` reads it wherever it stands in the list of callbacks. Gate on the settings and the stage,
+        # never on what one rank saw: every rank joins the collective (one, and one read, per validation run).
+        if not self.config.tokens.token_accuracy or trainer.sanity_checking or trainer.state.fn != FITTING:
+            return
+        # The loggers get it at `on_validation_end`, once the module's own epoch-end logs are known (a `val_acc` of
+        # its own keeps its name there).
+        device = pl_module.device
+        rows = gather_ranks(self._tokens.epoch_counts("val", device).to(host_dtype(device)), self._ranks)
+        key, self._val_acc = self._tokens.accuracy("val", rows)
+        if self._val_acc is not None:
+            self._val_shown = self._writer.callback_figures(trainer, {key: self._val_acc})
 
     @override
     def on_validation_batch_end(
@@ -954,15 +982,20 @@ class TrainingMonitor(Callback):
         if trainer.sanity_checking or trainer.state.fn != FITTING or not (key is not None or watch_acc):
             return
 
-        # Measure and read: every rank contributes its figures (or their absence), so no rank skips the collective.
-        device = pl_module.device
-        counts = self._tokens.epoch_counts("val", device) if watch_acc else None
-        found = self._validation.gather(trainer.callback_metrics, counts, device)  # one read per validation run
-        val_acc = self._accuracy(trainer, "val", found.token_counts, logging_step(trainer))
-        self._writer.history.end_validation(trainer, found.key, found.val_loss)  # and write the history
+        # Measure and read: every rank contributes its loss (or its absence), so no rank skips the collective.
+        val_loss, found_key = None, None
+        if key is not None:  # the validation loss is the run's own: never the accuracy the monitor put there
+            metrics = trainer.callback_metrics
+            if self._val_shown:
+                metrics = {k: v for k, v in metrics.items() if v is not self._val_shown.get(k)}
+            found = self._validation.gather(metrics, pl_module.device)  # one read
+            val_loss, found_key = found.val_loss, found.key
+        if self._val_acc is not None:  # gathered at the validation epoch's end: now to the loggers
+            self._writer.figures(trainer, {self._tokens.key("val"): self._val_acc}, logging_step(trainer))
+        self._writer.history.end_validation(trainer, found_key, val_loss)  # and write the history
 
         # Judge, decide, then act, word and write.
-        verdict = decide_validation(self._validation.detect(found.val_loss, val_acc), self._policy)
+        verdict = decide_validation(self._validation.detect(val_loss, self._val_acc), self._policy)
         if verdict.rulings:
             self._act_on_validation(trainer, verdict, trainer.current_epoch)
 

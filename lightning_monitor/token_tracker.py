@@ -280,16 +280,17 @@ def _holds(batch: Any, tensor: Tensor) -> bool:
     return any(v is tensor for v in values)
 
 
-def _input_ids(batch: Any, labels: Tensor) -> Tensor | None:
-    """The batch's input ids, shaped like ``labels``; None where there is none.
+def _input_ids(batch: Any, labels: Tensor, longer: int = 0) -> Tensor | None:
+    """The batch's input ids, shaped like ``labels`` (``longer`` more in the last dimension); None where there is none.
 
     ``batch["input_ids"]`` (or ``.input_ids``), else the first integer tensor of a tuple or list batch that is not the
     labels.
     """
+    shape = (*labels.shape[:-1], labels.shape[-1] + longer)
     ids = _lookup(batch, "input_ids")
     if not isinstance(ids, Tensor) and isinstance(batch, (list, tuple)):
-        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and v.shape == labels.shape), None)
-    if not isinstance(ids, Tensor) or ids.shape != labels.shape or ids.is_floating_point():
+        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and v.shape == shape), None)
+    if not isinstance(ids, Tensor) or ids.shape != shape or ids.is_floating_point():
         return None
     return ids if ids.device == labels.device else None
 
@@ -719,10 +720,17 @@ class TokenAccuracyTracker:
 
     def _shift_by_content(self, labels: Tensor, batch: Any) -> bool | None:
         """Whether ``labels`` are the batch's input ids (True) or the next ids (False); None where nothing tells."""
-        ids = _input_ids(batch, labels)
-        if ids is None or labels.ndim < 1 or labels.shape[-1] < 2:
+        if labels.ndim < 1 or labels.shape[-1] < 2:
             return None
         kept = labels != self.ignore_index
+        ids = _input_ids(batch, labels)
+        if ids is None:  # the batch holds the whole sequences, one more token than the labels, which the step split
+            tokens = _input_ids(batch, labels, longer=1)
+            if tokens is None:
+                return None
+            nxt = ((labels == tokens[..., 1:]) | ~kept).all()
+            nxt_host, any_kept = (bool(v) for v in torch.stack([nxt, kept.any()]).tolist())  # once per stage and run
+            return False if nxt_host and any_kept else None  # `x, y = tokens[:-1], tokens[1:]`: the next ids already
         same = ((labels == ids) | ~kept).all()
         nxt = ((labels[..., :-1] == ids[..., 1:]) | ~kept[..., :-1]).all()
         same_host, nxt_host = (bool(v) for v in torch.stack([same, nxt]).tolist())  # once per stage and run

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from lightning_monitor._compat import rank_zero_info, rank_zero_warn
 from lightning_monitor._host import fsum, gather_ranks, host_dtype
@@ -33,8 +32,8 @@ __all__ = ["AUTO_KEY", "ValidationCheck", "ValidationFigures", "validation_loss_
 
 #: ``val_loss_key``'s value that finds the validation loss among the logged metrics.
 AUTO_KEY = "auto"
-#: What one validation run gathers from every rank: its validation loss (if logged) and its token counts.
-_LAYOUT = Layout([("val_loss", 1), ("has_val_loss", 1), ("val_token_counts", 4)])
+#: What one validation run gathers from every rank: its validation loss, and whether it logged one.
+_LAYOUT = Layout([("val_loss", 1), ("has_val_loss", 1)])
 _WORDS = re.compile(r"[a-z]+")
 _VALIDATION = frozenset({"val", "valid", "validation", "eval", "dev"})
 
@@ -73,17 +72,15 @@ class ValidationFigures:
 
     Attributes:
         val_loss: The mean over the ranks that logged it, or ``None`` when none did.
-        token_counts: Every rank's ``[correct, total, invalid, nan]``.
         key: The metric read as the validation loss (``None``: none).
     """
 
     val_loss: float | None
-    token_counts: list[list[float]]
     key: str | None = None
 
 
 class ValidationCheck:
-    """Gather one validation run's loss and token counts from every rank, and run the validation rules.
+    """Gather one validation run's loss from every rank, and run the validation rules.
 
     Args:
         settings: The validation settings (``val_loss_key`` and the patiences).
@@ -94,7 +91,7 @@ class ValidationCheck:
     Example:
         >>> from lightning_monitor.settings import ValidationSettings
         >>> check = ValidationCheck(ValidationSettings("auto", 4, 0.0, None))
-        >>> check.gather({"train_loss": 2.0, "val/loss": 1.5}, None, torch.device("cpu")).val_loss, check.key
+        >>> check.gather({"train_loss": 2.0, "val/loss": 1.5}, torch.device("cpu")).val_loss, check.key
         (1.5, 'val/loss')
     """
 
@@ -111,11 +108,10 @@ class ValidationCheck:
         stall = settings.token_acc_patience
         self.stall = None if stall is None else AccuracyStallDetector(AlertKind.TOKEN_ACC_STALL, stall)
 
-    def gather(self, metrics: Mapping[str, Any], counts: Tensor | None, device: torch.device) -> ValidationFigures:
-        """Gather this rank's validation loss (from ``metrics``, if logged) and token ``counts`` with every rank's.
+    def gather(self, metrics: Mapping[str, Any], device: torch.device) -> ValidationFigures:
+        """Gather this rank's validation loss (from ``metrics``, if logged) with every rank's.
 
-        Every rank must call it, with or without figures of its own: one collective and one host read. ``counts``
-        is ``[correct, total, invalid, nan]``.
+        Every rank must call it, with or without a loss of its own: one collective and one host read.
         """
         dtype = host_dtype(device)
         if self.auto and self.key is None and self.rising is not None:
@@ -125,8 +121,7 @@ class ValidationCheck:
         if value is not None:
             loss = torch.as_tensor(value, device=device).reshape(()).to(dtype)
         has_loss = torch.full((), float(value is not None), dtype=dtype, device=device)
-        counts = torch.zeros(4, dtype=dtype, device=device) if counts is None else counts
-        rows = _LAYOUT.read(gather_ranks(_LAYOUT.pack([loss, has_loss, counts])))
+        rows = _LAYOUT.read(gather_ranks(_LAYOUT.pack([loss, has_loss])))
         seen = [v for v, has in zip(rows.scalars("val_loss"), rows.scalars("has_val_loss"), strict=True) if has]
         if not self.auto and self.key is not None and not seen and not self._told:
             self._told = True
@@ -138,7 +133,7 @@ class ValidationCheck:
                 " pass the key you log, or `val_loss_key=None` to turn the check off.",
                 category=RuntimeWarning,
             )
-        return ValidationFigures(fsum(seen) / len(seen) if seen else None, rows["val_token_counts"], self.key)
+        return ValidationFigures(fsum(seen) / len(seen) if seen else None, self.key)
 
     def watch(self, key: str) -> None:
         """Watch ``key`` as the validation loss, named so in the messages."""

@@ -6,8 +6,10 @@ actually applied at the step just before: a device copy of the parameters is tak
 when the next step logs), and at the logging step's check ``||w_now - w_copy||`` is measured per parameter and the
 copy dropped. So
 
-* ``weight_norm`` is ``||w||`` over every parameter of the optimizer at the logging step (before its update), and
-  ``weight_norm_layers/<layer>`` the same per layer;
+* ``weight_norm`` is ``||w||`` over every parameter of the optimizer that requires a gradient at the logging step
+  (before its update), and ``weight_norm_layers/<layer>`` the same per layer. A frozen parameter (PEFT's base model,
+  given to the optimizer with the adapters) is left out, and a layer of frozen parameters only is not logged, as
+  its gradient norm is not: the figures are the same whether the optimizer holds the frozen parameters or not;
 * ``update_ratio`` is ``||Δw|| / ||w||``, where ``Δw`` is the change the previous optimizer step made to the weights
   (zero for a step the monitor or the GradScaler skipped) and ``||w||`` the weight norm after it (the one logged
   with it); ``update_ratio_layers/<layer>`` the same per layer. A step whose predecessor was not one step before (the
@@ -80,11 +82,12 @@ class WeightWatch:
         """
         with torch.no_grad():
             now = _local(norms.params)
-            parts = {WEIGHT_PART: _per_tensor(now, norms)}
+            trained = [p.requires_grad for p in norms.params]  # a frozen parameter counts as zero
+            parts = {WEIGHT_PART: _per_tensor(now, norms, trained)}
             taken, self._copy = self._copy, None
             if taken is not None and taken[0] is norms:  # the same parameters as when copied
                 torch._foreach_sub_(taken[1], now)
-                parts[UPDATE_PART] = _per_tensor(taken[1], norms)
+                parts[UPDATE_PART] = _per_tensor(taken[1], norms, trained)
         return parts
 
     def drop(self) -> None:
@@ -105,16 +108,20 @@ class WeightWatch:
         weight_sq = _layer_squares(norms, rows)
         total = math.sqrt(fsum(weight_sq))
         out = {total_key(suffix, WEIGHT_NORM): total}
+        frozen = norms.frozen  # layers of frozen parameters only (found with the gradient norms): not logged
         if layers:
-            out.update(zip(weight_keys, map(math.sqrt, weight_sq), strict=True))
+            for i, (key, w) in enumerate(zip(weight_keys, weight_sq, strict=True)):
+                if i not in frozen:
+                    out[key] = math.sqrt(w)
         update_rows = parts.get(UPDATE_PART)
         if update_rows is None:
             return out
         update_sq = _layer_squares(norms, update_rows)
         out[total_key(suffix, UPDATE_RATIO)] = _ratio(math.sqrt(fsum(update_sq)), total)
         if layers:
-            for key, u, w in zip(ratio_keys, update_sq, weight_sq, strict=True):
-                out[key] = _ratio(math.sqrt(u), math.sqrt(w))
+            for i, (key, u, w) in enumerate(zip(ratio_keys, update_sq, weight_sq, strict=True)):
+                if i not in frozen:
+                    out[key] = _ratio(math.sqrt(u), math.sqrt(w))
         return out
 
 
@@ -137,14 +144,15 @@ def _local(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.to_local().detach() if DTensor is not None and isinstance(p, DTensor) else p.detach() for p in params]
 
 
-def _per_tensor(tensors: list[Tensor], norms: LayerGradNorms) -> list[Tensor]:
+def _per_tensor(tensors: list[Tensor], norms: LayerGradNorms, measured: Sequence[bool]) -> list[Tensor]:
     """Each tensor's L2 norm as a 0-d tensor on ``norms.device``, in float32 (float64 for float64 tensors).
 
-    One fused kernel per device and dtype.
+    One fused kernel per device and dtype; a tensor not ``measured`` reads 0.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
+        if measured[i]:
+            groups.setdefault((t.device, t.dtype), []).append(i)
     out: list[Tensor] = [norms._zero] * len(tensors)
     for (device, dtype), idx in groups.items():
         wide = torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADVICE",
+    "CLIPPED_ADVICE",
     "ENDED_ADVICE",
     "AlertContext",
     "alert_message",
@@ -87,6 +88,26 @@ ADVICE: dict[AlertKind, str] = {
     ),
 }
 
+#: The advice of the kinds whose advice is to clip, in a run that clips already (``{clip}``: how, in words).
+CLIPPED_ADVICE: dict[AlertKind, str] = {
+    AlertKind.NONFINITE_GRAD: (
+        "Lower the learning rate, and look for a division by zero, log(0) or sqrt(0) in the loss (clipping at {clip} "
+        "cannot make a non-finite gradient finite); under fp16 AMP consider bf16."
+    ),
+    AlertKind.EXPLODING_GRAD: (
+        "Lower the learning rate or lengthen the warm-up, and check the initialisation of the layers named above (the "
+        "norm is the one before clipping at {clip})."
+    ),
+    AlertKind.LOSS_SPIKE: (
+        "If it keeps recurring, lower the learning rate or lengthen the warm-up (the run clips at {clip} already), "
+        "and look for bad or duplicated data in the batch (`postmortem='alert'` saves it)."
+    ),
+    AlertKind.GRAD_SPIKE: (
+        "Lower the learning rate, and check the layers named above (the norm is the one before clipping at {clip}); "
+        "spikes that grow from step to step often precede a divergence."
+    ),
+}
+
 #: The advice of an alert given at the end of training (a validation loss the run ended off its best): for the next run.
 ENDED_ADVICE = (
     "The run ended there: its best weights are at its best validation (a checkpoint kept on the validation loss holds"
@@ -121,6 +142,8 @@ class AlertContext:
         skip_on: The kinds that skip their step without halting (``skip_on``).
         skipped_for: The alert kinds of the check whose rulings kept its step from the weights, for an alert that
             did not (a ``diverging_loss`` at a step skipped for ``exploding_grad``); ``""`` for the rest.
+        clipping: How Lightning clips the run's gradients after the check, in words (``"gradient_clip_val=1.0"``),
+            or ``""``: the advice does not tell a run that clips to clip.
     """
 
     at: int
@@ -143,6 +166,7 @@ class AlertContext:
     ended: bool = False
     skip_on: frozenset[AlertKind] = frozenset()
     skipped_for: str = ""
+    clipping: str = ""
 
 
 def step_alerts(
@@ -260,6 +284,8 @@ def alert_message(ruling: Ruling, context: AlertContext) -> str:
     keyed = any(mark in first for mark in "_/.")
     reason = detection.reason if keyed else detection.reason[:1].upper() + detection.reason[1:]
     advice = ENDED_ADVICE if context.ended else ADVICE[detection.kind]
+    if context.clipping and detection.kind in CLIPPED_ADVICE and not context.ended:
+        advice = CLIPPED_ADVICE[detection.kind].format(clip=f"`{context.clipping}`")
     message = f"{reason}{where}.{context.blame} {action} {advice}".replace("  ", " ")
     if context.bundle is not None:
         message += f" Post-mortem bundle: {context.bundle}"

@@ -31,6 +31,7 @@ from lightning_monitor.sinks import ConsoleSink, JsonlSink, LoggerSink, publish
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import Tensor
 
     from lightning_monitor.checks import OptimizerCheck
     from lightning_monitor.step_figures import StepFigures
@@ -102,6 +103,8 @@ class RunWriter:
             another run made one of that name meanwhile, rank zero's becomes the next free one.
         history: The run's compact history (``monitor_history.jsonl``), for the report.
         recent: ``(step, epoch, figures)`` of the last checks, for a post-mortem bundle.
+        held: Until the fit's first optimizer step has closed, the figures of each check and their step, which wait
+            for it to go to the loggers (:meth:`release`); ``None`` from then on.
     """
 
     def __init__(self, alerts_file: str | None) -> None:
@@ -116,6 +119,7 @@ class RunWriter:
         self._unmade = False  # the run's folder waits for its first alert (rank zero)
         self._renamed: dict[str, str] = {}  # a key the run logs itself too -> the name the monitor's goes out under
         self._taken: tuple[int, int, frozenset[str]] | None = None  # the names the run's `self.log` uses, as seen
+        self.held: list[tuple[dict[str, float], int]] | None = []
         self.watched: frozenset[str] = frozenset()  # the names a callback or scheduler of the run watches
         #: Those of them that are figures of the training checks (``grad_norm``...), sorted: where there are none
         #: (a run that watches only its own ``val_loss``), a check puts nothing in ``callback_metrics``.
@@ -136,7 +140,7 @@ class RunWriter:
             self._unmade = zero and not at_once and made_at_first_alert(trainer)
         log_dir = self.log_dir
         self._settings = dict(settings)
-        self._renamed, self._taken = {}, None
+        self._renamed, self._taken, self.held = {}, None, []
         self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
@@ -190,6 +194,15 @@ class RunWriter:
         self.history.add(at, trainer.current_epoch, figures)
         if trainer.is_global_zero:
             self._loggers.log_figures(out, at)
+
+    def callback_figures(self, trainer: pl.Trainer, figures: dict[str, float]) -> dict[str, Tensor]:
+        """Put host figures in ``trainer.callback_metrics`` only, under the names they go out with (every rank).
+
+        For a figure due before its loggers' write: the validation's token accuracy, there before any callback's
+        ``on_validation_end`` reads it, and written to the loggers with :meth:`figures` at that hook. Returns the
+        tensors put there.
+        """
+        return mirror_callback_metrics(trainer, self._outgoing(trainer, figures, logging_step(trainer)))
 
     def watch(self, trainer: pl.Trainer) -> None:
         """Learn which of the monitor's figures the run watches, at the start of training (once per fit).
@@ -274,6 +287,9 @@ class RunWriter:
         out = self._outgoing(trainer, logged, at) if logged and goes_out else logged
         if goes_out:
             mirror_callback_metrics(trainer, out or {})
+            if logged and self.held is not None and trainer.loggers:  # the loggers' copy waits for the step's close
+                self.held.append((logged, at))
+                out = None
         elif self.watched_step_figures:  # a check that does not log: the figures the run watches only
             if logged is not None:
                 self.watched_metrics(trainer, logged)
@@ -285,6 +301,24 @@ class RunWriter:
         self.history.record_step(trainer, at, latest, logs=logs, alert=bool(alerts))  # `latest` holds `logged`
         if halting:
             self.sync(trainer)
+
+    def release(self, trainer: pl.Trainer) -> None:
+        """Write the figures held since the fit began to the loggers, once its first optimizer step has closed.
+
+        The module's own hooks that run after the monitor's in a step (its ``on_before_optimizer_step``,
+        ``configure_gradient_clipping``, the rest of a manual ``training_step``) have not logged anything by the
+        first check of a fit: a ``self.log("grad_norm", ...)`` there is seen only once the step has closed. The
+        loggers' copy of the figures checked until then goes out now, under the names that do not clash
+        (:meth:`_outgoing`), so that no step has two figures under one name. From here on, figures go out at once.
+        Called at each training batch's end until then, and at the fit's end or an exception.
+        """
+        held, self.held = self.held, None
+        for logged, at in held or ():
+            out = self._outgoing(trainer, logged, at)
+            if self._renamed:
+                mirror_callback_metrics(trainer, out)
+            if trainer.is_global_zero:
+                self._loggers.log_figures(out, at)
 
     def calm(self, trainer: pl.Trainer, at: int, epoch: int, record: CheckRecord) -> None:
         """:meth:`step` for a check that neither logs nor alerts, in a run with a logger.

@@ -99,6 +99,31 @@ def test_exploding_gradient_halts_before_the_update(tmp_path):
     assert same_weights(list(model.parameters()), model.weights_before[6])
 
 
+@pytest.mark.parametrize(
+    ("clip", "said"),
+    [
+        ({}, "set `gradient_clip_val` (e.g. 1.0)"),
+        ({"gradient_clip_val": 1.0}, "(the norm is the one before clipping at `gradient_clip_val=1`)"),
+        (
+            {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"},
+            "(the norm is the one before clipping at `gradient_clip_val=0.5, gradient_clip_algorithm='value'`)",
+        ),
+    ],
+    ids=["no_clipping", "norm", "value"],
+)
+def test_the_advice_of_a_gradient_alert_does_not_tell_a_run_that_clips_to_clip(tmp_path, clip, said):
+    model = ScriptedModel(loss_factor={6: 1e5}, grad_poison={8: 2})
+    monitor = TrainingMonitor(loss_divergence_factor=None, val_loss_key=None, exploding_grad_threshold=100.0)
+    fit(tmp_path, model, monitor, max_steps=10, **clip)
+    exploding, nonfinite = monitor.alerts
+    assert (exploding.kind, nonfinite.kind) == (AlertKind.EXPLODING_GRAD, AlertKind.NONFINITE_GRAD)
+    assert said in exploding.message
+    assert ("set `gradient_clip_val`" in nonfinite.message) == (not clip)
+    if clip:
+        assert "cannot make a non-finite gradient finite" in nonfinite.message
+        assert "set `gradient_clip_val`" not in exploding.message
+
+
 def test_vanishing_gradient_needs_patience_and_does_not_halt_by_default(tmp_path):
     model = ScriptedModel(default_factor=1e-6)
     monitor = TrainingMonitor(

@@ -268,6 +268,50 @@ def test_activation_watch_names_the_first_bad_module(tmp_path):
     assert "The first module whose output was not finite, in forward order: blocks.2." in alert.message
 
 
+class Residual(nn.Module):
+    """A block whose own ``forward`` adds its input back, as a transformer block does: code of its own, no child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(32), nn.Linear(32, 32)
+        self.poisoned = False
+
+    def forward(self, x):
+        y = x + self.fc(self.norm(x))
+        return y / torch.zeros_like(y) if self.poisoned else y
+
+
+class ResidualBlocks(TensorModel):
+    """Three residual blocks; at one step the middle one's own arithmetic (not a child's) makes the NaN."""
+
+    def __init__(self, break_at: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Residual() for _ in range(3)])
+        self.head = nn.Linear(32, 2)
+        self.break_at = break_at
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            block.poisoned = i == 1 and self.global_step == self.break_at and self.training
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
+def test_activation_watch_names_a_block_whose_own_code_made_the_nan(tmp_path):
+    """Every child of ``blocks.1`` is finite; its own division is not: the block is named, not the next block's
+    first module (watching only modules without children named ``blocks.2.norm``)."""
+    monitor = TrainingMonitor(
+        halt_after=1, loss_divergence_factor=None, val_loss_key=None, watch_activations=True, postmortem=None
+    )
+    trainer = make_trainer(tmp_path, [monitor], max_steps=10, log_every_n_steps=LOG_EVERY)
+    model = ResidualBlocks(break_at=4)
+    trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=2))
+    (alert,) = monitor.alerts
+    assert alert.kind is AlertKind.NONFINITE_LOSS and alert.step == 4
+    assert "The first module whose output was not finite, in forward order: blocks.1." in alert.message
+
+
 @pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
 def test_nonfinite_gradient_layers_are_listed_in_forward_order(tmp_path):
     class Reversed(Blocks):

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import warnings
+from csv import DictReader
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-from lightning_monitor import TrainingMonitor
+from lightning_monitor import TrainingHalted, TrainingMonitor
 from lightning_monitor.cli import main
 from lightning_monitor.keys import path_prefix_clashes
 from lightning_monitor.logger_sinks import WANDB_ALERT_WAIT_S
@@ -416,13 +417,73 @@ def test_a_figure_the_run_logs_itself_keeps_its_name_and_the_monitors_goes_besid
     assert [line["step"] for line in history if "grad_norm" in line] == [1, 3, 5]
 
 
-class LogsItsOwnAccuracy(ScriptedModel):
-    """Logs ``val_acc`` of its own (0.123) at validation, and ``train_acc`` (0.456) on step and on epoch; counts the
-    classifier's correct answers at each validation, the reference for the monitor's ``val_acc``."""
+class LogsItsNormBeforeTheStep(ScriptedModel):
+    """Logs its own ``grad_norm`` in its ``on_before_optimizer_step``, which Lightning calls after the callbacks'
+    (Lightning's recipe for logging gradient norms): the step's norm plus 1000, so that the two are told apart."""
 
-    def __init__(self) -> None:
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.log("grad_norm", self.reference[-1] + 1000.0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("halts", [False, True], ids=["runs", "halts_at_step_0"])
+def test_a_figure_the_run_logs_after_the_monitors_hook_keeps_its_name_from_the_first_step(tmp_path, caplog, halts):
+    """Logged at every step, the module's ``grad_norm`` is seen only after the monitor's check of the first step:
+    that step's figures still go out as ``monitor/grad_norm`` beside it, not under the module's name (it used to
+    have two ``grad_norm`` values at step 0, and the CSV two rows). A run that halts by raising at step 0 still has
+    that step's figures in its loggers."""
+    tb, csv = TensorBoardLogger(tmp_path, name="tb", version=0), CSVLogger(tmp_path, name="tb", version=0)
+    model = LogsItsNormBeforeTheStep(loss_factor={0: float("nan")} if halts else None)
+    monitor = TrainingMonitor(halt_after=1, halt_mode="raise") if halts else TrainingMonitor()
+    trainer = make_trainer(tmp_path, [monitor], logger=[csv, tb], max_steps=4, log_every_n_steps=1)
+    with caplog.at_level(logging.INFO):
+        if halts:
+            with pytest.raises(TrainingHalted):
+                trainer.fit(model, train_dataloaders=loader())
+        else:
+            trainer.fit(model, train_dataloaders=loader())
+    steps = [0] if halts else [0, 1, 2, 3]
+    told = [r.getMessage() for r in caplog.records if "itself" in r.getMessage()]
+    renamed = (
+        "TrainingMonitor: the run logs `grad_norm` itself (`self.log`), so from step 0 on the monitor's own figure goes"
+        " to the loggers and `callback_metrics` as `monitor/grad_norm`, and the two do not share a name."
+    )
+    assert told == ([] if halts else [renamed])
+    scalars = tb_scalars(tb.log_dir)
+    csv_file = Path(csv.log_dir) / "metrics.csv"
+    for where in (scalars, {key: csv_column(csv_file, key) for key in scalars}):
+        if halts:  # the module's hook never ran: the step raised in the monitor's
+            assert "grad_norm" in where and "monitor/grad_norm" not in where
+            assert [step for step, _ in where["grad_norm"]] == [0] and math.isnan(where["grad_norm"][0][1])
+            continue
+        assert [step for step, _ in where["grad_norm"]] == steps
+        assert all(close(v, r + 1000.0) for (_, v), r in zip(where["grad_norm"], model.reference, strict=True))
+        assert [step for step, _ in where["monitor/grad_norm"]] == steps
+        assert all(close(v, r) for (_, v), r in zip(where["monitor/grad_norm"], model.reference, strict=True))
+    if not halts:
+        with csv_file.open(newline="") as f:
+            rows = list(DictReader(f))
+        assert [row["step"] for row in rows] == ["0", "1", "2", "3"]  # one row a step
+        assert close(float(trainer.callback_metrics["monitor/grad_norm"]), model.reference[-1])
+        assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1] + 1000.0)
+
+
+class LogsItsOwnAccuracy(ScriptedModel):
+    """Logs ``val_acc`` of its own (0.123) at validation (in ``validation_step``, or with ``at_epoch_end`` in its
+    ``on_validation_epoch_end``, which Lightning calls after the callbacks'), and ``train_acc`` (0.456) on step and on
+    epoch; counts the classifier's correct answers at each validation, the reference for the monitor's ``val_acc``."""
+
+    def __init__(self, at_epoch_end: bool = False, logs_val_acc: bool = True) -> None:
         super().__init__()
         self.val_counts: list[list[int]] = []
+        self.at_epoch_end = at_epoch_end
+        self.logs_val_acc = logs_val_acc
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        if self.logs_val_acc and self.at_epoch_end:
+            self.log("val_acc", 0.123)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         self.log("train_acc", 0.456, on_step=True, on_epoch=True)
@@ -432,7 +493,8 @@ class LogsItsOwnAccuracy(ScriptedModel):
         self.val_counts.append([0, 0])
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        self.log("val_acc", 0.123)
+        if self.logs_val_acc and not self.at_epoch_end:
+            self.log("val_acc", 0.123)
         out = super().validation_step(batch, batch_idx)
         self.val_counts[-1][0] += int((out["logits"].argmax(-1) == out["labels"]).sum())
         self.val_counts[-1][1] += out["labels"].numel()
@@ -440,10 +502,12 @@ class LogsItsOwnAccuracy(ScriptedModel):
 
 
 @pytest.mark.timeout(180)
-def test_a_validation_figure_and_one_logged_on_step_and_epoch_are_the_runs_too(tmp_path):
-    """The validation loop's own names are the ones looked at when its figures go out; a name logged on step and on
-    epoch (``train_acc_step``, ``train_acc_epoch``) takes the plain name in ``callback_metrics`` too."""
-    csv, model = CSVLogger(tmp_path, name="csv", version=0), LogsItsOwnAccuracy()
+@pytest.mark.parametrize("at_epoch_end", [False, True], ids=["in_validation_step", "in_on_validation_epoch_end"])
+def test_a_validation_figure_and_one_logged_on_step_and_epoch_are_the_runs_too(tmp_path, at_epoch_end):
+    """The validation loop's own names are the ones looked at when its figures go out, those the module logs at
+    the epoch's end after the monitor's hook included; a name logged on step and on epoch (``train_acc_step``,
+    ``train_acc_epoch``) takes the plain name in ``callback_metrics`` too."""
+    csv, model = CSVLogger(tmp_path, name="csv", version=0), LogsItsOwnAccuracy(at_epoch_end)
     trainer = make_trainer(
         tmp_path, [TrainingMonitor()], logger=csv, max_steps=8, log_every_n_steps=2, val_check_interval=4
     )
@@ -457,6 +521,35 @@ def test_a_validation_figure_and_one_logged_on_step_and_epoch_are_the_runs_too(t
     assert [step for step, _ in csv_column(metrics, "monitor/train_acc")] == [1, 3, 5, 7]
     assert float(trainer.callback_metrics["val_acc"]) == pytest.approx(0.123)
     assert float(trainer.callback_metrics["monitor/val_acc"]) == model.val_counts[-1][0] / model.val_counts[-1][1]
+
+
+class ReadsTheValidationAccuracy(pl.Callback):
+    """Reads ``callback_metrics["val_acc"]`` at each validation's end, as a callback of the user's might."""
+
+    def __init__(self) -> None:
+        self.seen: list[float | None] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            value = trainer.callback_metrics.get("val_acc")
+            self.seen.append(None if value is None else float(value))
+
+
+@pytest.mark.timeout(180)
+def test_callbacks_listed_before_the_monitor_read_this_validations_accuracy(tmp_path):
+    """`EarlyStopping(monitor="val_acc")` and a callback of the user's listed before the monitor read the figure at
+    `on_validation_end`: it is there, and it is this validation's (the first raised "conditioned on metric `val_acc`
+    which is not available", and the second read the validation before's)."""
+    stopper = EarlyStopping(monitor="val_acc", mode="max", patience=100)
+    reader, model = ReadsTheValidationAccuracy(), LogsItsOwnAccuracy(logs_val_acc=False)
+    trainer = make_trainer(
+        tmp_path, [stopper, reader, TrainingMonitor()], max_steps=12, val_check_interval=4, num_sanity_val_steps=0
+    )
+    trainer.fit(model, loader(), loader(8))
+    expected = [c / n for c, n in model.val_counts]
+    assert len(expected) == 3 and len(set(expected)) > 1  # the test tells one validation from another
+    assert reader.seen == expected
+    assert float(stopper.best_score) == max(expected)
 
 
 @pytest.mark.timeout(180)

@@ -883,11 +883,18 @@ class NextTokenPairs(RepeatingTokens):
         return tokens[:-1], tokens[1:]
 
 
+class WholeSequences(RepeatingTokens):
+    """The whole sequences, as ``{"input_ids": tokens}``: the step splits them into ``x`` and ``y`` itself."""
+
+    def __getitem__(self, i):
+        return {"input_ids": (torch.arange(13) + i) % V}
+
+
 class Gpt2OwnLoss(Gpt2CausalLM):
     """A causal LM trained with a loss of its own on aligned pairs: nothing is to be shifted."""
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y = (batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]) if isinstance(batch, dict) else batch
         logits = self.model(input_ids=x).logits
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         predicted = logits.detach().argmax(-1)
@@ -895,12 +902,14 @@ class Gpt2OwnLoss(Gpt2CausalLM):
         return {"loss": loss, "logits": logits.detach(), "labels": y}
 
 
-def test_a_causal_lm_on_labels_shifted_already_is_scored_as_they_are_and_says_so(tmp_path, caplog):
+@pytest.mark.parametrize("data", [NextTokenPairs, WholeSequences], ids=["pairs", "whole_sequences_split_in_the_step"])
+def test_a_causal_lm_on_labels_shifted_already_is_scored_as_they_are_and_says_so(tmp_path, caplog, data):
+    """Whole sequences in the batch, one token longer than the labels, used to get the message that cannot tell."""
     model = Gpt2OwnLoss()
     csv = CSVLogger(tmp_path, name="csv")
     trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=4, logger=csv)
     with caplog.at_level(logging.INFO):
-        trainer.fit(model, DataLoader(NextTokenPairs(), batch_size=4))
+        trainer.fit(model, DataLoader(data(), batch_size=4))
     logged = csv_column(f"{csv.log_dir}/metrics.csv", "train_token_acc")
     assert [s for s, _ in logged] == list(range(4))
     for (_, got), (correct, total) in zip(logged, model.scored, strict=True):

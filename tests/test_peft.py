@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import csv
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import Probe, close, make_trainer, total_norm
+from helpers import Probe, close, csv_column, make_trainer, total_norm
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_monitor import LayerGradNorms, TrainingMonitor
-from lightning_monitor.activations import ForwardOrder
+from lightning_monitor.activations import ActivationWatch, ForwardOrder
 from lightning_monitor.grad_norms import layer_name
 
 V = 11  # vocabulary size
@@ -175,3 +177,64 @@ def test_the_forward_order_of_a_peft_model():
     order.close()
     blocks = ["model.transformer.h.0", "model.transformer.h.1"]
     assert order.order == ["model.transformer.wte", "model.transformer.wpe", *blocks, "model.transformer.ln_f"]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_the_first_bad_module_of_a_peft_model_is_named_as_in_the_base_model():
+    """As the gradient norms name its layers: no ``base_model.model.``, and an adapted module's ``base_layer`` is the
+    module (it read ``model.base_model.model.transformer.h.1.attn.c_attn.base_layer``)."""
+    model = LoraGpt2()
+    watch = ActivationWatch(model)
+    attention = model.model.base_model.model.transformer.h[1].attn.c_attn
+    with torch.no_grad():
+        attention.base_layer.weight[0, 0] = float("inf")
+    model.training_step({k: v[None] for k, v in TokenData()[0].items()}, 0)
+    assert watch.first_nonfinite(watch.flags().tolist()) == "model.transformer.h.1.attn.c_attn"
+    watch.close()
+
+
+class LoraGpt2Weights(LoraGpt2):
+    """Keeps the trainable parameters (the adapters) as each step's `training_step` sees them; `trained_only` gives
+    the optimizer those alone, as the Hugging Face Trainer does."""
+
+    def __init__(self, trained_only: bool) -> None:
+        super().__init__()
+        self.trained_only = trained_only
+        self.trained: list[list[torch.Tensor]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.trained.append([p.detach().clone() for p in self.parameters() if p.requires_grad])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad] if self.trained_only else self.parameters()
+        return torch.optim.SGD(params, lr=0.1)
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return torch.cat([t.flatten().double() for t in tensors]).norm().item()
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("trained_only", [False, True], ids=["optimizer_holds_all", "optimizer_holds_adapters"])
+def test_weight_norms_of_a_peft_model_cover_its_trained_parameters_whatever_the_optimizer_holds(tmp_path, trained_only):
+    """The frozen base model given to the optimizer was counted in `weight_norm` (13.0 against 1.60 here) and logged
+    as layers whose update ratio is always 0."""
+    model = LoraGpt2Weights(trained_only)
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, exploding_grad_threshold=None, token_accuracy=False, weight_norms=True)
+    trainer = make_trainer(tmp_path, [monitor], logger=csv_logger, max_steps=6, log_every_n_steps=3)
+    trainer.fit(model, train_dataloaders=DataLoader(TokenData(), batch_size=4))
+    path = f"{csv_logger.log_dir}/metrics.csv"
+    w = model.trained
+    assert [step for step, _ in csv_column(path, "weight_norm")] == [2, 5]
+    for step, value in csv_column(path, "weight_norm"):
+        assert close(value, _norm(w[step]))
+    for step, value in csv_column(path, "update_ratio"):
+        update = _norm([a - b for a, b in zip(w[step], w[step - 1], strict=True)])
+        assert update > 0 and close(value, update / _norm(w[step]), rel=1e-4)
+    with open(path, newline="") as f:
+        header = next(csv.reader(f))
+    blocks = {f"model.transformer.h.{i}" for i in (0, 1)}
+    for prefix in ("weight_norm_layers/", "update_ratio_layers/"):
+        assert {key.removeprefix(prefix) for key in header if key.startswith(prefix)} == blocks

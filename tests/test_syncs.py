@@ -55,14 +55,22 @@ def test_the_counter_sees_lightnings_per_parameter_syncs(tmp_path):
     assert all(n >= 4 for n in per_step.values())
 
 
-@pytest.mark.parametrize("hook", ["on_validation_end"])
-def test_validation_check_costs_one_sync_per_validation(tmp_path, hook):
+@pytest.mark.parametrize(
+    ("hook", "settings"),
+    [
+        ("on_validation_epoch_end", {}),  # the token counts
+        ("on_validation_end", {}),  # the loss
+        ("on_validation_epoch_end", {"token_accuracy": False}),
+        ("on_validation_end", {"val_loss_key": None}),
+    ],
+)
+def test_validation_check_costs_one_sync_per_validation_for_each_figure(tmp_path, hook, settings):
     counter, per_step = HostSyncCounter(), Counter()
-    monitor = TrainingMonitor()
+    monitor = TrainingMonitor(**settings)
     count_syncs(monitor, counter, per_step, hooks=(hook,))
     trainer = make_trainer(tmp_path, [monitor], max_steps=12, val_check_interval=4, num_sanity_val_steps=1)
     trainer.fit(ScriptedModel(val_losses=[1.0, 2.0, 3.0]), train_dataloaders=loader(), val_dataloaders=loader(8))
-    assert counter.count == 3  # sanity check skipped before any read
+    assert counter.count == (0 if settings else 3)  # sanity check skipped before any read
 
 
 def test_a_counter_cannot_be_entered_twice():

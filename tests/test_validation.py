@@ -15,14 +15,14 @@ def test_the_key_found_is_kept_across_a_resume():
     check = ValidationCheck(settings)
     device = torch.device("cpu")
     for value in (1.0, 1.2):
-        assert check.detect(check.gather({"valid_loss": value}, None, device).val_loss, None) == []
+        assert check.detect(check.gather({"valid_loss": value}, device).val_loss, None) == []
     state = check.state_dict()
     assert state["val_loss_key"] == "valid_loss"
     resumed = ValidationCheck(settings)
     resumed.load_state_dict(state)
     assert resumed.key == resumed.rising.name == "valid_loss"
     # The next validation logs a second candidate: the key found before is still the one read, without a word.
-    found = resumed.gather({"valid_loss": 1.5, "val/loss": 0.1}, None, device)
+    found = resumed.gather({"valid_loss": 1.5, "val/loss": 0.1}, device)
     assert (found.key, found.val_loss) == ("valid_loss", 1.5)
     assert [d.kind for d in resumed.detect(1.5, None)] == [AlertKind.DIVERGING_VAL_LOSS]
 
