@@ -67,18 +67,25 @@ def open_bundle(trainer: pl.Trainer, log_dir: Path, kind: AlertKind, at: int, wa
         return None
     folder = log_dir / "postmortem" / f"step{at:07d}_{kind.value}"
     created = None
-    if trainer.is_global_zero:
+    # A `postmortem` that is a symbolic link (planted in a folder another run wrote to) is never written through.
+    linked = folder.parent.is_symlink()
+    if trainer.is_global_zero and not linked:
         with contextlib.suppress(OSError):
             created = str(new_folder(folder))
     created = trainer.strategy.broadcast(created, src=0)
-    try:
-        folder = Path(created) if created is not None else folder
-        folder.mkdir(parents=True, exist_ok=True)  # the other ranks', or the same on a shared file system
-        writable = created is not None
-    except OSError:
-        writable = False
+    writable = False
+    if created is not None and not linked:
+        try:
+            folder = Path(created)
+            folder.mkdir(parents=True, exist_ok=True)  # the other ranks', or the same on a shared file system
+            writable = True
+        except OSError:
+            pass
     if not all(ranks_where(writable, trainer.strategy.root_device)):
-        warn("postmortem", f"TrainingMonitor could not create the post-mortem folder {str(folder)!r}.")
+        said = f"{str(folder)!r}"
+        if linked:
+            said = f"{str(folder.parent)!r}: it is a symbolic link, which TrainingMonitor does not write through"
+        warn("postmortem", f"TrainingMonitor could not create the post-mortem folder {said}.")
         return None
     return folder
 

@@ -102,6 +102,7 @@ class RunHistory:
         self._file: AppendFile | None = None  # the file, opened once at the first write: no open per flush
         self._held: list[bytes] | None = None  # lines not written yet: the file waits for its folder, or just got it
         self._holding = False  # the lines go to `_held` until the folder is made (`claim`)
+        self._resume = False  # the next record is a resumed fit's first (`resumed`)
 
     def begin(self, path: Path | None, *, held: bool = False, carry_on: bool = False) -> None:
         """Start a run that appends to ``path`` (``None``: keep nothing, as on ranks other than zero).
@@ -116,6 +117,7 @@ class RunHistory:
             self._file.close()
         earlier = self._held if carry_on and self._held is not None else []
         self.path, self._records, self._open, self._last, self._seen, self._broken = path, {}, None, None, {}, False
+        self._resume = False
         self._holding = held and path is not None
         self._held = earlier if self._holding else None
         self._file = None if path is None or held else AppendFile(path)
@@ -175,9 +177,7 @@ class RunHistory:
         """Merge ``figures`` into the record of ``step``, without the per-layer gradient norms."""
         if self.path is None:
             return
-        record = self._records.get(step)
-        if record is None:
-            record = self._records[step] = {"step": step, "epoch": epoch}
+        record = self._record(step, epoch)
         record.update((k, v) for k, v in figures.items() if not (k.startswith("grad_norm") and "/" in k))
         if len(self._records) >= FLUSH_EVERY:
             self.flush()
@@ -201,9 +201,37 @@ class RunHistory:
         stopped = isinstance(exception, KeyboardInterrupt) or type(exception).__name__ == "SIGTERMException"
         lines = str(exception).strip().splitlines()
         text = type(exception).__name__ + (f": {lines[0]}" if lines else "")
-        record = self._records.setdefault(step, {"step": step, "epoch": epoch})
+        record = self._record(step, epoch)
         record.update(ended="interrupted" if stopped else "failed", exception=_shortened(text, ENDED_AT_MOST))
         self.flush()
+
+    def resumed(self) -> None:
+        r"""Mark the next record (the resumed fit's first) ``"resumed": true``: the fit resumed from a checkpoint.
+
+        The report reads a halt before it as one the run was resumed past, not as how the run ended. The mark goes on
+        the first record the resumed fit makes, at a step of its own (Lightning's logging step at the start of a fit
+        resumed from a checkpoint saved mid-epoch is the step before the first one it logs).
+
+        Example:
+            >>> import tempfile
+            >>> history = RunHistory()
+            >>> history.begin(Path(tempfile.mkdtemp()) / HISTORY_FILE)
+            >>> history.resumed()
+            >>> history.add(24, 1, {"grad_norm": 2.5})
+            >>> history.flush()
+            >>> print(history.path.read_text(), end="")
+            {"step": 24, "epoch": 1, "resumed": true, "grad_norm": 2.5}
+        """
+        self._resume = self.path is not None
+
+    def _record(self, step: int, epoch: int) -> dict[str, Any]:
+        """The record of ``step``, made if there is none (marked as the first after a resume, if it is)."""
+        record = self._records.get(step)
+        if record is None:
+            record = self._records[step] = {"step": step, "epoch": epoch}
+            if self._resume:
+                record["resumed"], self._resume = True, False
+        return record
 
     def record_step(self, trainer: pl.Trainer, step: int, figures: Figures, *, logs: bool, alert: bool) -> None:
         """Record a check's figures and the learning rates at a logging step or an alert (then write at once).
@@ -244,7 +272,7 @@ class RunHistory:
             return
         self._open = None
         if fresh:
-            record = self._records.setdefault(at, {"step": at, "epoch": trainer.current_epoch})
+            record = self._record(at, trainer.current_epoch)
             for key, value in fresh.items():
                 record.setdefault(key, value)  # the monitor's own `loss` stays the optimizer step's
 

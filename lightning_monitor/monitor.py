@@ -354,6 +354,7 @@ class TrainingMonitor(Callback):
         self._val_shown: dict[str, Tensor] = {}  # and what of it went to `callback_metrics`
         self._layer_norms = True  # `layer_norms`, read at the run's start (for `_calm_step`)
         self._clipping = ""  # how Lightning clips the run's gradients, in words (read at the run's start)
+        self._skipped_logged = (-1, 0)  # the step `skipped_steps` was last logged at, and its value there
 
     def _start_afresh(self) -> None:
         """The parts that keep a run's state, new: no alert, statistic or count of an earlier fit carries over."""
@@ -469,6 +470,7 @@ class TrainingMonitor(Callback):
         self._histograms = self._histograms_go_somewhere(trainer)
         self._show_on_bar = self.config.figures.progress_bar
         self._clipping = clipping_words(trainer, pl_module)  # what the advice of a gradient alert takes into account
+        self._skipped_logged = (-1, 0)
         self._writer.watch(trainer)  # the figures a callback or scheduler watches: in `callback_metrics` at each check
         # A watched training token accuracy is each step's own when read, at the step's end (an extra read a step).
         watched_accuracy = self._writer.watched & {"train_token_acc", "train_acc"}  # as `TokenAccuracyTracker.key`
@@ -484,6 +486,7 @@ class TrainingMonitor(Callback):
             self._writer.set_earlier_alerts_aside(trainer)
         elif self._resumed:  # the steps after the checkpoint's are the resumed run's to write
             self._writer.history.drop_after(logging_step(trainer))
+            self._writer.history.resumed()  # a halt before its first record was resumed past
         self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
         deferred = resolve_host_sync(self.config.step.host_sync, pl_module.device) == "deferred"
         # "auto" reads before the step with `watch_activations` and `recover_on`: both act on the step the check is
@@ -780,8 +783,12 @@ class TrainingMonitor(Callback):
             self._writer.histograms(trainer, [h for histograms in found for h in histograms], pending.at)
         if self._show_on_bar and grad_norm is not None:  # on the host already: no read
             show_on_progress_bar(trainer, {total_key(check.suffix): grad_norm})
-        if self._state.skipped_steps:  # absent means none: no constant zero written at every logging step
-            logged["skipped_steps"] = float(self._state.skipped_steps)
+        skipped_steps = self._state.skipped_steps
+        # Absent means none: no constant zero written at every logging step. Once a step, as every optimizer's check
+        # of a step logs at that step (unless a later one changed it).
+        if skipped_steps and self._skipped_logged != (pending.at, skipped_steps):
+            logged["skipped_steps"] = float(skipped_steps)
+            self._skipped_logged = (pending.at, skipped_steps)
         latest = record.latest(logged)
         bundle, alerts = None, []
         if verdict.rulings:  # word the alerts with what acting on the step did

@@ -409,13 +409,16 @@ def _own_alerts(path: Path, name: str = _ALERTS_FILE) -> str | None:
         return None
     kinds: dict[str, int] = {}
     halted = None
+    since = _resumed_at(folder / _HISTORY_FILE)  # a halt before the run last resumed was resumed past
     try:
         for record in _json_objects(file):
             if not isinstance(record.get("kind"), str):
                 continue
             kinds[record["kind"]] = kinds.get(record["kind"], 0) + 1
-            if record.get("halted") and halted is None:
-                halted = (record.get("step"), record["kind"])
+            step = record.get("step")
+            after = since is None or (isinstance(step, int) and step >= since)
+            if record.get("halted") and halted is None and after:
+                halted = (step, record["kind"])
     except OSError:
         return None
     if not kinds:
@@ -424,6 +427,18 @@ def _own_alerts(path: Path, name: str = _ALERTS_FILE) -> str | None:
     listed = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
     end = "" if halted is None else f", and halted at step {halted[0]} ({halted[1]})"
     return f"The run's own {name} records {total} alert{'s' if total != 1 else ''} ({listed}){end}."
+
+
+def _resumed_at(history: Path) -> int | None:
+    """The step the run last resumed from a checkpoint at, from its history's ``resumed`` records, or ``None``."""
+    if not history.is_file():
+        return None
+    try:
+        steps = [r.get("step") for r in _json_objects(history) if r.get("resumed") is True]
+    except OSError:
+        return None
+    found = [step for step in steps if isinstance(step, int)]
+    return found[-1] if found else None
 
 
 def _after(alerts: list[ReplayAlert]) -> list[ReplayAlert]:

@@ -118,13 +118,13 @@ class LoggerSink:
         for logger in self._tensorboard:
             logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
-    def write(self, alert: Alert, step: int, count: int, index: int = 1) -> None:
+    def write(self, alert: Alert, step: int, count: int, index: int = 1, key: str | None = None) -> None:
         """Write ``alert`` to every logger at ``step``.
 
         ``count`` is the alerts of its kind so far and ``index`` those of any kind, it included (it numbers MLflow's
-        tags).
+        tags); ``key`` the name its count goes out under (by default ``alerts/<kind>``).
         """
-        self.log_figures({f"{ALERTS_PREFIX}{alert.kind.value}": float(count)}, step)
+        self.log_figures({key or f"{ALERTS_PREFIX}{alert.kind.value}": float(count)}, step)
         for logger in self._tensorboard:
             text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
             logger.experiment.add_text("alerts", text, global_step=step)
@@ -248,6 +248,7 @@ def publish(
     console: ConsoleSink,
     loggers: LoggerSink,
     jsonl: JsonlSink | None,
+    names: Mapping[str, str] | None = None,
 ) -> None:
     """Write a check's alerts to the console, every logger and the alerts file, then its figures to every logger.
 
@@ -258,10 +259,12 @@ def publish(
         console: The console sink.
         loggers: The trainer's loggers.
         jsonl: The alerts file, if there is one: once written, it is made part of every W&B and MLflow run.
+        names: The names the alerts' counts (``alerts/<kind>``) go out under where the run's own names clash.
     """
     for alert, count, index in alerts:
         console.write(alert)
-        loggers.write(alert, alert.step, count, index)
+        key = f"{ALERTS_PREFIX}{alert.kind.value}"
+        loggers.write(alert, alert.step, count, index, (names or {}).get(key, key))
         if jsonl is not None:
             jsonl.write(alert)
     if alerts and jsonl is not None and jsonl.path.is_file():

@@ -119,6 +119,8 @@ class RunWriter:
         self._unmade = False  # the run's folder waits for its first alert (rank zero)
         self._renamed: dict[str, str] = {}  # a key the run logs itself too -> the name the monitor's goes out under
         self._taken: tuple[int, int, frozenset[str]] | None = None  # the names the run's `self.log` uses, as seen
+        self._folders: set[str] = set()  # the folders of those names (`a` and `a/b` of `a/b/c`)
+        self._clear: set[str] = set()  # the monitor's names that clash with none of them
         self.held: list[tuple[dict[str, float], int]] | None = []
         self.watched: frozenset[str] = frozenset()  # the names a callback or scheduler of the run watches
         #: Those of them that are figures of the training checks (``grad_norm``...), sorted: where there are none
@@ -141,6 +143,7 @@ class RunWriter:
         log_dir = self.log_dir
         self._settings = dict(settings)
         self._renamed, self._taken, self.held = {}, None, []
+        self._folders, self._clear = set(), set()
         self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
@@ -233,24 +236,52 @@ class RunWriter:
         """``figures`` under the names they go to the loggers and ``callback_metrics`` with (where they go out).
 
         A name the run logs itself too (``self.log("grad_norm", ...)`` in the module) would give two figures one
-        name, in one chart: from the step where that is seen, the monitor's goes out as ``monitor/<name>``, said
-        once. The history and the alerts keep the monitor's own names.
+        name, in one chart; and one that is a folder of the other's (the run's ``grad_norm_layers`` beside the
+        monitor's ``grad_norm_layers/fc``, or its ``alerts`` beside ``alerts/nonfinite_loss``) cannot be held by a
+        logger that stores names as paths (MLflow's file store: the second to be written fails). From the step where
+        that is seen, the monitor's goes out as ``monitor/<name>``, said once. The history and the alerts keep the
+        monitor's own names. A name is looked at once per set of the run's names.
         """
-        self._taken = names_logged_by_the_run(trainer, self._taken)
-        taken = self._taken[2]
-        clash = [key for key in figures if key in taken and key not in self._renamed] if taken else None
+        seen = names_logged_by_the_run(trainer, self._taken)
+        if seen is not self._taken:  # the run logs a name not seen before: every name is looked at again
+            self._taken, self._clear = seen, set()
+            self._folders = {name[:i] for name in seen[2] for i, c in enumerate(name) if c == "/"}
+        taken = seen[2]
+        fresh = [key for key in figures if key not in self._clear and key not in self._renamed] if taken else ()
+        clash = [key for key in fresh if self._clashes(key, taken)]
+        self._clear.update(key for key in fresh if key not in clash)
         if clash:
             self._renamed.update((key, f"{RENAMED_PREFIX}{key}") for key in clash)
-            said = ", ".join(f"`{key}`" for key in clash)
-            mine = ", ".join(f"`{self._renamed[key]}`" for key in clash)
-            rank_zero_info(
-                f"TrainingMonitor: the run logs {said} itself (`self.log`), so from step {at} on the monitor's "
-                f"own figure{'s go' if len(clash) > 1 else ' goes'} to the loggers and `callback_metrics` as "
-                f"{mine}, and the two do not share a name."
-            )
+            self._tell_renamed(clash, taken, at)
         if not self._renamed:
             return figures
         return {self._renamed.get(key, key): value for key, value in figures.items()}
+
+    def _clashes(self, key: str, taken: frozenset[str]) -> bool:
+        """Whether the run's names hold ``key``, a folder of it, or a name it is a folder of."""
+        return key in taken or key in self._folders or any(c == "/" and key[:i] in taken for i, c in enumerate(key))
+
+    def _tell_renamed(self, clash: list[str], taken: frozenset[str], at: int) -> None:
+        """Say once which of the monitor's names go out renamed from ``at`` on, and why."""
+        same = [key for key in clash if key in taken]
+        if same:
+            said = ", ".join(f"`{key}`" for key in same)
+            mine = ", ".join(f"`{self._renamed[key]}`" for key in same)
+            rank_zero_info(
+                f"TrainingMonitor: the run logs {said} itself (`self.log`), so from step {at} on the monitor's "
+                f"own figure{'s go' if len(same) > 1 else ' goes'} to the loggers and `callback_metrics` as "
+                f"{mine}, and the two do not share a name."
+            )
+        nested = [key for key in clash if key not in taken]
+        if nested:
+            theirs = sorted({name for name in taken for key in nested if _nested(name, key)})
+            more = f" and {len(nested) - 3} more" if len(nested) > 3 else ""
+            listed = ", ".join(f"`{key}`" for key in nested[:3]) + more
+            rank_zero_info(
+                f"TrainingMonitor: the run logs {', '.join(f'`{name}`' for name in theirs)} itself (`self.log`), and a"
+                f" logger that stores names as paths (MLflow) cannot hold that beside the monitor's {listed}: from"
+                f" step {at} on, the monitor's go to the loggers and `callback_metrics` under `{RENAMED_PREFIX}`."
+            )
 
     def histograms(self, trainer: pl.Trainer, histograms: Sequence[Histogram], step: int) -> None:
         """Write layer histograms to every TensorBoard and W&B logger (rank zero)."""
@@ -356,7 +387,9 @@ class RunWriter:
             (alert, sum(a.kind is alert.kind for a in run_alerts[:index]), index)
             for index, alert in enumerate(alerts, start=first + 1)
         ]
-        publish(counted, figures, step, self._console, self._loggers, self._jsonl)
+        if alerts:  # the counts' names, renamed where the run's own clash (it logs `alerts` itself)
+            self._outgoing(trainer, {f"{ALERTS_PREFIX}{alert.kind.value}": 0.0 for alert in alerts}, alerts[0].step)
+        publish(counted, figures, step, self._console, self._loggers, self._jsonl, self._renamed)
 
     def recent_records(self) -> Iterator[dict[str, Any]]:
         """The last checks' figures, each with its step and epoch, oldest first (a bundle's history)."""
@@ -399,3 +432,8 @@ class RunWriter:
         if self._jsonl is not None:
             self._jsonl.close()
         self._loggers.close()
+
+
+def _nested(name: str, key: str) -> bool:
+    """Whether one of ``name`` and ``key`` is a folder of the other (``a`` and ``a/b``)."""
+    return key.startswith(f"{name}/") or name.startswith(f"{key}/")

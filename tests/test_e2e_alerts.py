@@ -14,6 +14,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterator
+from csv import DictReader
 from pathlib import Path
 from typing import Any
 
@@ -443,6 +444,23 @@ class NanPerOptimizer(TwoOptimizers):
             optimizer.zero_grad()
             self.manual_backward(loss)
             optimizer.step()
+
+
+def test_two_optimizers_log_the_skipped_steps_once_a_logging_step(tmp_path):
+    """After a skip, each optimizer's check logged ``skipped_steps`` at the same step: two CSV rows a logging step
+    (one with ``grad_norm_opt0``, one with ``grad_norm_opt1``), and two MLflow points."""
+    model = NanPerOptimizer(({3}, set()))
+    monitor = TrainingMonitor(loss_divergence_factor=None, val_loss_key=None, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=16, logger=CSVLogger(tmp_path), log_every_n_steps=2)
+    trainer.fit(model, train_dataloaders=loader())
+    metrics = f"{trainer.log_dir}/metrics.csv"
+    assert monitor.skipped_steps == 1
+    with open(metrics, newline="") as f:
+        rows = list(DictReader(f))
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(set(steps))  # one row a step
+    assert csv_column(metrics, "skipped_steps") == [(3, 1.0), (5, 1.0), (7, 1.0)]
+    assert [s for s, _ in csv_column(metrics, "grad_norm_opt1")] == [1, 3, 5, 7]
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,29 @@ def test_no_file_is_written_through_a_symbolic_link(tmp_path):
     assert json.loads((folder / SETTINGS_FILE).read_text()) == monitor.settings()
 
 
+@pytest.mark.timeout(240)
+def test_no_bundle_is_written_through_a_postmortem_folder_that_is_a_symbolic_link(tmp_path):
+    """A ``postmortem`` folder planted as a link elsewhere: the bundle was written whole to the link's target. Now no
+    bundle, one warning, and the alert says none was saved; the run goes on."""
+    folder, outside = tmp_path / "tb" / "fixed", tmp_path / "outside"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    (folder / "postmortem").symlink_to(outside, target_is_directory=True)
+    monitor = TrainingMonitor(val_loss_key=None, halt_on=[], postmortem="alert")
+    trainer = make_trainer(tmp_path, [monitor], logger=TensorBoardLogger(tmp_path, name="tb", version="fixed"))
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer.fit(ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader())
+    assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 3)]
+    assert trainer.global_step == 10
+    assert list(outside.iterdir()) == []
+    messages = [str(w.message) for w in warned if "post-mortem" in str(w.message)]
+    assert messages == [
+        f"TrainingMonitor could not create the post-mortem folder {str(folder / 'postmortem')!r}: it is a symbolic"
+        " link, which TrainingMonitor does not write through."
+    ]
+    assert "Post-mortem bundle" not in monitor.alerts[0].message
+
+
 #: Two runs in one folder; the second on a disk that is full past 512 bytes a file (`RLIMIT_FSIZE`: a write beyond it
 #: fails with EFBIG, as one fails with ENOSPC on a full disk). The settings (about 1 kB) cannot be written again.
 FULL_DISK = """

@@ -219,6 +219,46 @@ def test_mlflow_beside_a_csv_logger_gets_the_files_uploaded(tmp_path):
     assert jsonl(local) == jsonl(monitor.log_dir / "alerts.jsonl")
 
 
+class LogsFoldersOfTheMonitorsNames(ScriptedModel):
+    """Logs ``grad_norm_layers`` and ``alerts`` of its own: names the monitor's ``grad_norm_layers/layer.0`` and
+    ``alerts/nonfinite_loss`` are paths under, which MLflow's file store keeps as files and folders."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        self.log("grad_norm_layers", 1.0)
+        self.log("alerts", 2.0)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("mlflow_file_store")
+def test_a_name_the_run_logs_that_is_a_folder_of_the_monitors_keeps_mlflow_working(tmp_path, caplog):
+    """The run logged ``grad_norm_layers``: the monitor's ``grad_norm_layers/<layer>`` made that name a folder in
+    MLflow's file store, and the run failed at its first logging step with ``IsADirectoryError`` (it runs without the
+    monitor); its ``alerts`` made the monitor's ``alerts/nonfinite_loss`` fail, and MLflow got none of the monitor's
+    figures after. The monitor's names go out under ``monitor/`` instead, said once."""
+    mlflow = MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    monitor = TrainingMonitor(loss_divergence_factor=None, val_loss_key=None)
+    trainer = make_trainer(tmp_path, [monitor], logger=mlflow, max_steps=8, log_every_n_steps=2)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no logger refused a figure
+        trainer.fit(LogsFoldersOfTheMonitorsNames(loss_factor={4: float("nan")}), train_dataloaders=loader())
+    assert trainer.global_step == 8
+    metrics = Path(mlflow.save_dir) / mlflow.experiment_id / mlflow.run_id / "metrics"
+    assert (metrics / "grad_norm_layers").is_file() and (metrics / "alerts").is_file()
+    assert {p.name for p in (metrics / "monitor" / "grad_norm_layers").iterdir()} == {"layer.0", "layer.2"}
+    assert (metrics / "monitor" / "alerts" / "nonfinite_loss").read_text().split()[1:] == ["1.0", "4"]
+    assert [p.split()[2] for p in (metrics / "grad_norm").read_text().splitlines()] == ["1", "3", "5", "7"]
+    told = [r.getMessage() for r in caplog.records if "stores names as paths" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor: the run logs `grad_norm_layers` itself (`self.log`), and a logger that stores names as"
+        " paths (MLflow) cannot hold that beside the monitor's `grad_norm_layers/layer.0`, `grad_norm_layers/layer.2`:"
+        " from step 1 on, the monitor's go to the loggers and `callback_metrics` under `monitor/`.",
+        "TrainingMonitor: the run logs `alerts` itself (`self.log`), and a logger that stores names as paths (MLflow)"
+        " cannot hold that beside the monitor's `alerts/nonfinite_loss`: from step 4 on, the monitor's go to the"
+        " loggers and `callback_metrics` under `monitor/`.",
+    ]
+
+
 @pytest.mark.timeout(180)
 def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offline):
     logger = WandbLogger(offline=True, save_dir=tmp_path / "save")

@@ -23,9 +23,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_monitor import AlertKind, TrainingMonitor
+from lightning_monitor.replay import replay
 from lightning_monitor.report import load_run, summarize_run
 
 VAL_LOSSES = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
+
+
+def replay_text(folder: Path) -> str:
+    """What ``lightning-monitor replay`` prints for a run folder, with the run's own alerts note."""
+    return replay(folder).summary()
 
 
 def fit(tmp_path, monitor, max_steps, ckpt_path=None):
@@ -122,6 +128,24 @@ def test_resumed_run_has_not_halted_and_counts_alerts_on(tmp_path):
     assert csv_column(second, "alerts/nonfinite_loss") == []
     # The new folder's alerts file starts with the restored alerts: the run's alerts, as its counts are.
     assert jsonl(tmp_path / "second" / "version_0" / "alerts.jsonl") == [a.to_dict() for a in resumed.alerts]
+    # The report and replay name this run's halt, not the checkpoint's at step 3, which the run was resumed past
+    # (both said "halted at step 3").
+    assert load_run(tmp_path / "second" / "version_0").halt.step == 8
+    assert "and halted at step 8 (nonfinite_grad)" in replay_text(tmp_path / "second" / "version_0")
+
+    # A third fit from the second's end trains to `max_steps`: the report calls it neither halted nor by a halt of
+    # the fits before.
+    path = tmp_path / "halted_again.ckpt"
+    trainer.save_checkpoint(path)
+    third = make_halting_monitor()
+    trainer = make_trainer(tmp_path, [third], max_steps=14, logger=CSVLogger(tmp_path, name="third"))
+    trainer.fit(ScriptedModel(), train_dataloaders=loader(), ckpt_path=path)
+    assert trainer.global_step == 14 and third.stopping_reason is None
+    run = load_run(tmp_path / "third" / "version_0")
+    assert [a.halted for a in run.alerts] == [False, True, False, True] and run.halt is None
+    summary = summarize_run(run)
+    assert "Verdict: HALTED" not in summary and "Halted: yes" not in summary
+    assert "halted at step" not in replay_text(tmp_path / "third" / "version_0")
 
 
 def test_a_monitor_fitted_again_starts_unhalted(tmp_path):

@@ -196,6 +196,8 @@ class Run:
             row is kept. A NaN or infinite value is a reading, not skipped.
         ended: How the fit ended where it raised (an error, an interrupt), from the history's last record; ``None``
             for a fit that finished, or was halted, or is still running, and for a run resumed after the exception.
+        resumed_at: The step the run last resumed from a checkpoint at (the history's last ``resumed`` record), or
+            ``None``.
     """
 
     path: Path
@@ -207,6 +209,7 @@ class Run:
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_values: int = 0
     ended: RunEnd | None = None
+    resumed_at: int | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -224,8 +227,13 @@ class Run:
 
     @property
     def halt(self) -> RunAlert | None:
-        """The first alert that halted training, or ``None``."""
-        return next((a for a in self.alerts if a.halted), None)
+        """The first alert that halted training since the run last resumed from a checkpoint, or ``None``.
+
+        A resumed run's alerts file holds the checkpoint's alerts, halts of an earlier fit included: the run was
+        resumed past those.
+        """
+        since = self.resumed_at if self.resumed_at is not None else -1
+        return next((a for a in self.alerts if a.halted and a.step >= since), None)
 
     def alert_counts(self) -> dict[str, int]:
         """How many alerts of each kind, in order of first appearance."""
@@ -445,6 +453,8 @@ def _read_history(run: Run, path: Path) -> dict[str, Series]:
             record = json.loads(line)
             step = read_index(record["step"])
             how, exception = record.pop("ended", None), record.pop("exception", "")
+            if record.pop("resumed", None) is True:
+                run.resumed_at = step
             values = [(str(k), _float(v)) for k, v in record.items() if k != "step" and v is not None]
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             bad += 1
