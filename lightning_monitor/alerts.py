@@ -132,8 +132,9 @@ class Alert:
         message: The full text: what happened, the figure against the threshold, what was done, what to try.
         halted: Whether this alert stopped training.
         rank: The global rank the problem can be traced to: the lowest whose own loss or gradient was not finite, or,
-            for a gradient that exploded or spiked, the one whose loss stood out. ``None`` in a single-process run,
-            or when no rank can be named (DDP all-reduces gradients, so they are alike on every rank).
+            for a gradient that exploded or spiked and a loss that spiked, the one whose loss stood out. ``None`` in a
+            single-process run, or when no rank can be named (DDP all-reduces gradients, so they are alike on every
+            rank).
         time: When it was seen, as an ISO 8601 UTC timestamp.
         lr: The learning rate of the optimizer checked (its first parameter group; for a validation alert, the first
             optimizer's) when it was seen, or ``None`` when there is none. Absent from alerts written before 0.2.

@@ -133,8 +133,9 @@ class StepFigures(NamedTuple):
 
         Only where the ranks disagree. DDP all-reduces the gradients, so a NaN or an explosion from one rank's batch
         reaches every rank's gradients alike: no rank can be named from the gradient. What can be named is the rank
-        whose own figure is non-finite (a loss, a gradient shard), or, for a gradient that explodes or spikes, the
-        rank whose loss stood out (more than twice the median of the others'), whose batch is the likely cause.
+        whose own figure is non-finite (a loss, a gradient shard), or, for a gradient that explodes or spikes and
+        for a loss that spikes (the ranks' mean), the rank whose loss stood out (more than twice the median of the
+        others'), whose batch is the likely cause.
         """
         if len(self.loss_ranks) < 2:
             return None
@@ -142,9 +143,9 @@ class StepFigures(NamedTuple):
             values = self.loss_ranks if kind is AlertKind.NONFINITE_LOSS else self.grad_ranks
             bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
             return (bad[0], f"first seen on rank {bad[0]}") if len(bad) < len(values) else None
-        if kind not in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE):
+        if kind not in (AlertKind.EXPLODING_GRAD, AlertKind.GRAD_SPIKE, AlertKind.LOSS_SPIKE):
             return None
-        if len(set(self.replicated_ranks)) > 1:  # replicated gradients that differ: one rank's own
+        if kind is not AlertKind.LOSS_SPIKE and len(set(self.replicated_ranks)) > 1:  # one rank's own gradients
             r = max(range(len(self.replicated_ranks)), key=self.replicated_ranks.__getitem__)
             return r, f"first seen on rank {r}"
         losses = self.loss_ranks

@@ -358,6 +358,32 @@ def test_an_explosion_names_the_rank_whose_loss_stood_out(tmp_path):
     assert rank0["alerts"][0]["message"] == rank1["alerts"][0]["message"]
 
 
+class LossSpikesOnRankOne(TensorBatchModel):
+    """A steady loss (1 added to it), which at step 30 rank 1's batch makes 30 times larger (the ranks' mean: 15.5)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        out["loss"] = out["loss"] + 1.0
+        if self.global_rank == 1 and self.global_step == 30:
+            out["loss"] = out["loss"] * 30.0
+        return out
+
+
+@ddp
+def test_a_loss_spike_names_the_rank_whose_loss_stood_out(tmp_path):
+    """The spike is the ranks' mean loss's; its alert named no rank, where a gradient spike at the same step did."""
+    torch.manual_seed(0)
+    monitor = TrainingMonitor(
+        halt_after=1, val_loss_key=None, spike_warmup=5, exploding_grad_threshold=None, grad_spike_threshold=None,
+        loss_divergence_factor=None, token_accuracy=False,
+    )  # fmt: skip
+    fit(tmp_path, LossSpikesOnRankOne(), devices=2, monitor=monitor, max_steps=32)
+    for report in reports(tmp_path):
+        (alert,) = report["alerts"]
+        assert (alert["kind"], alert["step"], alert["rank"]) == ("loss_spike", 30, 1)
+        assert "the loss stood out on rank 1" in alert["message"]
+
+
 @pytest.mark.filterwarnings("ignore:TrainingMonitor left .* out of val_acc:RuntimeWarning")
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:lightning.fabric.utilities.warnings.PossibleUserWarning")
