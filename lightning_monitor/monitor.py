@@ -889,11 +889,21 @@ class TrainingMonitor(Callback):
         gate is a setting and the step's end): paid only by a run that watches the figure.
         """
         counts = self._tokens.step_counts()
-        local = torch.zeros(COUNTS, device=device) if counts is None else counts.to(device)
-        rows = gather_ranks(local.to(host_dtype(device)), self._ranks)
-        key, value = self._tokens.accuracy("train", rows, warn=False)
+        local = torch.zeros(COUNTS, device=device) if counts is None else counts
+        key, value = self._gathered_accuracy("train", local, device, warn=False)
         if value is not None:
             self._writer.watched_metrics(trainer, {key: value})
+
+    def _gathered_accuracy(
+        self, stage: Stage, counts: Tensor, device: torch.device, warn: bool = True
+    ) -> tuple[str, float | None]:
+        """The key and accuracy of ``stage`` from this rank's ``counts`` and every other rank's.
+
+        One collective and one read, which every rank joins (:meth:`TokenAccuracyTracker.accuracy`; ``warn`` of the
+        positions left out).
+        """
+        rows = gather_ranks(counts.to(device=device, dtype=host_dtype(device)), self._ranks)
+        return self._tokens.accuracy(stage, rows, warn=warn)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -959,8 +969,7 @@ class TrainingMonitor(Callback):
         # The loggers get it at `on_validation_end`, once the module's own epoch-end logs are known (a `val_acc` of
         # its own keeps its name there).
         device = pl_module.device
-        rows = gather_ranks(self._tokens.epoch_counts("val", device).to(host_dtype(device)), self._ranks)
-        key, self._val_acc = self._tokens.accuracy("val", rows)
+        key, self._val_acc = self._gathered_accuracy("val", self._tokens.epoch_counts("val", device), device)
         if self._val_acc is not None:
             self._val_shown = self._writer.callback_figures(trainer, {key: self._val_acc})
 

@@ -118,13 +118,13 @@ class LoggerSink:
         for logger in self._tensorboard:
             logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
-    def write(self, alert: Alert, step: int, count: int, index: int = 1, key: str | None = None) -> None:
+    def write(self, alert: Alert, step: int, count: int, index: int, key: str) -> None:
         """Write ``alert`` to every logger at ``step``.
 
         ``count`` is the alerts of its kind so far and ``index`` those of any kind, it included (it numbers MLflow's
-        tags); ``key`` the name its count goes out under (by default ``alerts/<kind>``).
+        tags); ``key`` the name its count goes out under (``alerts/<kind>``, unless that clashes with the run's).
         """
-        self.log_figures({key or f"{ALERTS_PREFIX}{alert.kind.value}": float(count)}, step)
+        self.log_figures({key: float(count)}, step)
         for logger in self._tensorboard:
             text = f"**{alert.kind.value}** (step {alert.step}, epoch {alert.epoch}): {alert.message}"
             logger.experiment.add_text("alerts", text, global_step=step)
