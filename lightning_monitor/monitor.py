@@ -566,6 +566,8 @@ class TrainingMonitor(Callback):
     ) -> None:
         # A new optimizer step begins after one was taken. Keep the step's micro-batches (references) for the bundle.
         self._writer.history.take_logged_losses(trainer)  # the last batch's losses, where already on the host
+        if self._writer.held:  # the fit's first logged check: every hook of its batch has run, its figures go out
+            self._writer.release(trainer)
         if self._step_closed:
             self._batches = []
         self._step_closed = False
@@ -863,8 +865,6 @@ class TrainingMonitor(Callback):
         # optimization its batches share one logging step; in manual optimization each batch has its own, and the
         # optimizer may step after several, so every step is marked. In one process (a lean run), a tracker that counts
         # no training batch (a model without logits) has nothing to count or carry: it is left alone.
-        if self._writer.held is not None and self._step_closed:  # the fit's first step closed: its figures go out
-            self._writer.release(trainer)
         if self._lean and self._tokens.training_off:
             return
         if not self._step_closed:  # the batch's optimizer step is not complete
@@ -913,6 +913,8 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._writer.held:  # the epoch's last batch was the first to log (its batch-end hooks have all run)
+            self._writer.release(trainer)
         # Gate on the settings only, never on what one rank saw: every rank must join the collective.
         if not self.config.tokens.token_accuracy:
             return
@@ -956,6 +958,8 @@ class TrainingMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._writer.held:  # a validation right after the first logged check, before the next batch
+            self._writer.release(trainer)
         self._tokens.reset("val")
         self._val_acc, self._val_shown = None, {}
 

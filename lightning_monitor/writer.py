@@ -103,8 +103,8 @@ class RunWriter:
             another run made one of that name meanwhile, rank zero's becomes the next free one.
         history: The run's compact history (``monitor_history.jsonl``), for the report.
         recent: ``(step, epoch, figures)`` of the last checks, for a post-mortem bundle.
-        held: Until the fit's first optimizer step has closed, the figures of each check and their step, which wait
-            for it to go to the loggers (:meth:`release`); ``None`` from then on.
+        held: Until the fit's first check that logs has had every hook of its batch run, the figures of each check
+            and their step, which wait for that to go to the loggers (:meth:`release`); ``None`` from then on.
     """
 
     def __init__(self, alerts_file: str | None) -> None:
@@ -334,14 +334,15 @@ class RunWriter:
             self.sync(trainer)
 
     def release(self, trainer: pl.Trainer) -> None:
-        """Write the figures held since the fit began to the loggers, once its first optimizer step has closed.
+        """Write the figures held since the fit began to the loggers, once the batch of its first logged check is over.
 
-        The module's own hooks that run after the monitor's in a step (its ``on_before_optimizer_step``,
-        ``configure_gradient_clipping``, the rest of a manual ``training_step``) have not logged anything by the
-        first check of a fit: a ``self.log("grad_norm", ...)`` there is seen only once the step has closed. The
-        loggers' copy of the figures checked until then goes out now, under the names that do not clash
-        (:meth:`_outgoing`), so that no step has two figures under one name. From here on, figures go out at once.
-        Called at each training batch's end until then, and at the fit's end or an exception.
+        The module's own hooks that run after the monitor's in a batch (its ``on_before_optimizer_step``,
+        ``configure_gradient_clipping``, the rest of a manual ``training_step``, its ``on_train_batch_end``) have not
+        logged anything by the first check of a fit: a ``self.log("grad_norm", ...)`` there is seen only once the
+        batch is over. The loggers' copy of the figures checked until then goes out now, under the names that do not
+        clash (:meth:`_outgoing`), so that no step has two figures under one name. From here on, figures go out at
+        once. Called at the next hook of the fit's loop that follows (the next batch's start, a validation's start,
+        the epoch's end), and at the fit's end or an exception.
         """
         held, self.held = self.held, None
         for logged, at in held or ():

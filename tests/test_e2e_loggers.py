@@ -459,22 +459,39 @@ def test_a_figure_the_run_logs_itself_keeps_its_name_and_the_monitors_goes_besid
 
 class LogsItsNormBeforeTheStep(ScriptedModel):
     """Logs its own ``grad_norm`` in its ``on_before_optimizer_step``, which Lightning calls after the callbacks'
-    (Lightning's recipe for logging gradient norms): the step's norm plus 1000, so that the two are told apart."""
+    (Lightning's recipe for logging gradient norms): the step's norm plus 1000, so that the two are told apart. With
+    ``at_batch_end``, in its ``on_train_batch_end`` instead, which Lightning also calls after the callbacks'."""
+
+    def __init__(self, *args: Any, at_batch_end: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.at_batch_end = at_batch_end
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
-        self.log("grad_norm", self.reference[-1] + 1000.0)
+        if not self.at_batch_end:
+            self.log("grad_norm", self.reference[-1] + 1000.0)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.at_batch_end:
+            self.log("grad_norm", self.reference[-1] + 1000.0)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("halts", [False, True], ids=["runs", "halts_at_step_0"])
-def test_a_figure_the_run_logs_after_the_monitors_hook_keeps_its_name_from_the_first_step(tmp_path, caplog, halts):
+@pytest.mark.parametrize(
+    ("halts", "at_batch_end"),
+    [(False, False), (True, False), (False, True)],
+    ids=["runs", "halts_at_step_0", "logged_at_the_batchs_end"],
+)
+def test_a_figure_the_run_logs_after_the_monitors_hook_keeps_its_name_from_the_first_step(
+    tmp_path, caplog, halts, at_batch_end
+):
     """Logged at every step, the module's ``grad_norm`` is seen only after the monitor's check of the first step:
     that step's figures still go out as ``monitor/grad_norm`` beside it, not under the module's name (it used to
-    have two ``grad_norm`` values at step 0, and the CSV two rows). A run that halts by raising at step 0 still has
-    that step's figures in its loggers."""
+    have two ``grad_norm`` values at step 0, and the CSV two rows), also where the module logs it in its own
+    ``on_train_batch_end``, which Lightning calls after the monitor's. A run that halts by raising at step 0 still
+    has that step's figures in its loggers."""
     tb, csv = TensorBoardLogger(tmp_path, name="tb", version=0), CSVLogger(tmp_path, name="tb", version=0)
-    model = LogsItsNormBeforeTheStep(loss_factor={0: float("nan")} if halts else None)
+    model = LogsItsNormBeforeTheStep(loss_factor={0: float("nan")} if halts else None, at_batch_end=at_batch_end)
     monitor = TrainingMonitor(halt_after=1, halt_mode="raise") if halts else TrainingMonitor()
     trainer = make_trainer(tmp_path, [monitor], logger=[csv, tb], max_steps=4, log_every_n_steps=1)
     with caplog.at_level(logging.INFO):
