@@ -228,7 +228,7 @@ class StepGuard:
             return "fused"
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         for grad in grads:  # one kernel each, no host read: `bad` broadcasts as the mask
-            grad.masked_fill_(bad, 0.0)
+            _values(grad).masked_fill_(bad, 0.0)
         return "zeroed"
 
     def remove(self) -> None:
@@ -403,6 +403,17 @@ def _restore_lbfgs(optimizer: Optimizer, saved: tuple[list[Tensor], dict[str, An
         optimizer.state.pop(params[0], None)
     elif params:
         optimizer.state[params[0]] = state
+
+
+def _values(grad: Tensor) -> Tensor:
+    """The tensor holding ``grad``'s values, written in place: ``grad`` itself, or a sparse gradient's values.
+
+    A sparse gradient (``nn.Embedding(..., sparse=True)``) has no ``masked_fill_`` of its own; filling its values
+    fills it (a duplicate index of an uncoalesced COO gradient too).
+    """
+    if grad.layout == torch.strided:
+        return grad
+    return grad._values() if grad.layout == torch.sparse_coo else grad.values()
 
 
 def _reads_found_inf(optimizer: Optimizer) -> bool:

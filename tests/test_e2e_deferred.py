@@ -220,3 +220,50 @@ def test_two_optimizers_each_read_their_own_check_a_step_later(tmp_path):
     assert monitor.skipped_steps == 2
     assert all_finite(model)
     assert [s for s, _ in csv_column(f"{trainer.log_dir}/metrics.csv", "grad_norm_opt1")] == [0, 1, 2, 3, 4]
+
+
+class SparseEmbedding(pl.LightningModule):
+    """An ``nn.Embedding(sparse=True)`` (its gradient a COO tensor, uncoalesced where a batch repeats an index) and
+    a dense head, stepped by plain SGD; the loss is NaN at the steps in ``nan_at``."""
+
+    def __init__(self, nan_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(20, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+        self.nan_at = nan_at
+        self.before: dict[int, list[torch.Tensor]] = {}
+        self.after: dict[int, list[torch.Tensor]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = (batch[:, :8].abs() * 10).long() % 20
+        loss = self.head(self.embedding(ids).mean(1)).square().mean()
+        return loss * math.nan if self.global_step in self.nan_at else loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.before[self.global_step] = [p.detach().clone() for p in self.parameters()]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after[self.global_step - 1] = [p.detach().clone() for p in self.parameters()]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_bad_step_of_a_model_with_sparse_gradients_is_zeroed_on_the_device(tmp_path):
+    """A sparse gradient has no ``masked_fill_``: the deferred skip used to raise ``NotImplementedError`` at the
+    first step of such a model (the default on CUDA). Its values are zeroed instead: the same alerts and figures
+    as the step path, the bad step's weights unchanged (plain SGD), every weight finite."""
+    results = {}
+    for host_sync in ("step", "deferred"):
+        torch.manual_seed(0)
+        model = SparseEmbedding(nan_at=(4,))
+        monitor, trainer = run(tmp_path, host_sync, model)
+        norms = csv_column(tmp_path / host_sync / "lightning_logs" / "version_0" / "metrics.csv", "grad_norm")
+        results[host_sync] = ([(a.kind.value, a.step) for a in monitor.alerts], norms[:4])
+        assert all_finite(model)
+    assert results["deferred"] == results["step"]
+    assert results["step"][0] == [("nonfinite_loss", 4)]
+    assert "replaced by zeros" in monitor.alerts[0].message
+    assert trainer.global_step == 6
+    assert all(torch.equal(a, b) for a, b in zip(model.before[4], model.after[4], strict=True))
+    assert not torch.equal(model.before[3][0], model.after[3][0])  # a good step moves the embedding
