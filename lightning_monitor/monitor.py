@@ -437,6 +437,7 @@ class TrainingMonitor(Callback):
         self._state.begin()
         recovery_folder = self._writer.log_dir / "recovery" if writes_files(trainer) else None
         self._recovery.begin(recovery_folder, trainer.global_rank)
+        self._recovery.sources = functools.partial(_sources_of, self._fitted)
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -1122,3 +1123,9 @@ class TrainingMonitor(Callback):
 _READ_BEFORE_STEP = DeviceRule()
 #: The recovery plan of a check without detections, where ``recover_on`` is off (its list is never changed).
 _NO_RECOVERY = RecoveryPlan([])
+
+
+def _sources_of(fitted: Callable[[], pl.Trainer | None]) -> StateSources | None:
+    """The running state of the trainer ``fitted`` refers to (a weak reference), or ``None`` once it is gone."""
+    trainer = fitted()
+    return None if trainer is None else StateSources.of(trainer)

@@ -126,6 +126,7 @@ class KeptState:
             indexed in the order of its parameter groups (as ``Optimizer.state_dict`` does).
         schedulers: Each LR scheduler's ``state_dict``.
         statistics: The monitor's statistics, as plain values.
+        layout: What the state was kept from (:func:`_layout`): a restore needs the run to have it still.
     """
 
     step: int
@@ -133,6 +134,7 @@ class KeptState:
     optimizers: list[dict[str, Any]]
     schedulers: list[dict[str, Any]] = field(default_factory=list)
     statistics: dict[str, Any] | None = None
+    layout: Layout | None = None
 
     @property
     def nbytes(self) -> int:
@@ -222,6 +224,8 @@ class Recovery:
         self._storage: str | None = None  # "memory", "disk" or "off" for this run, decided at its first keep
         #: How a warning is given, once per key: the responder hands its own (``rank_zero_warn``, once).
         self.warn: Callable[[str, str], None] = _warn_once(set())
+        #: The running state (the monitor hands its trainer's), looked at before a restore: ``None`` looks at none.
+        self.sources: Callable[[], StateSources | None] | None = None
         self._restored_words = "weights"  # what the last restore restored, in words
 
     @property
@@ -279,6 +283,16 @@ class Recovery:
             due = first and at >= self._next_keep and not (beyond or unsafe)
             return RecoveryPlan(detections, keep=due, finished=finished)
         trigger, cannot = hits[0], self._cannot_recover()
+        changed = self._changed() if cannot is None else None
+        if changed is not None:  # a state of another model or optimizer: none to restore, a new one kept soon
+            self.warn(
+                "changed",
+                f"TrainingMonitor could not recover from {trigger.kind.value} at step {at}: {changed} since its"
+                f" good state was kept at step {self.kept.step if self.kept else 0}, so that state was dropped; the"
+                " step is handled as without recovery, and a new state is kept at the next good step.",
+            )
+            self.kept, self._restored_from, self._next_keep = None, None, at + 1
+            return RecoveryPlan(detections, finished=finished)
         if cannot is None:  # restore: the alerts are still given, and none of these kinds halts at this check
             kept = self.kept
             assert kept is not None  # `_cannot_recover` says so
@@ -289,6 +303,13 @@ class Recovery:
             return RecoveryPlan(detections, finished=finished)
         halts = [_exhausted(d, cannot) if d.kind in kinds else d for d in detections]
         return RecoveryPlan(halts, forced=frozenset(d.kind for d in hits), finished=finished)
+
+    def _changed(self) -> str | None:
+        """How the run changed since the newest state was kept (a restore would not fit it), or ``None``."""
+        sources = self.sources() if self.sources is not None else None
+        if sources is None or self.kept is None or self.kept.layout is None:
+            return None
+        return _changed(self.kept.layout, _layout(sources))
 
     def _reload_statistics(self) -> None:
         """Put the kept statistics back: a skipped outlier must not teach the detectors a new level."""
@@ -565,7 +586,50 @@ def _snapshot(copier: _HostCopier, sources: StateSources, step: int, statistics:
         optimizers=[_keep_optimizer(copier, i, opt) for i, opt in enumerate(sources.optimizers)],
         schedulers=[copy.deepcopy(s.state_dict()) for s in sources.schedulers],
         statistics=None if statistics is None else copy.deepcopy(statistics.state_dict()),
+        layout=_layout(sources),
     )
+
+
+#: A run's state as a restore needs it: the module's tensors (name, this rank's shape), each optimizer's
+#: parameters per group, and the number of LR schedulers.
+Layout = tuple[tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[int, ...], ...], int]
+
+
+def _layout(sources: StateSources) -> Layout:
+    """The layout of ``sources`` now (read at a keep, and before a restore)."""
+    tensors = tuple(
+        (name, tuple(_local(value).shape))
+        for name, value in sources.module.state_dict(keep_vars=True).items()
+        if isinstance(value, Tensor)
+    )
+    groups = tuple(tuple(len(group["params"]) for group in opt.param_groups) for opt in sources.optimizers)
+    return tensors, groups, len(sources.schedulers)
+
+
+def _changed(kept: Layout, now: Layout) -> str | None:
+    """How the run changed since a state of layout ``kept`` was kept (a pruned or unfrozen model...), or ``None``."""
+    (kept_tensors, kept_groups, kept_schedulers), (tensors, groups, schedulers) = kept, now
+    if kept_tensors != tensors:
+        names, shapes = dict(tensors), dict(kept_tensors)
+        gone = [name for name in shapes if name not in names]
+        if gone:
+            return f"the model no longer has {gone[0]!r}"
+        new = [name for name in names if name not in shapes]
+        if new:
+            return f"the model has {new[0]!r}, which it did not have then"
+        reshaped = next(name for name in shapes if shapes[name] != names[name])
+        return f"{reshaped!r} changed shape from {list(shapes[reshaped])} to {list(names[reshaped])}"
+    if kept_groups != groups:
+        index = next((i for i, (a, b) in enumerate(zip(kept_groups, groups, strict=False)) if a != b), None)
+        if index is None:
+            return f"the run has {len(groups)} optimizer(s), {len(kept_groups)} then"
+        return (
+            f"optimizer {index} has {len(groups[index])} parameter group(s) of {list(groups[index])} parameters,"
+            f" {len(kept_groups[index])} of {list(kept_groups[index])} then"
+        )
+    if kept_schedulers != schedulers:
+        return f"the run has {schedulers} LR scheduler(s), {kept_schedulers} then"
+    return None
 
 
 def _exhausted(detection: Detection, why: str) -> Detection:
@@ -586,7 +650,7 @@ def _read(path: Path, kept: KeptState) -> KeptState:
     optimizers = [
         {"state": state, "groups": opt["groups"]} for state, opt in zip(written["state"], kept.optimizers, strict=True)
     ]
-    return KeptState(kept.step, written["module"], optimizers, kept.schedulers, kept.statistics)
+    return KeptState(kept.step, written["module"], optimizers, kept.schedulers, kept.statistics, kept.layout)
 
 
 class _HostCopier:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +401,63 @@ def test_every_rank_recovers_at_the_same_step(tmp_path, clean_loss, strategy, sp
         assert rank0["shard"] == rank1["shard"]
     else:  # shards: each rank kept and restored its own, half of each parameter
         assert rank0["shard"] != rank1["shard"]
+
+
+class ChangesTheRun(pl.Callback):
+    """At step 130, between the state kept at 125 and the poisoned batch at 140: prunes the first layer as
+    ``ModelPruning`` does (``weight`` becomes ``weight_orig`` and a ``weight_mask``), or moves the last layer's
+    parameters into a parameter group of their own, as ``BaseFinetuning.unfreeze_and_add_param_group`` adds one."""
+
+    def __init__(self, change: str) -> None:
+        self.change = change
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step != 130:
+            return
+        if self.change == "pruned":
+            torch.nn.utils.prune.l1_unstructured(pl_module.net[0], "weight", amount=0.3)
+            return
+        (optimizer,) = trainer.optimizers
+        last = list(pl_module.net[2].parameters())
+        optimizer.param_groups[0]["params"] = [p for p in pl_module.parameters() if all(p is not q for q in last)]
+        optimizer.add_param_group({"params": last})
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ("pruned", "the model no longer has 'net.0.weight'"),
+        ("new_group", "optimizer 0 has 2 parameter group(s) of [2, 2] parameters, 1 of [4] then"),
+    ],
+)
+def test_a_state_kept_before_the_model_or_optimizer_changed_is_not_restored(tmp_path, change, said):
+    """Restoring a state of another model or optimizer raised mid-run (``RuntimeError`` after ``ModelPruning``,
+    ``ValueError`` from a strict ``zip`` after ``BaseFinetuning`` added a group), and the run ended there. Now the
+    state is dropped with one warning, the bad batch is handled as without recovery (skipped, the run goes on),
+    and a new state is kept at the next good step."""
+    monitor = TrainingMonitor(
+        val_loss_key=None, token_accuracy=False, recover_on=["loss_spike", "exploding_grad"], recovery_every_n_steps=25
+    )
+    torch.manual_seed(0)
+    model = PoisonedModel(poison=(140, 141))
+    trainer = pl.Trainer(
+        callbacks=[ChangesTheRun(change), monitor],
+        default_root_dir=tmp_path,
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer.fit(model, train_dataloaders=data())
+    (warning,) = [w for w in _our_warnings(warned) if "could not recover" in w]
+    assert re.match(r"TrainingMonitor could not recover from (loss_spike|exploding_grad) at step 140: ", warning)
+    assert f": {said} since its good state was kept at step 125, so that state was dropped" in warning
+    assert trainer.global_step == STEPS and monitor.stopping_reason is None
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert [a.step for a in monitor.alerts if a.kind is AlertKind.RECOVERED] == []
+    assert all(a.step == 140 for a in monitor.alerts)  # the one bad batch, skipped
+    kept = monitor._recovery.kept
+    assert kept is not None and kept.step >= 141  # kept again after the bad batch
