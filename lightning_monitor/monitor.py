@@ -504,6 +504,16 @@ class TrainingMonitor(Callback):
                     f" callback or scheduler watches {', '.join(watched)}, which must be the step's own when it"
                     " reads it."
                 )
+        searching = [type(opt).__name__ for opt in trainer.optimizers if isinstance(opt, torch.optim.LBFGS)]
+        if deferred and searching:
+            # LBFGS evaluates its closure again and again within a step, and its line search reads each loss and
+            # gradient: a bad evaluation's zeroed gradients beside its NaN loss break it. Read before the step.
+            deferred = False
+            if self.config.step.host_sync == "deferred":
+                rank_zero_info(
+                    "TrainingMonitor reads each check before its step, not at the next (`host_sync='deferred'`): the"
+                    f" run steps {searching[0]}, which evaluates its closure several times a step."
+                )
         self._reads = DeferredReads(self._guard) if deferred else StepReads()
         # The short way of a calm step (`_calm_step`), for a run whose checks carry nothing but the loss and the norms.
         self._layer_norms = self.config.step.layer_norms

@@ -267,3 +267,40 @@ def test_a_bad_step_of_a_model_with_sparse_gradients_is_zeroed_on_the_device(tmp
     assert trainer.global_step == 6
     assert all(torch.equal(a, b) for a, b in zip(model.before[4], model.after[4], strict=True))
     assert not torch.equal(model.before[3][0], model.after[3][0])  # a good step moves the embedding
+
+
+class SearchesItsLine(pl.LightningModule):
+    """Stepped by LBFGS with the strong-Wolfe line search, which evaluates the closure several times a step; the
+    ``nan_at``-th evaluation's input is NaN."""
+
+    def __init__(self, nan_at: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.nan_at, self.calls = nan_at, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x = batch * math.nan if self.calls == self.nan_at else batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4, line_search_fn="strong_wolfe")
+
+
+def test_lbfgs_is_read_before_its_step_whatever_host_sync_says(tmp_path, caplog):
+    """Deferred, a NaN evaluation inside LBFGS's line search got zeroed gradients beside its NaN loss, and the
+    search raised ``IndexError`` in ``_strong_wolfe``: the run died where it runs without the monitor. LBFGS is
+    read before its step (said once where ``host_sync="deferred"`` was asked for); the NaN evaluation is skipped."""
+    torch.manual_seed(0)
+    model = SearchesItsLine(nan_at=3)
+    monitor = TrainingMonitor(host_sync="deferred", val_loss_key=None, token_accuracy=False)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=6, logger=False)
+    with caplog.at_level("INFO"):
+        trainer.fit(model, train_dataloaders=loader())
+    assert trainer.global_step == 6 and all_finite(model)
+    told = [r.getMessage() for r in caplog.records if "LBFGS" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor reads each check before its step, not at the next (`host_sync='deferred'`): the run steps"
+        " LBFGS, which evaluates its closure several times a step."
+    ]
+    assert [a.kind.value for a in monitor.alerts] == ["nonfinite_loss"]
