@@ -93,6 +93,8 @@ def _layers(norms: LayerGradNorms, take: Callable[[Tensor], Tensor | None]) -> T
             continue
         if DTensor is not None and isinstance(t, DTensor):
             t = t.to_local()
+        if t.is_complex():  # its real and imaginary parts, as its norm counts them (a cast would drop the latter)
+            t = torch.view_as_real(t.detach())
         by_layer[layer].append(t.detach().reshape(-1))
     device = norms.device
     return torch.cat([_histogram(ts, device) for ts in by_layer])

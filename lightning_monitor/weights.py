@@ -145,7 +145,7 @@ def _local(params: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _per_tensor(tensors: list[Tensor], norms: LayerGradNorms, measured: Sequence[bool]) -> list[Tensor]:
-    """Each tensor's L2 norm as a 0-d tensor on ``norms.device``, in float32 (float64 for float64 tensors).
+    """Each tensor's L2 norm as a 0-d tensor on ``norms.device``, in float32 (float64 for float64 and complex128).
 
     One fused kernel per device and dtype; a tensor not ``measured`` reads 0.
     """
@@ -156,7 +156,10 @@ def _per_tensor(tensors: list[Tensor], norms: LayerGradNorms, measured: Sequence
     out: list[Tensor] = [norms._zero] * len(tensors)
     for (device, dtype), idx in groups.items():
         wide = torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
-        values = _norms_float32([tensors[i] for i in idx], wide)
+        chosen = [tensors[i] for i in idx]
+        if dtype.is_complex:  # sqrt(sum |z|^2), with a real dtype: the norm of its real and imaginary parts
+            chosen = [torch.view_as_real(t) for t in chosen]
+        values = _norms_float32(chosen, wide)
         if device != norms.device:
             values = list(torch.stack(values).to(norms.device).unbind())
         for i, v in zip(idx, values, strict=True):

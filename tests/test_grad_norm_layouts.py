@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import close, make_trainer
+from helpers import close, csv_column, make_trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from sync_count import HostSyncCounter
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -243,6 +246,7 @@ class ComplexModel(pl.LightningModule):
         self.inp = nn.Linear(T, 4)
         self.mix = nn.Parameter(torch.randn(4, 4, dtype=dtype) / 2)
         self.reference: list[tuple[float, dict[str, float]]] = []
+        self.weights: list[float] = []  # the complex weight's norm before each update, sqrt(sum |w|^2)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         h = self.inp(batch.float()).to(self.mix.dtype) @ self.mix
@@ -251,6 +255,9 @@ class ComplexModel(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         layers = {"inp": reference(self.inp.parameters()), "mix": reference([self.mix])}
         self.reference.append((reference(self.parameters()), layers))
+        self.weights.append(torch.linalg.vector_norm(self.mix.detach().to(torch.cdouble)).item())
+        if not hasattr(self, "first_mix"):  # the weight before the first update
+            self.first_mix = self.mix.detach().clone()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -268,6 +275,37 @@ def test_complex_parameter(tmp_path, dtype):
         assert close(seen["grad_norm"], total, rel=1e-6)
         assert close(seen["grad_norm_layers/inp"], layers["inp"], rel=1e-6)
         assert close(seen["grad_norm_layers/mix"], layers["mix"], rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.cfloat, torch.cdouble])
+def test_the_weight_norm_of_a_complex_parameter(tmp_path, dtype):
+    """``weight_norms=True`` raised ``RuntimeError: linalg.vector_norm: dtype should be complex`` at the first
+    logging step of a complex64 weight; its norm is sqrt(sum |w|^2), as its gradient's."""
+    model = ComplexModel(dtype)
+    monitor = TrainingMonitor(token_accuracy=False, weight_norms=True)
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    trainer, _, _ = fit(tmp_path, model, max_steps=4, monitor=monitor, log_every_n_steps=2, logger=logger)
+    assert trainer.global_step == 4
+    logged = csv_column(Path(logger.log_dir) / "metrics.csv", "weight_norm_layers/mix")
+    assert [step for step, _ in logged] == [1, 3]
+    assert all(close(value, model.weights[step], rel=1e-6) for step, value in logged)
+
+
+@pytest.mark.filterwarnings("error:Casting complex values to real:UserWarning")
+def test_the_histogram_of_a_complex_parameter_holds_its_real_and_imaginary_parts(tmp_path):
+    """A complex weight's histogram was cast to real, which drops the imaginary parts (torch warns so)."""
+    model = ComplexModel(torch.cfloat)
+    monitor = TrainingMonitor(token_accuracy=False, histogram_every_n_steps=1)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(tmp_path, model, max_steps=2, monitor=monitor, log_every_n_steps=1, logger=logger)
+    events = EventAccumulator(logger.log_dir, size_guidance={HISTOGRAMS: 0})
+    events.Reload()
+    (first, _) = [e.histogram_value for e in events.Histograms("weight_hist/mix")]
+    seen = torch.view_as_real(model.first_mix).flatten()
+    assert first.num == 32  # 16 complex values, two parts each
+    assert math.isclose(first.min, seen.min().item(), rel_tol=1e-6)
+    assert math.isclose(first.max, seen.max().item(), rel_tol=1e-6)
+    assert math.isclose(first.sum_squares, seen.double().square().sum().item(), rel_tol=1e-5)
 
 
 def test_the_monitor_still_makes_one_sync_per_step(tmp_path):
