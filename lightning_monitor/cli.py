@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from lightning_monitor.keys import is_layer_key
 from lightning_monitor.replay import FORMATS
@@ -186,11 +186,20 @@ def _titles(logdir: Path, paths: Sequence[Path]) -> list[str]:
 
 
 def _out(text: str) -> None:
-    sys.stdout.write(text + "\n")
+    _write(sys.stdout, text)
 
 
 def _error(text: str) -> None:
-    sys.stderr.write(f"lightning-monitor report: error: {text}\n")
+    _write(sys.stderr, f"lightning-monitor report: error: {text}")
+
+
+def _write(stream: TextIO, text: str) -> None:
+    r"""Write a line that the stream's encoding may not hold all of (``LANG=C``, ``PYTHONIOENCODING=ascii``).
+
+    A character it cannot encode (a layer or folder named ``kopf_ß``) is written as its escape, ``\xdf``.
+    """
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    stream.write((text + "\n").encode(encoding, "backslashreplace").decode(encoding, "replace"))
 
 
 # ------------------------------------------------------------------------------------------------------- replay
@@ -246,7 +255,7 @@ def _replay(args: argparse.Namespace) -> int:
     from lightning_monitor.replay import replay
 
     def fail(text: str) -> int:
-        sys.stderr.write(f"lightning-monitor replay: error: {text}\n")
+        _write(sys.stderr, f"lightning-monitor replay: error: {text}")
         return 2
 
     settings: dict[str, Any] = {}
@@ -273,7 +282,7 @@ def _replay(args: argparse.Namespace) -> int:
     except ValueError as err:
         return fail(str(err))
     except OSError as err:  # a file that cannot be read
-        sys.stderr.write(f"lightning-monitor replay: error: could not read the run: {err}\n")
+        _write(sys.stderr, f"lightning-monitor replay: error: could not read the run: {err}")
         return 1
     for alert in result.alerts:
         _out(alert.line())

@@ -6,9 +6,11 @@ with figures already on the host, so nothing here synchronises with a device or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,9 +55,29 @@ class ConsoleSink:
         >>> ConsoleSink().write(Alert(AlertKind.NONFINITE_LOSS, 3, 0, float("nan"), None, "training loss is nan"))
     """
 
+    def __init__(self) -> None:
+        self._failed = False
+
     def write(self, alert: Alert) -> None:
-        """Emit ``alert``."""
-        log.warning("[lightning_monitor] %s: %s", alert.kind.value, alert.message)
+        """Emit ``alert``.
+
+        A logging handler of the application's that raises (a webhook that cannot be reached) is said once, and the
+        alert still reaches the loggers and the alerts file: the run must not fail for it.
+        """
+        try:
+            log.warning("[lightning_monitor] %s: %s", alert.kind.value, alert.message)
+        except Exception as err:
+            if self._failed:
+                return
+            self._failed = True
+            # Through `warnings`, which a handler routing warnings to the same logging may refuse too.
+            with contextlib.suppress(Exception):
+                warnings.warn(
+                    f"TrainingMonitor could not write an alert to the console: a logging handler raised {err!r}."
+                    " The alerts still go to the loggers and the alerts file.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
 
 class LoggerSink:

@@ -1030,3 +1030,33 @@ def test_an_alert_at_a_step_skipped_for_another_says_which(tmp_path, skip_on):
     else:
         assert "The optimizer step was skipped for exploding_grad, so the weights are unchanged." in spike
     assert all(torch.equal(a, b) for a, b in zip(model.weights_before[70], model.weights_before[71], strict=True))
+
+
+class _Unreachable(logging.Handler):
+    """An application's handler that posts warnings somewhere unreachable, and lets the error out of ``emit``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            raise ConnectionError("alert webhook unreachable")
+
+
+def test_a_logging_handler_that_raises_does_not_fail_the_run_or_lose_its_alerts(tmp_path):
+    """The console alert went through the application's handler, whose error ended the run at its first alert
+    (which runs without the monitor), before the alerts file had it. Now it is said once, and the run goes on."""
+    handler = _Unreachable()
+    logging.getLogger().addHandler(handler)
+    try:
+        model = ScriptedModel(loss_factor={2: math.nan, 5: math.nan})
+        trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], logger=CSVLogger(tmp_path), max_steps=8)
+        with pytest.warns(RuntimeWarning) as warned:
+            trainer.fit(model, train_dataloaders=loader())
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert trainer.global_step == 8
+    said = [str(w.message) for w in warned if "console" in str(w.message)]
+    assert said == [
+        "TrainingMonitor could not write an alert to the console: a logging handler raised"
+        " ConnectionError('alert webhook unreachable'). The alerts still go to the loggers and the alerts file."
+    ]
+    lines = jsonl(Path(trainer.logger.log_dir) / "alerts.jsonl")
+    assert [(line["kind"], line["step"]) for line in lines] == [("nonfinite_loss", 2), ("nonfinite_loss", 5)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -455,3 +456,24 @@ def test_a_format_not_known_is_an_error_naming_it_for_a_folder_too(real_run: dic
     for read in (replay, read_series):
         with pytest.raises(ValueError, match=r"Expected argument `format` to be one of .*, but got 'bogus'"):
             read(real_run["tb"], format="bogus")
+
+
+@pytest.mark.parametrize("command", ["replay", "report"])
+def test_a_name_the_console_cannot_encode_is_escaped_not_a_traceback(tmp_path: Path, command: str) -> None:
+    # `LANG=C`, or `PYTHONIOENCODING=ascii` with the output piped: a run folder (or a layer) named with a letter
+    # ASCII lacks made both commands end in a `UnicodeEncodeError` traceback.
+    run = tmp_path / "lauf_ü"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,train_loss,grad_norm\n0,1.0,1.0\n1,nan,nan\n2,1.0,1.0\n")
+    target = run / "metrics.csv" if command == "replay" else run
+    extra = ["--format", "csv"] if command == "replay" else ["--no-plot"]
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_monitor", command, str(target), *extra],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stderr == b""
+    assert b"lauf_\\xfc" in result.stdout
