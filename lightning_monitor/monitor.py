@@ -81,6 +81,10 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+#: Figures that count what happened (alerts of a kind, skipped steps): the same between checks, as nothing is checked.
+_COUNTS = ("alerts/", "skipped_steps", "monitor/alerts/", "monitor/skipped_steps")
+
+
 class TrainingMonitor(Callback):
     r"""Watch gradients, losses and validation, report pathologies in the run's own logs, and halt on demand.
 
@@ -473,6 +477,15 @@ class TrainingMonitor(Callback):
         self._clipping = clipping_words(trainer, pl_module)  # what the advice of a gradient alert takes into account
         self._skipped_logged = (-1, 0)
         self._writer.watch(trainer)  # the figures a callback or scheduler watches: in `callback_metrics` at each check
+        measured = [name for name in self._writer.watched_step_figures if not name.startswith(_COUNTS)]
+        if measured and self._every_n > 1:
+            self._warn(
+                "watched_between_checks",
+                f"TrainingMonitor checks every {self._every_n} steps (`check_every_n_steps={self._every_n}`), and a"
+                f" callback or scheduler of the run watches {', '.join(f'`{name}`' for name in measured)}: at a step"
+                " between two checks it reads the last check's value. Set `check_every_n_steps=1` for each step's"
+                " own.",
+            )
         # A watched training token accuracy is each step's own when read, at the step's end (an extra read a step).
         watched_accuracy = self._writer.watched & {"train_token_acc", "train_acc"}  # as `TokenAccuracyTracker.key`
         self._watched_accuracy = bool(watched_accuracy) and bool(self.config.tokens.token_accuracy)

@@ -35,7 +35,7 @@ from helpers import (
     tb_texts,
     wandb_records,
 )
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -784,6 +784,33 @@ def test_early_stopping_watches_grad_norm(tmp_path, logger, every):
     assert trainer.global_step == 6
     assert close(float(trainer.callback_metrics["grad_norm"]), model.reference[-1])
     assert close(float(stopper.best_score), min(model.reference[2], model.reference[5]))  # each epoch's last
+
+
+@pytest.mark.parametrize("check_every", [1, 2])
+def test_a_watched_figure_between_checks_is_said_to_be_the_last_checks(tmp_path, check_every):
+    """With ``check_every_n_steps=2``, ``ModelCheckpoint(monitor="grad_norm", every_n_train_steps=3)`` scores some
+    checkpoints with the step before's norm (the last check's): no message said so. Now one warning does."""
+    model = ScriptedModel()
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="grad_norm", every_n_train_steps=3, save_top_k=-1)
+    monitor = TrainingMonitor(val_loss_key=None, check_every_n_steps=check_every)
+    trainer = make_trainer(tmp_path, [monitor, best], max_steps=8, logger=False, enable_checkpointing=True)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.fit(model, train_dataloaders=loader())
+    said = [str(w.message) for w in warned if "between two checks" in str(w.message)]
+    assert said == (
+        []
+        if check_every == 1
+        else [
+            "TrainingMonitor checks every 2 steps (`check_every_n_steps=2`), and a callback or scheduler of the run"
+            " watches `grad_norm`: at a step between two checks it reads the last check's value. Set"
+            " `check_every_n_steps=1` for each step's own."
+        ]
+    )
+    # What the warning says: checked at steps 0, 2, 4 and 6, the checkpoint after step 5 holds step 4's norm.
+    scored = {Path(path).name: float(score) for path, score in best.best_k_models.items()}
+    assert close(scored["epoch=0-step=3.ckpt"], model.reference[2])
+    assert close(scored["epoch=0-step=6.ckpt"], model.reference[4 if check_every == 2 else 5])
 
 
 class PlateauOnGradNorm(ScriptedModel):
