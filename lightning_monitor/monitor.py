@@ -580,7 +580,7 @@ class TrainingMonitor(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._writer.sync(trainer)  # the W&B and MLflow runs' copies of the files
         if self.config.response.summary_on_fit_end:
-            self._writer.summary(trainer)
+            self._writer.summary(trainer, self._state.alerts)
 
     # ------------------------------------------------------------------------------------------------ training steps
 

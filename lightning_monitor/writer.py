@@ -8,7 +8,7 @@ decides anything and never reads a device.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -411,8 +411,12 @@ class RunWriter:
         if trainer.is_global_zero:
             self._loggers.sync()
 
-    def summary(self, trainer: pl.Trainer) -> None:
-        """Print the health summary of ``lightning-monitor report`` for this run (rank zero)."""
+    def summary(self, trainer: pl.Trainer, alerts: Sequence[Alert]) -> None:
+        """Print the health summary of ``lightning-monitor report`` for this run (rank zero).
+
+        A run that wrote no file (``fast_dev_run``, or a folder that could not be written) is summed up from the
+        run's ``alerts`` instead: the report of an empty folder would say "no data" of a run that alerted.
+        """
         if not trainer.is_global_zero:
             return
         from lightning_monitor.report import load_run, summarize_run  # the offline report, only when asked for
@@ -421,6 +425,9 @@ class RunWriter:
         self.history.flush()
         for logger in trainer.loggers:  # Lightning finalizes loggers only after `on_fit_end`: flush what they hold
             logger.save()
+        if not self.log_dir.is_dir() or not any(self.log_dir.iterdir()):
+            rank_zero_info(f"lightning-monitor summary (this run wrote no file to read)\n{_from_memory(alerts)}")
+            return
         try:
             summary = summarize_run(load_run(self.log_dir))
         except (OSError, ValueError) as err:
@@ -433,6 +440,18 @@ class RunWriter:
         if self._jsonl is not None:
             self._jsonl.close()
         self._loggers.close()
+
+
+def _from_memory(alerts: Sequence[Alert]) -> str:
+    """The summary's alerts and verdict lines, from the run's alerts as the monitor holds them."""
+    counts = Counter(alert.kind.value for alert in alerts)
+    listed = ", ".join(f"{kind} {n}" for kind, n in counts.items())
+    halt = next((alert for alert in alerts if alert.halted), None)
+    if halt is not None:
+        verdict = f"HALTED: {halt.kind.value} at step {halt.step}"
+    else:
+        verdict = "WARNINGS" if alerts else "HEALTHY: no alert"
+    return f"  Alerts:     {f'{len(alerts)} ({listed})' if alerts else 'none'}\n  Verdict:    {verdict}"
 
 
 def _nested(name: str, key: str) -> bool:

@@ -404,6 +404,26 @@ def test_summary_on_fit_end(tmp_path, caplog):
     assert "HALTED: nonfinite_loss at step 4" in text
 
 
+def test_summary_on_fit_end_of_a_run_that_wrote_no_file(tmp_path, caplog):
+    """Under ``fast_dev_run`` nothing is written, and the summary said "Alerts: none / Verdict: NO DATA" of a
+    run that alerted and halted, naming a folder that does not exist; it is now made from the run's alerts."""
+    monitor = TrainingMonitor(val_loss_key=None, summary_on_fit_end=True)
+    model = ScriptedModel(default_factor=float("nan"))
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, model, monitor, fast_dev_run=5, logger=False)
+    (text,) = [r.getMessage() for r in caplog.records if "lightning-monitor summary" in r.getMessage()]
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts] == [
+        ("nonfinite_loss", 0, False),
+        ("nonfinite_loss", 3, True),
+    ]
+    assert text == (
+        "lightning-monitor summary (this run wrote no file to read)\n"
+        "  Alerts:     2 (nonfinite_loss 2)\n"
+        "  Verdict:    HALTED: nonfinite_loss at step 3"
+    )
+    assert not any(tmp_path.rglob("*.json*"))
+
+
 def test_two_optimizers_alert_at_the_step_the_loss_is_logged(tmp_path):
     model = TwoOptimizers(nan_at_batch=3)
     monitor = TrainingMonitor(halt_after=1, loss_divergence_factor=None, val_loss_key=None, token_accuracy=False)
