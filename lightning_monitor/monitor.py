@@ -381,6 +381,11 @@ class TrainingMonitor(Callback):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fitted": None}  # a weak reference does not pickle
 
+    def _running_state(self) -> StateSources | None:
+        """The state of the trainer being fitted (what a recovery restores), or ``None`` once it is gone."""
+        trainer = self._fitted() if self._fitted is not None else None
+        return None if trainer is None else StateSources.of(trainer)
+
     @property
     def latest(self) -> dict[str, float]:
         """The figures of the last training-step check: its ``loss`` and what it logs (empty before the first)."""
@@ -441,7 +446,7 @@ class TrainingMonitor(Callback):
         self._state.begin()
         recovery_folder = self._writer.log_dir / "recovery" if writes_files(trainer) else None
         self._recovery.begin(recovery_folder, trainer.global_rank)
-        self._recovery.sources = functools.partial(_sources_of, self._fitted)
+        self._recovery.sources = self._running_state
         self._loss = TrainingLoss()
         self._batches, self._step_closed = [], True
         self._tokens.begin(self.config.tokens.token_accuracy, every_batch=self.config.tokens.epoch_token_accuracy)
@@ -1146,9 +1151,3 @@ class TrainingMonitor(Callback):
 _READ_BEFORE_STEP = DeviceRule()
 #: The recovery plan of a check without detections, where ``recover_on`` is off (its list is never changed).
 _NO_RECOVERY = RecoveryPlan([])
-
-
-def _sources_of(fitted: Callable[[], pl.Trainer | None]) -> StateSources | None:
-    """The running state of the trainer ``fitted`` refers to (a weak reference), or ``None`` once it is gone."""
-    trainer = fitted()
-    return None if trainer is None else StateSources.of(trainer)
