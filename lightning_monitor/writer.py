@@ -138,7 +138,8 @@ class RunWriter:
         """
         zero = trainer.is_global_zero and writes_files(trainer)  # no file under fast_dev_run: Lightning writes none
         if not carry_on:
-            self.log_dir = run_folder(trainer, at_once=at_once)
+            # Absolute: a run that changes its working directory (Hydra's way) keeps its files in one folder.
+            self.log_dir = run_folder(trainer, at_once=at_once).absolute()
             self._unmade = zero and not at_once and made_at_first_alert(trainer)
         log_dir = self.log_dir
         self._settings = dict(settings)

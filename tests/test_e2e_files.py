@@ -203,6 +203,49 @@ def test_a_script_without_a_logger_runs_twice_in_the_same_folder(tmp_path):
     assert check.returncode == 0 and f"FROM {PACKAGE / '__init__.py'}" in check.stdout, check.stderr
 
 
+MOVES = """
+import os
+
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_monitor import TrainingMonitor
+
+
+class Moves(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:  # Hydra's way: into a folder of its own, once the run has begun
+            os.makedirs("elsewhere", exist_ok=True)
+            os.chdir("elsewhere")
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out["loss"] * float("nan")} if self.global_step == 6 else out
+
+
+monitor = TrainingMonitor(val_loss_key=None, halt_after=1, postmortem="halt")
+trainer = pl.Trainer(
+    default_root_dir="runs", logger=False, max_steps=10, limit_val_batches=0, enable_progress_bar=False,
+    enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, callbacks=[monitor],
+)
+trainer.fit(Moves())
+print("LOG_DIR", monitor.log_dir)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_run_that_changes_its_working_directory_keeps_its_files_in_one_folder(tmp_path):
+    """A relative ``default_root_dir`` and an ``os.chdir`` mid-run: the settings stayed in the first folder while
+    the alerts, the history and the bundle went to one under the new working directory."""
+    result = run_script(tmp_path, MOVES)
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "runs" / "lightning-monitor" / "version_0"
+    assert f"LOG_DIR {folder}" in result.stdout
+    assert {"monitor_settings.json", "alerts.jsonl", "monitor_history.jsonl", "postmortem"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
+
+
 @pytest.mark.timeout(240)
 def test_fast_dev_run_writes_nothing_in_the_working_directory(tmp_path):
     """Lightning writes nothing under `fast_dev_run` (no logger, no checkpoint): neither does the monitor."""
