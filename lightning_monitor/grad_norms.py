@@ -62,7 +62,8 @@ def layer_name(param_name: str) -> str:
     (``model.embed_tokens``). Wrapper components added by FSDP, activation checkpointing, ``torch.compile`` and
     PEFT are dropped, so names read the same with and without them: PEFT's ``base_model.model.`` (a ``PeftModel``
     around its tuner around the model), and the parts of an adapted module (``base_layer``, ``lora_A.default``...),
-    whose layer is the module as the base model names it.
+    whose layer is the module as the base model names it. A parametrized tensor (``weight_norm``,
+    ``spectral_norm``: ``head.parametrizations.weight.original0``) is its module's.
 
     Example:
         >>> layer_name("model.layers.3.self_attn.q_proj.weight")
@@ -77,6 +78,8 @@ def layer_name(param_name: str) -> str:
         'transformer.h.1'
         >>> layer_name("model.base_model.model.lm_head.lora_B.default.weight")
         'model.lm_head'
+        >>> layer_name("head.parametrizations.weight.original0")  # `parametrizations.weight_norm(head)`
+        'head'
     """
     parts = _unwrapped(param_name.split("."))
     modules = parts[:-1]
@@ -111,6 +114,9 @@ def _unwrapped(parts: list[str]) -> list[str]:
         if part == "base_model" and i + 2 < len(parts) and parts[i + 1] == "model":  # PeftModel.base_model.model
             i += 2
             continue
+        if part == "parametrizations" and i + 2 < len(parts):  # `weight_norm`, `spectral_norm`: the module's tensor
+            out.append(parts[i + 1])
+            break
         if part not in _WRAPPER_PARTS and not (out and part in _PEFT_WRAPPERS and i + 1 < len(parts)):
             out.append(part)
         i += 1

@@ -308,6 +308,40 @@ def test_the_histogram_of_a_complex_parameter_holds_its_real_and_imaginary_parts
     assert math.isclose(first.sum_squares, seen.double().square().sum().item(), rel_tol=1e-5)
 
 
+class Parametrized(pl.LightningModule):
+    """A ``weight_norm`` layer (its weight made of ``original0`` and ``original1``) and a ``spectral_norm`` one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid = nn.utils.parametrizations.weight_norm(nn.Linear(T, 8))
+        self.out = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 1))
+        self.reference: list[dict[str, float]] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(batch.float()))).square().mean()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.reference.append({"mid": reference(self.mid.parameters()), "out": reference(self.out.parameters())})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_parametrized_layer_is_one_layer_named_as_its_module(tmp_path):
+    """``weight_norm`` split ``mid`` in two: ``grad_norm_layers/mid`` was its bias alone, and
+    ``mid.parametrizations.weight`` a "layer" of its own (``original0`` and ``original1``)."""
+    model = Parametrized()
+    trainer, monitor, probe = fit(tmp_path, model, max_steps=3, monitor=TrainingMonitor(token_accuracy=False))
+    assert trainer.global_step == 3
+    for seen, layers in zip(probe.latest, model.reference, strict=True):
+        assert sorted(k for k in seen if k.startswith("grad_norm_layers/")) == [
+            "grad_norm_layers/mid",
+            "grad_norm_layers/out",
+        ]
+        assert close(seen["grad_norm_layers/mid"], layers["mid"], rel=1e-6)
+        assert close(seen["grad_norm_layers/out"], layers["out"], rel=1e-6)
+
+
 def test_the_monitor_still_makes_one_sync_per_step(tmp_path):
     monitor, counter, per_step = TrainingMonitor(), HostSyncCounter(), Counter()
     for name in STEP_HOOKS:  # count only what the monitor's hooks do, per batch
