@@ -331,7 +331,7 @@ def test_a_parametrized_layer_is_one_layer_named_as_its_module(tmp_path):
     """``weight_norm`` split ``mid`` in two: ``grad_norm_layers/mid`` was its bias alone, and
     ``mid.parametrizations.weight`` a "layer" of its own (``original0`` and ``original1``)."""
     model = Parametrized()
-    trainer, monitor, probe = fit(tmp_path, model, max_steps=3, monitor=TrainingMonitor(token_accuracy=False))
+    trainer, _, probe = fit(tmp_path, model, max_steps=3, monitor=TrainingMonitor(token_accuracy=False))
     assert trainer.global_step == 3
     for seen, layers in zip(probe.latest, model.reference, strict=True):
         assert sorted(k for k in seen if k.startswith("grad_norm_layers/")) == [
