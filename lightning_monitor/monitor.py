@@ -777,7 +777,9 @@ class TrainingMonitor(Callback):
         # found or is beyond a limit (the same on every rank: the figures are the ranks' combined ones), and not at
         # a closure evaluation after the first of a step (`LBFGS`): there the step itself has moved the weights, and
         # its skip puts back the ones it began with.
-        unchecked = figures.checked_steps > 1 or pending.on_device is not None
+        # An update from finite gradients can make them so too (fp16 weights under Adam's default `eps`): a check
+        # whose loss or gradients are not finite reads them as well.
+        unchecked = figures.checked_steps > 1 or pending.on_device is not None or unsafe
         lost_read = unchecked and not pending.inner and bool(judged.detections or judged.beyond)
         weights_ok = not lost_read or weights_finite(trainer)
         facts = StepFacts(check.index, self._state.next_check(check.index), unsafe, figures.amp,

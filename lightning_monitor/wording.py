@@ -320,7 +320,12 @@ def _what_was_done(context: AlertContext) -> str:
     else:
         done = ""
     if not context.weights_ok:
-        done += " The weights are not finite (a step applied unchecked made them so): no checkpoint of them is kept."
+        cause = (
+            "a step applied unchecked made them so"
+            if covered > 1 or context.on_device is not None
+            else "an earlier update made them so, from finite gradients"
+        )
+        done += f" The weights are not finite ({cause}): no checkpoint of them is kept."
     return done
 
 

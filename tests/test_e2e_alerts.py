@@ -967,6 +967,43 @@ def test_weights_made_non_finite_between_checks_halt_at_once(tmp_path):
     assert "unchanged" not in message
 
 
+class UpdatesToNaN(ScriptedModel):
+    """Its optimizer's update of step 2, from finite gradients, makes the weights NaN (as fp16 weights under Adam's
+    default ``eps`` can): every step is checked, and the next one's loss is NaN."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        model = self
+
+        class Overflows(torch.optim.SGD):
+            def step(self, closure=None):  # type: ignore[override]
+                loss = super().step(closure)
+                if model.global_step == 2:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.fill_(float("nan"))
+                return loss
+
+        return Overflows(self.parameters(), lr=0.1)
+
+
+def test_weights_an_update_made_non_finite_halt_at_once_and_are_not_called_unchanged(tmp_path):
+    """The check after such an update said the step "was skipped, so the weights are unchanged" (they were NaN),
+    and the halt three checks later blamed "a step applied unchecked", where none was. A check whose loss or
+    gradients are not finite now reads the weights, and says where they were lost."""
+    model = UpdatesToNaN()
+    monitor = TrainingMonitor(val_loss_key=None, token_accuracy=False, postmortem=None)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=12, logger=False)
+    trainer.fit(model, train_dataloaders=loader())
+    assert [(a.kind.value, a.step, a.halted) for a in monitor.alerts] == [("nonfinite_loss", 3, True)]
+    assert trainer.global_step == 4
+    message = monitor.alerts[0].message
+    assert (
+        "The optimizer step was skipped. The weights are not finite (an earlier update made them so, from finite"
+        " gradients): no checkpoint of them is kept." in message
+    )
+    assert "unchanged" not in message and "unchecked" not in message
+
+
 def test_weights_lost_between_checks_train_on_where_halt_on_is_empty(tmp_path):
     # halt_on=[]: the user asked for no halt, and gets none. Each check from step 4 on finds the NaN weights: one
     # episode, one alert, which says the weights are not finite and states no rung of a ladder it does not climb.
