@@ -188,6 +188,20 @@ def fit(
     return trainer, model, probe
 
 
+def plain_trainer(tmp_path: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """A trainer of ``STEPS`` steps on one CPU process, with no logger, checkpoint, progress bar or summary."""
+    return pl.Trainer(
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        max_steps=STEPS,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+
+
 def recovering(**kwargs: Any) -> TrainingMonitor:
     options: dict[str, Any] = {
         "val_loss_key": None,
@@ -338,16 +352,7 @@ def test_exhausted_recovery_halts_with_the_bundle(tmp_path, halting):
             return super().training_step(batch, batch_idx)
 
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        callbacks=[monitor],
-        default_root_dir=tmp_path,
-        max_steps=STEPS,
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
+    trainer = plain_trainer(tmp_path, [monitor])
     model = Twice()
     trainer.fit(model, train_dataloaders=data())
     summary = [(a.kind.value, a.step, a.halted) for a in monitor.alerts]
@@ -440,16 +445,7 @@ def test_a_state_kept_before_the_model_or_optimizer_changed_is_not_restored(tmp_
     )
     torch.manual_seed(0)
     model = PoisonedModel(poison=(140, 141))
-    trainer = pl.Trainer(
-        callbacks=[ChangesTheRun(change), monitor],
-        default_root_dir=tmp_path,
-        max_steps=STEPS,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = plain_trainer(tmp_path, [ChangesTheRun(change), monitor])
     with pytest.warns(RuntimeWarning) as warned:
         trainer.fit(model, train_dataloaders=data())
     (warning,) = [w for w in _our_warnings(warned) if "could not recover" in w]
