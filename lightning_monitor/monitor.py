@@ -64,7 +64,7 @@ from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
 from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
 from lightning_monitor.history import HISTORY_FILE
 from lightning_monitor.judging import CALM, StepDetectors, guard_limit, judge, limits_in_force
-from lightning_monitor.keys import total_key
+from lightning_monitor.keys import ALERTS_PREFIX, RENAMED_PREFIX, total_key
 from lightning_monitor.recovery import CheckStatistics, Recovery, StateSources
 from lightning_monitor.run_folder import writes_files
 from lightning_monitor.run_state import RunState
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
 
 #: Figures that count what happened (alerts of a kind, skipped steps): the same between checks, as nothing is checked.
-_COUNTS = ("alerts/", "skipped_steps", "monitor/alerts/", "monitor/skipped_steps")
+_COUNTS = tuple(f"{renamed}{name}" for renamed in ("", RENAMED_PREFIX) for name in (ALERTS_PREFIX, "skipped_steps"))
 
 
 class TrainingMonitor(Callback):

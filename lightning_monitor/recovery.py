@@ -287,9 +287,8 @@ class Recovery:
         if changed is not None:  # a state of another model or optimizer: none to restore, a new one kept soon
             self.warn(
                 "changed",
-                f"TrainingMonitor could not recover from {trigger.kind.value} at step {at}: {changed} since its"
-                f" good state was kept at step {self.kept.step if self.kept else 0}, so that state was dropped; the"
-                " step is handled as without recovery, and a new state is kept at the next good step.",
+                f"TrainingMonitor could not recover from {trigger.kind.value} at step {at}: {changed}, so that state"
+                " was dropped; the step is handled as without recovery, and a new state is kept at the next good step.",
             )
             self.kept, self._restored_from, self._next_keep = None, None, at + 1
             return RecoveryPlan(detections, finished=finished)
@@ -309,7 +308,8 @@ class Recovery:
         sources = self.sources() if self.sources is not None else None
         if sources is None or self.kept is None or self.kept.layout is None:
             return None
-        return _changed(self.kept.layout, _layout(sources))
+        changed = _changed(self.kept.layout, _layout(sources))
+        return None if changed is None else f"{changed} since its good state was kept at step {self.kept.step}"
 
     def _reload_statistics(self) -> None:
         """Put the kept statistics back: a skipped outlier must not teach the detectors a new level."""
@@ -580,13 +580,14 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _snapshot(copier: _HostCopier, sources: StateSources, step: int, statistics: Stateful | None) -> KeptState:
     """The state of ``sources`` through ``copier`` (host copies, or the tensors themselves)."""
+    module = sources.module.state_dict()
     return KeptState(
         step=step,
-        module={name: copier.copy(("module", name), value) for name, value in sources.module.state_dict().items()},
+        module={name: copier.copy(("module", name), value) for name, value in module.items()},
         optimizers=[_keep_optimizer(copier, i, opt) for i, opt in enumerate(sources.optimizers)],
         schedulers=[copy.deepcopy(s.state_dict()) for s in sources.schedulers],
         statistics=None if statistics is None else copy.deepcopy(statistics.state_dict()),
-        layout=_layout(sources),
+        layout=_layout(sources, module),
     )
 
 
@@ -595,13 +596,10 @@ def _snapshot(copier: _HostCopier, sources: StateSources, step: int, statistics:
 Layout = tuple[tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[int, ...], ...], int]
 
 
-def _layout(sources: StateSources) -> Layout:
-    """The layout of ``sources`` now (read at a keep, and before a restore)."""
-    tensors = tuple(
-        (name, tuple(_local(value).shape))
-        for name, value in sources.module.state_dict(keep_vars=True).items()
-        if isinstance(value, Tensor)
-    )
+def _layout(sources: StateSources, module: Mapping[str, Any] | None = None) -> Layout:
+    """The layout of ``sources`` now (read at a keep, and before a restore); ``module``: its state dict, if taken."""
+    module = sources.module.state_dict(keep_vars=True) if module is None else module
+    tensors = tuple((name, tuple(_local(value).shape)) for name, value in module.items() if isinstance(value, Tensor))
     groups = tuple(tuple(len(group["params"]) for group in opt.param_groups) for opt in sources.optimizers)
     return tensors, groups, len(sources.schedulers)
 
