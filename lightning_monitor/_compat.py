@@ -19,6 +19,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -32,6 +33,7 @@ __all__ = [
     "packages",
     "rank_zero_info",
     "rank_zero_warn",
+    "side_warning",
 ]
 
 #: The package imported with the monitor, and the one only taken once the user imports it.
@@ -120,6 +122,26 @@ else:
 
     else:
         Callback = _BASE.Callback
+
+
+def side_warning(message: str) -> None:
+    """Warn (``RuntimeWarning``, rank zero) that one of the monitor's own outputs failed: a file, a logger's run.
+
+    Such a failure never ends the run: where the warning filters make the warning an error (``-W error``, pytest's
+    ``filterwarnings = ["error"]``), it is logged at ERROR level on the ``lightning_monitor`` logger instead.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error")
+        ...     side_warning("could not write 'alerts.jsonl'")  # logged, not raised
+    """
+    try:
+        rank_zero_warn(message, category=RuntimeWarning, stacklevel=5)  # where the caller was called
+    except RuntimeWarning as err:
+        if err.args != (message,):  # not ours: a handler of the user's that raised something else
+            raise
+        logging.getLogger("lightning_monitor").error(message)
 
 
 def _adopt_other_callback() -> None:

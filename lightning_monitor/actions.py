@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_monitor._compat import rank_zero_info, rank_zero_warn
+from lightning_monitor._compat import rank_zero_info, rank_zero_warn, side_warning
 from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import Alert, AlertKind
 from lightning_monitor.halting import TrainingHalted
@@ -42,16 +42,20 @@ class WarnOnce:
     def __init__(self) -> None:
         self._warned: set[str] = set()
 
-    def __call__(self, key: str, message: str, info: bool = False) -> None:
+    def __call__(self, key: str, message: str, info: bool = False, side: bool = False) -> None:
         """Warn with ``message`` unless ``key`` has warned already; with ``info``, one line of info instead.
 
         Info is for a choice the monitor made on a run that may well be healthy: nothing for the user to fix, and a
-        warning would fail a run under ``-W error`` that passes without the monitor.
+        warning would fail a run under ``-W error`` that passes without the monitor. ``side`` is for one of the
+        monitor's own outputs that failed (a file): a warning that never ends the run
+        (:func:`~lightning_monitor._compat.side_warning`).
         """
         if key not in self._warned:
             self._warned.add(key)
             if info:
                 rank_zero_info(message)
+            elif side:
+                side_warning(message)
             else:
                 rank_zero_warn(message, category=RuntimeWarning)
 
@@ -85,7 +89,7 @@ def open_bundle(trainer: pl.Trainer, log_dir: Path, kind: AlertKind, at: int, wa
         said = f"{str(folder)!r}"
         if linked:
             said = f"{str(folder.parent)!r}: it is a symbolic link, which TrainingMonitor does not write through"
-        warn("postmortem", f"TrainingMonitor could not create the post-mortem folder {said}.")
+        warn("postmortem", f"TrainingMonitor could not create the post-mortem folder {said}.", side=True)
         return None
     return folder
 
@@ -110,7 +114,8 @@ def save_bundle(
         missing = [f"the rest of it: {type(err).__name__}: {err}"]
     lacking = [what for what in missing if what != NO_CHECKPOINT]  # that one the alert already says
     if lacking:
-        warn("postmortem", f"TrainingMonitor's post-mortem bundle {str(folder)!r} lacks {'; '.join(lacking)}.")
+        said = f"TrainingMonitor's post-mortem bundle {str(folder)!r} lacks {'; '.join(lacking)}."
+        warn("postmortem", said, side=True)
 
 
 def weights_finite(trainer: pl.Trainer) -> bool:

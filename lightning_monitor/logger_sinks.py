@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._compat import side_warning
 from lightning_monitor._lightning import is_mlflow_logger, is_wandb_logger
 from lightning_monitor.alerts import Alert
 from lightning_monitor.run_folder import MONITOR_FOLDER, local_artifact_path, wandb_files_dir
@@ -85,10 +85,9 @@ class TrackedRun:
             action()
         except Exception as err:  # a logger's failure must never stop training
             self.broken = True
-            rank_zero_warn(
+            side_warning(
                 f"TrainingMonitor could not write to the {self.name} run ({type(err).__name__}: {err}); it stops "
-                f"writing alerts and files there. They are still in {str(self.folder)!r}.",
-                category=RuntimeWarning,
+                f"writing alerts and files there. They are still in {str(self.folder)!r}."
             )
 
 
@@ -197,10 +196,9 @@ def _reach(logger: Logger, folder: Path) -> TrackedRun | None:
         if is_mlflow_logger(logger):
             return MlflowRun(logger, folder)
     except Exception as err:  # the run could not be reached: its figures still go through `log_metrics`
-        rank_zero_warn(
+        side_warning(
             f"TrainingMonitor could not reach the {type(logger).__name__} run ({type(err).__name__}: {err}); "
-            f"alert texts and files go only to {str(folder)!r} and the other loggers.",
-            category=RuntimeWarning,
+            f"alert texts and files go only to {str(folder)!r} and the other loggers."
         )
     return None
 

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_monitor._compat import side_warning
 from lightning_monitor._files import write_atomic
 from lightning_monitor._host import ranks_where
 from lightning_monitor.alerts import AlertKind, Detection
@@ -223,7 +224,7 @@ class Recovery:
         self._on_disk: Path | None = None
         self._storage: str | None = None  # "memory", "disk" or "off" for this run, decided at its first keep
         #: How a warning is given, once per key: the responder hands its own (``rank_zero_warn``, once).
-        self.warn: Callable[[str, str], None] = _warn_once(set())
+        self.warn: Callable[..., None] = _warn_once(set())  # (key, message, side=False), as `WarnOnce`
         #: The running state (the monitor hands its trainer's), looked at before a restore: ``None`` looks at none.
         self.sources: Callable[[], StateSources | None] | None = None
         self._restored_words = "weights"  # what the last restore restored, in words
@@ -458,6 +459,7 @@ class Recovery:
                 "disk",
                 f"TrainingMonitor could not write its recovery state to {str(path)!r} ({type(err).__name__}: {err}):"
                 " kept in memory.",
+                side=True,
             )
             return None
         self._on_disk = path
@@ -478,13 +480,16 @@ class Recovery:
 _ON_DISK: dict[str, Any] = {}
 
 
-def _warn_once(seen: set[str]) -> Callable[[str, str], None]:
-    """One ``RuntimeWarning`` per key (without a responder: in tests, and when used alone)."""
+def _warn_once(seen: set[str]) -> Callable[..., None]:
+    """One ``RuntimeWarning`` per key (without a responder: in tests, and when used alone); ``side`` as `WarnOnce`."""
 
-    def warn(key: str, message: str) -> None:
+    def warn(key: str, message: str, side: bool = False) -> None:
         if key not in seen:
             seen.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            if side:
+                side_warning(message)
+            else:
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     return warn
 

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from lightning_monitor._compat import rank_zero_info, rank_zero_warn
+from lightning_monitor._compat import rank_zero_info, side_warning
 from lightning_monitor._files import write_atomic
 from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_wandb_logger
 
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCAL_FOLDER",
+    "FolderTrouble",
     "MONITOR_FOLDER",
     "SETTINGS_FILE",
     "claim_version",
@@ -343,10 +344,9 @@ def _choose(trainer: pl.Trainer) -> Path:
         try:
             folder = _tracked_run_folder(trainer, logger)
         except Exception as err:  # a tracking server that does not answer, a disabled run: the next choice
-            rank_zero_warn(
+            side_warning(
                 f"TrainingMonitor could not find the folder of the {type(logger).__name__} run ({type(err).__name__}:"
-                f" {err}); its files go to another folder (`TrainingMonitor.log_dir` says which).",
-                category=RuntimeWarning,
+                f" {err}); its files go to another folder (`TrainingMonitor.log_dir` says which)."
             )
             continue
         if folder is not None:
@@ -368,12 +368,15 @@ def _tracked_run_folder(trainer: pl.Trainer, logger: Logger) -> Path | None:
     return Path(trainer.default_root_dir) / LOCAL_FOLDER / f"mlflow_{run_id}"
 
 
-def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) -> None:
+def write_settings(
+    path: str | os.PathLike[str], settings: Mapping[str, Any], warn: Callable[[Path, str], None] | None = None
+) -> None:
     """Write the monitor's settings as JSON, so a report can draw the thresholds the run was checked against.
 
     The file is written at once (a full disk leaves the earlier file or none, never half of one), and replaces a
-    symbolic link in its place rather than writing through it. A failure gets one ``RuntimeWarning``; nothing
-    else depends on this file.
+    symbolic link in its place rather than writing through it. A failure is told to ``warn`` (the file and the
+    words), by default one ``RuntimeWarning`` (:func:`~lightning_monitor._compat.side_warning`); nothing else
+    depends on this file.
 
     Example:
         >>> import tempfile
@@ -387,7 +390,39 @@ def write_settings(path: str | os.PathLike[str], settings: Mapping[str, Any]) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(dict(settings), indent=2) + "\n", sync=False)  # nothing waits on it
     except Exception as err:  # a full disk, a folder that is a file, a setting JSON cannot hold: never a crash
-        rank_zero_warn(
-            f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).",
-            category=RuntimeWarning,
-        )
+        said = f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err})."
+        if warn is None:
+            side_warning(said)
+        else:
+            warn(path, said)
+
+
+class FolderTrouble:
+    """One warning for the files of a run's folder that cannot be written, whichever fails first.
+
+    A folder that cannot be made (a file in its way, a full disk) fails the settings, the alerts file and the
+    history alike: the first failure is warned about (:func:`~lightning_monitor._compat.side_warning`: never an
+    error that ends the run, even under ``-W error``), saying that a later one in the same folder is not; a file
+    of another folder still gets its own warning.
+
+    Example:
+        >>> import warnings
+        >>> trouble = FolderTrouble()
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     trouble(Path("run/monitor_settings.json"), "could not write the settings.")
+        ...     trouble(Path("run/alerts.jsonl"), "could not write the alerts.")
+        >>> [str(w.message) for w in caught]  # doctest: +NORMALIZE_WHITESPACE
+        ["could not write the settings. A later file TrainingMonitor cannot write in 'run' is not warned about."]
+    """
+
+    def __init__(self) -> None:
+        self._told: set[Path] = set()
+
+    def __call__(self, path: Path, said: str) -> None:
+        """Warn with ``said`` about ``path``, unless a file of its folder has been warned about."""
+        folder = path.parent
+        if folder in self._told:
+            return
+        self._told.add(folder)
+        side_warning(f"{said} A later file TrainingMonitor cannot write in {str(folder)!r} is not warned about.")

@@ -11,11 +11,11 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_monitor._compat import rank_zero_warn
+from lightning_monitor._compat import side_warning
 from lightning_monitor._files import AppendFile, write_atomic
 from lightning_monitor._lightning import is_csv_logger, is_tensorboard_logger
 from lightning_monitor.alerts import Alert
@@ -124,11 +124,10 @@ class LoggerSink:
                 except Exception as err:  # a logger of the user's: the run must not fail for the monitor's figures
                     self._refused.add(index)
                     others = "; the trainer's other loggers still get them" if len(self.loggers) > 1 else ""
-                    rank_zero_warn(
+                    side_warning(
                         f"TrainingMonitor: {type(logger).__name__}.log_metrics raised {type(err).__name__} ({err}) "
                         f"on the monitor's figures at step {step}. The run goes on, and the monitor writes no more "
-                        f"figures to that logger in it{others}.",
-                        category=RuntimeWarning,
+                        f"figures to that logger in it{others}."
                     )
 
     def add_layout(self) -> None:
@@ -176,6 +175,8 @@ class JsonlSink:
 
     Args:
         path: The file to append to. Its folder is created when missing.
+        warn: Told the file and the words when it cannot be written; by default one ``RuntimeWarning``
+            (:func:`~lightning_monitor._compat.side_warning`).
 
     Example:
         >>> import tempfile
@@ -186,10 +187,11 @@ class JsonlSink:
         250.0
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], warn: Callable[[Path, str], None] | None = None) -> None:
         self.path = Path(path)
         self.broken = False
         self._file = AppendFile(self.path)
+        self._warn = warn
 
     def set_aside(self) -> Path | None:
         """Move the file of an earlier run out of the way, to the first free ``<name>.<n>``; return where, if moved.
@@ -252,11 +254,14 @@ class JsonlSink:
     def _stop(self, err: OSError) -> None:
         """Stop writing, with one warning."""
         self.broken = True
-        rank_zero_warn(
+        said = (
             f"TrainingMonitor could not write alerts to {str(self.path)!r} ({err}); alerts still go to the console "
-            "and the loggers. Pass `alerts_file=None` to silence this.",
-            category=RuntimeWarning,
+            "and the loggers. Pass `alerts_file=None` to write no alerts file."
         )
+        if self._warn is None:
+            side_warning(said)
+        else:
+            self._warn(self.path, said)
 
     def close(self) -> None:
         """Close the file (the next write opens it again)."""

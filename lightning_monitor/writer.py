@@ -21,6 +21,7 @@ from lightning_monitor.history import HISTORY_FILE, Figures, RunHistory, resolve
 from lightning_monitor.keys import ALERTS_PREFIX, GRAD_NORM, RENAMED_PREFIX, UPDATE_RATIO, WEIGHT_NORM
 from lightning_monitor.run_folder import (
     SETTINGS_FILE,
+    FolderTrouble,
     claim_version,
     made_at_first_alert,
     run_folder,
@@ -111,6 +112,8 @@ class RunWriter:
         self.alerts_file = alerts_file
         self.log_dir = Path(".")
         self.history = RunHistory()
+        self._trouble = FolderTrouble()  # one warning for a folder its files cannot be written in
+        self.history.warn = self._trouble
         self.recent: deque[tuple[int, int, Figures]] = deque(maxlen=RECENT_CHECKS)
         self._console = ConsoleSink()
         self._loggers = LoggerSink([])
@@ -145,7 +148,7 @@ class RunWriter:
         self._settings = dict(settings)
         self._renamed, self._taken, self.held = {}, None, []
         self._folders, self._clear = set(), set()
-        self._jsonl = JsonlSink(log_dir / self.alerts_file) if self.alerts_file and zero else None
+        self._jsonl = JsonlSink(log_dir / self.alerts_file, self._trouble) if self.alerts_file and zero else None
         self._loggers = LoggerSink(trainer.loggers, log_dir if trainer.is_global_zero else None)
         self.recent.clear()
         self.history.begin(log_dir / HISTORY_FILE if zero else None, held=self._unmade, carry_on=carry_on)
@@ -166,12 +169,12 @@ class RunWriter:
         if folder != self.log_dir:  # another run made the named folder meanwhile: the alerts file follows
             self.log_dir = folder
             if self._jsonl is not None and self.alerts_file:
-                self._jsonl = JsonlSink(folder / self.alerts_file)
+                self._jsonl = JsonlSink(folder / self.alerts_file, self._trouble)
         self._write_settings()
         self.history.claim(self.log_dir / HISTORY_FILE)  # what it held is written with its next write
 
     def _write_settings(self) -> None:
-        write_settings(self.log_dir / SETTINGS_FILE, self._settings)
+        write_settings(self.log_dir / SETTINGS_FILE, self._settings, self._trouble)
         self.add_files([self.log_dir / SETTINGS_FILE])
 
     def restore_alerts(self, alerts: Sequence[Alert]) -> None:

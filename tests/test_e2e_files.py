@@ -9,11 +9,13 @@ after ``sys.path``'s, so a folder of that name in the working directory wins."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -52,17 +54,53 @@ def test_no_file_is_written_through_a_symbolic_link(tmp_path):
         trainer.fit(ScriptedModel(loss_factor={3: float("nan")}), train_dataloaders=loader())
     assert [(a.kind, a.step) for a in monitor.alerts] == [(AlertKind.NONFINITE_LOSS, 3)]
     assert all((outside / target).read_text() == "precious\n" for target in links.values())
-    # The appended files stay links, each with one warning; the settings, written whole, replace theirs.
-    messages = sorted(str(w.message) for w in warned if "TrainingMonitor" in str(w.message))
-    assert len(messages) == 2, messages
+    # The appended files stay links, one warning for the folder (the first that failed, the alerts file at step 3:
+    # the history's first write is at the end); the settings, written whole, replace theirs.
+    messages = [str(w.message) for w in warned if "TrainingMonitor" in str(w.message)]
+    assert len(messages) == 1, messages
     assert messages[0].startswith(f"TrainingMonitor could not write alerts to {str(folder / 'alerts.jsonl')!r}")
-    assert messages[1].startswith(
-        f"TrainingMonitor could not write its history to {str(folder / 'monitor_history.jsonl')!r}"
-    )
-    assert all("is a symbolic link, which TrainingMonitor does not write through" in m for m in messages)
+    assert "is a symbolic link, which TrainingMonitor does not write through" in messages[0]
+    assert messages[0].endswith(f"A later file TrainingMonitor cannot write in {str(folder)!r} is not warned about.")
     assert (folder / "alerts.jsonl").is_symlink() and (folder / "monitor_history.jsonl").is_symlink()
     assert not (folder / SETTINGS_FILE).is_symlink()
     assert json.loads((folder / SETTINGS_FILE).read_text()) == monitor.settings()
+
+
+@pytest.mark.timeout(240)
+def test_a_folder_that_cannot_be_made_is_one_warning_and_never_fails_the_run_under_w_error(tmp_path, caplog):
+    """A file where the run's folder should be: the settings, the history, the alerts file and the bundle all fail.
+    That was three warnings, and under ``-W error`` the first of them ended a run that passes without the monitor."""
+    (tmp_path / "taken").write_text("a file, not a folder\n")
+    root = tmp_path / "taken" / "run"
+    nan_from_3 = {step: float("nan") for step in range(3, 10)}
+
+    def fit() -> tuple[TrainingMonitor, pl.Trainer]:
+        monitor = TrainingMonitor(val_loss_key=None)
+        trainer = make_trainer(root, [monitor])  # no logger: the folder is made at the first alert
+        trainer.fit(ScriptedModel(loss_factor=nan_from_3), train_dataloaders=loader())
+        return monitor, trainer
+
+    folder = root / "lightning-monitor" / "version_0"
+    with pytest.warns(RuntimeWarning) as warned:
+        monitor, trainer = fit()
+    told = [str(w.message) for w in warned if "TrainingMonitor" in str(w.message)]
+    assert told == [
+        f"TrainingMonitor could not write its settings to {str(folder / SETTINGS_FILE)!r} (NotADirectoryError: [Errno"
+        f" 20] Not a directory: {str(folder)!r}). A later file TrainingMonitor cannot write in {str(folder)!r} is not"
+        " warned about.",
+        "TrainingMonitor could not create the post-mortem folder"
+        f" {str(folder / 'postmortem' / 'step0000006_nonfinite_loss')!r}.",
+    ]
+    assert (monitor.alerts[-1].step, trainer.global_step) == (6, 7)  # halted by the ladder, as with a folder
+
+    with warnings.catch_warnings():  # every warning an error, as under `-W error`, but Lightning's own deprecations
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with caplog.at_level(logging.ERROR, logger="lightning_monitor"):
+            monitor, trainer = fit()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == told
+    assert (monitor.alerts[-1].step, trainer.global_step) == (6, 7)
 
 
 @pytest.mark.timeout(240)
