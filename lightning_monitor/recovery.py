@@ -1,16 +1,17 @@
 """Recover from a loss spike instead of halting: keep recent good states, and rewind to the newest on an alert.
 
-PaLM's loss spiked about 20 times despite gradient clipping, and what worked was manual: restart from a checkpoint
-about 100 steps before the spike and skip the batches of the spike. :class:`Recovery` does it within the run. Every
+PaLM's loss spiked about 20 times despite gradient clipping, and what worked was manual: restart from a checkpoint about
+100 steps before the spike and skip the batches of the spike. :class:`Recovery` does it within the run. Every
 ``recovery_every_n_steps`` it keeps a good state (a check with no figure beyond a ``recover_on`` limit): the module's
-``state_dict``, each optimizer's state, each LR scheduler's state and the monitor's own detector statistics. It keeps
-only the newest, in host memory or on disk: on a GPU the copy goes into pinned host buffers without blocking the step,
-and under sharding (DTensor parameters, FSDP2) each rank keeps its own shard only. On an alert of a ``recover_on``
-kind it copies that state back in place, on every rank at the same step (every rank decides on the same gathered
-figures, so no collective is needed), and the step itself is skipped. The detectors then judge the next batches
-against their pre-episode statistics, and those still beyond a limit are skipped too, up to ``recovery_skip_limit``.
-At the first batch that is not, the recovery is over and the ``recovered`` alert says what was restored, from which
-step, and how many batches' updates were left out.
+``state_dict``, each optimizer's state, each LR scheduler's state, the averaged copies of the model that Lightning's
+``WeightAveraging`` (EMA) and ``StochasticWeightAveraging`` callbacks keep, and the monitor's own detector statistics.
+It keeps only the newest, in host memory or on disk: on a GPU the copy goes into pinned host buffers without blocking
+the step, and under sharding (DTensor parameters, FSDP2) each rank keeps its own shard only. On an alert of a
+``recover_on`` kind it copies that state back in place, on every rank at the same step (every rank decides on the same
+gathered figures, so no collective is needed), and the step itself is skipped. The detectors then judge the next batches
+against their pre-episode statistics, and those still beyond a limit are skipped too, up to ``recovery_skip_limit``. At
+the first batch that is not, the recovery is over and the ``recovered`` alert says what was restored, from which step,
+and how many batches' updates were left out.
 
 It gives up, and the run halts as it would have without it (the bundle included), after ``max_recoveries``, when the
 batches stay outliers beyond ``recovery_skip_limit``, or when the episode comes back before a new good state was kept
@@ -102,18 +103,48 @@ class StateSources:
         optimizers: Their state (moments, step counts) and their parameter groups' settings (learning rate...).
         schedulers: The LR schedulers, kept through their ``state_dict``.
         statistics: The monitor's own statistics (the detectors), kept through their ``state_dict``.
+        averages: The averaged copies of the model that callbacks keep beside it (EMA ``WeightAveraging``,
+            ``StochasticWeightAveraging``): their ``state_dict`` (the averaged tensors and the count averaged), so
+            that a rewind leaves the updates it undid out of them too.
     """
 
     module: nn.Module
     optimizers: Sequence[Optimizer]
     schedulers: Sequence[Stateful] = ()
     statistics: Stateful | None = None
+    averages: Sequence[Averaged] = ()
 
     @classmethod
     def of(cls, trainer: pl.Trainer, statistics: Stateful | None = None) -> StateSources:
-        """The sources of a running trainer: its module, optimizers and LR schedulers."""
+        """The sources of a running trainer: its module, optimizers, LR schedulers and callbacks' averaged copies."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        return cls(trainer.lightning_module, list(trainer.optimizers), schedulers, statistics)
+        return cls(trainer.lightning_module, list(trainer.optimizers), schedulers, statistics, averages(trainer))
+
+
+class Averaged:
+    """The averaged copy of the model a callback keeps, and its count of models averaged, as one state dict.
+
+    The ``_average_model`` of Lightning's ``WeightAveraging`` and ``EMAWeightAveraging`` (an ``AveragedModel``, whose
+    ``n_averaged`` is a buffer) or ``StochasticWeightAveraging`` (a copy of the module, with ``n_averaged`` a tensor of
+    the callback's own, once its averaging began).
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
+        """The averaged tensors, and the callback's ``n_averaged`` where it keeps one apart."""
+        state = dict(self.callback._average_model.state_dict(keep_vars=keep_vars))
+        count = getattr(self.callback, "n_averaged", None)
+        if isinstance(count, Tensor):
+            state["callback.n_averaged"] = count
+        return state
+
+
+def averages(trainer: pl.Trainer) -> list[Averaged]:
+    """The averaged copies of the model that the trainer's callbacks keep (:class:`Averaged`), once they have one."""
+    callbacks = getattr(trainer, "callbacks", ())
+    return [Averaged(c) for c in callbacks if isinstance(getattr(c, "_average_model", None), nn.Module)]
 
 
 @dataclass
@@ -128,6 +159,7 @@ class KeptState:
         schedulers: Each LR scheduler's ``state_dict``.
         statistics: The monitor's statistics, as plain values.
         layout: What the state was kept from (:func:`_layout`): a restore needs the run to have it still.
+        averages: Each averaged copy's ``state_dict`` (:attr:`StateSources.averages`), on the host.
     """
 
     step: int
@@ -136,11 +168,13 @@ class KeptState:
     schedulers: list[dict[str, Any]] = field(default_factory=list)
     statistics: dict[str, Any] | None = None
     layout: Layout | None = None
+    averages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         """The bytes its tensors take."""
-        return sum(t.numel() * t.element_size() for t in _tensors([self.module, self.optimizers, self.schedulers]))
+        parts = [self.module, self.optimizers, self.schedulers, self.averages]
+        return sum(t.numel() * t.element_size() for t in _tensors(parts))
 
 
 class RecoveryRecord(NamedTuple):
@@ -426,12 +460,15 @@ class Recovery:
             _restore_tensors(sources.module.state_dict(keep_vars=True), kept.module, "module")
             for opt, state in zip(sources.optimizers, kept.optimizers, strict=True):
                 _restore_optimizer(opt, state)
+            for average, state in zip(sources.averages, kept.averages, strict=True):
+                _restore_tensors(average.state_dict(keep_vars=True), state, "averaged model")
         for scheduler, state in zip(sources.schedulers, kept.schedulers, strict=True):
             scheduler.load_state_dict(copy.deepcopy(state))
         if statistics is not None and kept.statistics is not None:
             statistics.load_state_dict(copy.deepcopy(kept.statistics))
         parts = ["weights", "optimizer state" if sources.optimizers else ""]
         parts += [f"{len(sources.schedulers)} LR scheduler(s)" if sources.schedulers else ""]
+        parts += [f"{len(sources.averages)} averaged model(s)" if sources.averages else ""]
         parts += ["detector statistics" if statistics is not None else ""]
         *most, last = [p for p in parts if p]
         self._restored_words = f"{', '.join(most)} and {last}" if most else last
@@ -450,7 +487,7 @@ class Recovery:
         """
         assert self.folder is not None
         path = self.folder / f"rank{self.rank}.pt"
-        written = {"module": kept.module, "state": [opt["state"] for opt in kept.optimizers]}
+        written = {"module": kept.module, "state": [opt["state"] for opt in kept.optimizers], "averages": kept.averages}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_atomic(path, lambda f: torch.save(written, f), sync=False)
@@ -465,7 +502,7 @@ class Recovery:
         self._on_disk = path
         # The groups' settings (plain values, any type) stay in memory.
         optimizers = [{"state": _ON_DISK, "groups": opt["groups"]} for opt in kept.optimizers]
-        return KeptState(kept.step, _ON_DISK, optimizers, kept.schedulers, kept.statistics)
+        return KeptState(kept.step, _ON_DISK, optimizers, kept.schedulers, kept.statistics, kept.layout)
 
     def state_dict(self) -> dict[str, Any]:
         """The count of recoveries, as a plain value (the kept state itself is not checkpointed)."""
@@ -526,7 +563,7 @@ def available_host_bytes() -> int | None:
 
 
 def state_bytes(sources: StateSources) -> int:
-    """The bytes a state kept from ``sources`` takes on this rank: its module's and optimizers' tensors (shards).
+    """The bytes a state kept from ``sources`` takes on this rank: its module's, optimizers' and averages' tensors.
 
     A parameter an optimizer holds no state for yet (before its first step) counts as two moments of its size, as
     Adam's and AdamW's: the state a kept state will soon hold.
@@ -541,7 +578,8 @@ def state_bytes(sources: StateSources) -> int:
         >>> state_bytes(StateSources(model, [opt]))
         44
     """
-    tensors = [_local(t) for t in _tensors(sources.module.state_dict())]
+    states = [sources.module.state_dict(), *(average.state_dict() for average in sources.averages)]
+    tensors = [_local(t) for t in _tensors(states)]
     for opt in sources.optimizers:
         for group in opt.param_groups:
             for param in group["params"]:
@@ -593,25 +631,35 @@ def _snapshot(copier: _HostCopier, sources: StateSources, step: int, statistics:
         schedulers=[copy.deepcopy(s.state_dict()) for s in sources.schedulers],
         statistics=None if statistics is None else copy.deepcopy(statistics.state_dict()),
         layout=_layout(sources, module),
+        averages=[
+            {name: copier.copy(("average", i, name), value) for name, value in average.state_dict().items()}
+            for i, average in enumerate(sources.averages)
+        ],
     )
 
 
 #: A run's state as a restore needs it: the module's tensors (name, this rank's shape), each optimizer's
-#: parameters per group, and the number of LR schedulers.
-Layout = tuple[tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[int, ...], ...], int]
+#: parameters per group, the number of LR schedulers and the tensors of each averaged copy of the model.
+Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+Layout = tuple[Shapes, tuple[tuple[int, ...], ...], int, tuple[Shapes, ...]]
 
 
 def _layout(sources: StateSources, module: Mapping[str, Any] | None = None) -> Layout:
     """The layout of ``sources`` now (read at a keep, and before a restore); ``module``: its state dict, if taken."""
     module = sources.module.state_dict(keep_vars=True) if module is None else module
-    tensors = tuple((name, tuple(_local(value).shape)) for name, value in module.items() if isinstance(value, Tensor))
     groups = tuple(tuple(len(group["params"]) for group in opt.param_groups) for opt in sources.optimizers)
-    return tensors, groups, len(sources.schedulers)
+    averages = tuple(_shapes(average.state_dict(keep_vars=True)) for average in sources.averages)
+    return _shapes(module), groups, len(sources.schedulers), averages
+
+
+def _shapes(state: Mapping[str, Any]) -> Shapes:
+    """Each tensor of a state dict: its name and this rank's shape."""
+    return tuple((name, tuple(_local(value).shape)) for name, value in state.items() if isinstance(value, Tensor))
 
 
 def _changed(kept: Layout, now: Layout) -> str | None:
     """How the run changed since a state of layout ``kept`` was kept (a pruned or unfrozen model...), or ``None``."""
-    (kept_tensors, kept_groups, kept_schedulers), (tensors, groups, schedulers) = kept, now
+    (kept_tensors, kept_groups, kept_schedulers, kept_averages), (tensors, groups, schedulers, averages) = kept, now
     if kept_tensors != tensors:
         names, shapes = dict(tensors), dict(kept_tensors)
         gone = [name for name in shapes if name not in names]
@@ -632,6 +680,10 @@ def _changed(kept: Layout, now: Layout) -> str | None:
         )
     if kept_schedulers != schedulers:
         return f"the run has {schedulers} LR scheduler(s), {kept_schedulers} then"
+    if len(kept_averages) != len(averages):  # SWA makes its copy when its averaging starts
+        return f"the run keeps {len(averages)} averaged model(s), {len(kept_averages)} then"
+    if kept_averages != averages:
+        return "an averaged model's tensors changed"
     return None
 
 
@@ -653,7 +705,9 @@ def _read(path: Path, kept: KeptState) -> KeptState:
     optimizers = [
         {"state": state, "groups": opt["groups"]} for state, opt in zip(written["state"], kept.optimizers, strict=True)
     ]
-    return KeptState(kept.step, written["module"], optimizers, kept.schedulers, kept.statistics, kept.layout)
+    return KeptState(
+        kept.step, written["module"], optimizers, kept.schedulers, kept.statistics, kept.layout, written["averages"]
+    )
 
 
 class _HostCopier:

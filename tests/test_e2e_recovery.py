@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import _equal, csv_column, jsonl
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -428,6 +429,7 @@ class ChangesTheRun(pl.Callback):
         optimizer.add_param_group({"params": last})
 
 
+@pytest.mark.parametrize("storage", ["memory", "disk"])
 @pytest.mark.parametrize(
     ("change", "said"),
     [
@@ -435,13 +437,17 @@ class ChangesTheRun(pl.Callback):
         ("new_group", "optimizer 0 has 2 parameter group(s) of [2, 2] parameters, 1 of [4] then"),
     ],
 )
-def test_a_state_kept_before_the_model_or_optimizer_changed_is_not_restored(tmp_path, change, said):
+def test_a_state_kept_before_the_model_or_optimizer_changed_is_not_restored(tmp_path, change, said, storage):
     """Restoring a state of another model or optimizer raised mid-run (``RuntimeError`` after ``ModelPruning``,
     ``ValueError`` from a strict ``zip`` after ``BaseFinetuning`` added a group), and the run ended there. Now the
     state is dropped with one warning, the bad batch is handled as without recovery (skipped, the run goes on),
     and a new state is kept at the next good step."""
     monitor = TrainingMonitor(
-        val_loss_key=None, token_accuracy=False, recover_on=["loss_spike", "exploding_grad"], recovery_every_n_steps=25
+        val_loss_key=None,
+        token_accuracy=False,
+        recover_on=["loss_spike", "exploding_grad"],
+        recovery_every_n_steps=25,
+        recovery_storage=storage,  # on disk, the state in memory holds what it was kept from too
     )
     torch.manual_seed(0)
     model = PoisonedModel(poison=(140, 141))
@@ -457,3 +463,45 @@ def test_a_state_kept_before_the_model_or_optimizer_changed_is_not_restored(tmp_
     assert all(a.step == 140 for a in monitor.alerts)  # the one bad batch, skipped
     kept = monitor._recovery.kept
     assert kept is not None and kept.step >= 141  # kept again after the bad batch
+
+
+class AverageProbe(pl.Callback):
+    """Placed before the EMA callback: the module's weights and the EMA copy's tensors at each batch's start."""
+
+    def __init__(self) -> None:
+        self.at_start: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        (ema,) = [c for c in trainer.callbacks if isinstance(c, EMAWeightAveraging)]
+        average = {k: v.detach().clone() for k, v in ema._average_model.state_dict().items()}
+        self.at_start[trainer.global_step] = ([p.detach().clone() for p in pl_module.parameters()], average)
+
+
+class UnshardedModel(PoisonedModel):
+    """Without ``configure_model``, which ``WeightAveraging`` warns of."""
+
+    configure_model = pl.LightningModule.configure_model
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_an_ema_copy_is_rewound_with_the_model(tmp_path, storage):
+    """With Lightning's ``EMAWeightAveraging``, a recovery rewound the module alone and said it "restored the
+    weights": the EMA copy (what ``ModelCheckpoint`` saves, and what validation runs on) kept the updates the
+    recovery left out. Now it is rewound with the module, and the alert says so."""
+    torch.manual_seed(0)
+    probe, ema = AverageProbe(), EMAWeightAveraging(decay=0.9)
+    trainer = plain_trainer(tmp_path, [probe, ema, recovering(recovery_storage=storage)])
+    trainer.fit(UnshardedModel(), train_dataloaders=data())
+    (monitor,) = [c for c in trainer.callbacks if isinstance(c, TrainingMonitor)]
+    (recovered,) = [a for a in monitor.alerts if a.kind is AlertKind.RECOVERED]
+    assert recovered.message.startswith(EXPECTED.replace("1 LR scheduler(s)", "1 LR scheduler(s), 1 averaged model(s)"))
+    # Restored at step 140 to the state kept before step 125's update; step 140 skipped, then EMA's own update at
+    # the batch's end, on the restored weights: 0.9 * average + 0.1 * weights, both as they were at step 125.
+    weights, average = probe.at_start[125]
+    _, after = probe.at_start[141]
+    names = [name for name in average if name.startswith("module.")]
+    assert len(names) == len(weights) == 4
+    for name, w in zip(names, weights, strict=True):
+        expected = 0.9 * average[name].double() + 0.1 * w.double()
+        torch.testing.assert_close(after[name].double(), expected, rtol=0, atol=1e-6)
+    assert int(after["n_averaged"]) == int(average["n_averaged"]) + 1
