@@ -65,6 +65,26 @@ def histogram_parts(norms: LayerGradNorms, weights: bool = True) -> dict[str, Te
     return parts
 
 
+def sparse_layers(norms: LayerGradNorms) -> list[str]:
+    """The layers with a sparse gradient (``nn.Embedding(sparse=True)``), which the histograms leave out.
+
+    A sparse gradient holds the rows a batch touched, some of them more than once until coalesced (one host read
+    each): its values are not the layer's gradient values.
+
+    Example:
+        >>> from torch import nn
+        >>> emb, fc = nn.Embedding(5, 2, sparse=True), nn.Linear(2, 1)
+        >>> fc(emb(torch.tensor([1, 1]))).sum().backward()
+        >>> named = [("emb.weight", emb.weight), *(("fc." + n, p) for n, p in fc.named_parameters())]
+        >>> sparse_layers(LayerGradNorms(named))
+        ['emb']
+    """
+    sparse = {
+        layer for p, layer in zip(norms.params, norms._layer_of, strict=True) if p.grad is not None and p.grad.is_sparse
+    }
+    return [name for i, name in enumerate(norms.names) if i in sparse]
+
+
 def read_histograms(
     norms: LayerGradNorms, rows: Sequence[Sequence[float]], prefix: str, suffix: str = ""
 ) -> list[Histogram]:

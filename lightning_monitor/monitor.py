@@ -61,7 +61,7 @@ from lightning_monitor.decision import (
 )
 from lightning_monitor.deferred import DeferredReads, DeviceRule, OnDevice, PendingCheck, StepReads, resolve_host_sync
 from lightning_monitor.halting import SkipKind, StepGuard, keep_from_weights
-from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms
+from lightning_monitor.histograms import GRAD_HIST, WEIGHT_HIST, histogram_parts, read_histograms, sparse_layers
 from lightning_monitor.history import HISTORY_FILE
 from lightning_monitor.judging import CALM, StepDetectors, guard_limit, judge, limits_in_force
 from lightning_monitor.keys import ALERTS_PREFIX, RENAMED_PREFIX, total_key
@@ -653,6 +653,15 @@ class TrainingMonitor(Callback):
             if last is None or at - last >= self.config.figures.histogram_every_n_steps:  # type: ignore[operator]
                 self._histogram_at[check.index] = at
                 extras.update(histogram_parts(check.norms))
+                sparse = sparse_layers(check.norms) if last is None else []  # once: the model's layers decide it
+                if sparse:
+                    self._warn(
+                        "sparse_histograms",
+                        f"TrainingMonitor: the sparse gradients of {', '.join(repr(n) for n in sparse)} are left out"
+                        " of the `grad_hist` histograms (their values are the rows a batch touched, not the layer's);"
+                        " their norms are in `grad_norm` as every layer's.",
+                        info=True,
+                    )
         if self._activations is not None:
             extras["activation_flags"] = self._activations.flags()
         packed, packing = check.pack(self._loss.take(), self._scaler, extras, self._ranks)

@@ -7,6 +7,7 @@ is (``get_total_norm`` of a complex tensor is sqrt(sum |g|^2)).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from pathlib import Path
@@ -357,3 +358,24 @@ def test_the_monitor_still_makes_one_sync_per_step(tmp_path):
         setattr(monitor, name, counted)
     fit(tmp_path, SparseLM("sgd"), max_steps=4, monitor=monitor)
     assert dict(per_step) == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_a_sparse_gradient_left_out_of_the_histograms_is_said_once(tmp_path, caplog):
+    """A sparse embedding's gradient was left out of `grad_hist` without a word: no `grad_hist/embed`, and nothing
+    said. One line of info now names the layer, and the dense layer's histogram is as before."""
+    monitor = TrainingMonitor(token_accuracy=False, histogram_every_n_steps=2)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    with caplog.at_level(logging.INFO):
+        trainer, _, _ = fit(tmp_path, SparseLM("sgd"), max_steps=6, monitor=monitor, logger=logger)
+    assert trainer.global_step == 6
+    told = [r.getMessage() for r in caplog.records if "sparse gradients" in r.getMessage()]
+    assert told == [
+        "TrainingMonitor: the sparse gradients of 'embed' are left out of the `grad_hist` histograms (their values are"
+        " the rows a batch touched, not the layer's); their norms are in `grad_norm` as every layer's."
+    ]
+    events = EventAccumulator(logger.log_dir, size_guidance={HISTOGRAMS: 0})
+    events.Reload()
+    tags = events.Tags()["histograms"]
+    assert "grad_hist/head" in tags and "weight_hist/embed" in tags and "grad_hist/embed" not in tags
+    assert len(events.Histograms("grad_hist/head")) == 3  # steps 0, 2 and 4
+    assert all(h.histogram_value.num == 8 * V + V for h in events.Histograms("grad_hist/head"))
