@@ -384,7 +384,9 @@ def test_unwritable_log_dir_warns_once_and_monitoring_goes_on(tmp_path):
     model = ScriptedModel(loss_factor={2: float("nan"), 4: 1e5})
     with pytest.warns(RuntimeWarning, match="could not write") as record:
         fit(blocker / "logs", model, monitor, max_steps=6)
-    assert len([w for w in record if "alerts" in str(w.message)]) == 1
+    # One warning for the folder, whichever of its files failed first (the settings, the history, the alerts file).
+    (told,) = [str(w.message) for w in record if "could not write" in str(w.message)]
+    assert told.endswith("is not warned about.")
     assert [a.kind.value for a in monitor.alerts] == ["nonfinite_loss", "exploding_grad"]
 
 
