@@ -260,8 +260,12 @@ def test_a_name_the_run_logs_that_is_a_folder_of_the_monitors_keeps_mlflow_worki
 
 
 @pytest.mark.timeout(180)
-def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offline):
-    logger = WandbLogger(offline=True, save_dir=tmp_path / "save")
+@pytest.mark.parametrize("relative", [False, True])
+def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offline, monkeypatch, relative):
+    # A relative `save_dir` (W&B's folders then relative, the monitor's absolute) put every file in twice: at its
+    # place under `lightning_monitor/`, and linked at the top of the run's files.
+    monkeypatch.chdir(tmp_path)
+    logger = WandbLogger(offline=True, save_dir="save" if relative else tmp_path / "save")
     monitor = TrainingMonitor(
         halt_after=1, loss_divergence_factor=None, val_loss_key=None, halt_on=[], postmortem="alert"
     )
@@ -271,7 +275,7 @@ def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offlin
     wandb_offline.teardown()  # the W&B service writes the run's log to its end, and exits
     assert [(a.kind.value, a.step) for a in monitor.alerts] == [("nonfinite_loss", 2), ("nonfinite_loss", 5)]
 
-    files = Path(logger.experiment.dir)  # <save_dir>/wandb/offline-run-<time>-<id>/files
+    files = Path(logger.experiment.dir).absolute()  # <save_dir>/wandb/offline-run-<time>-<id>/files
     assert monitor.log_dir == files / "lightning_monitor"
     assert files.parent.parent == tmp_path / "save" / "wandb"
     assert jsonl(monitor.log_dir / "alerts.jsonl") == [a.to_dict() for a in monitor.alerts]
@@ -281,6 +285,7 @@ def test_wandb_offline_run_gets_the_alerts_text_and_files(tmp_path, wandb_offlin
 
     records = wandb_records(files.parent)
     saved = {f.path: f.policy for r in records if r.HasField("files") for f in r.files.files}
+    assert not [path for path in saved if path.split("/")[0] in OWN_FILES | {"postmortem"}]  # none twice
     live = saved["lightning_monitor/alerts.jsonl"]
     assert saved["lightning_monitor/monitor_settings.json"] == live
     assert saved[f"lightning_monitor/postmortem/{bundles[1]}/README.md"] == live
