@@ -295,6 +295,32 @@ def _input_ids(batch: Any, labels: Tensor, longer: int = 0) -> Tensor | None:
     return ids if ids.device == labels.device else None
 
 
+def _unflattened(logits: Tensor, labels: Tensor, batch: Any) -> tuple[Tensor, Tensor] | None:
+    """Flattened logits ``[B * T, V]`` and labels ``[B * T]`` shaped as the batch's input ids ``[B, T]`` say.
+
+    ``[B, T - 1]`` where there is one fewer (the sequences split into inputs and next ids before flattening); ``None``
+    where the batch holds no such ids. Shapes only: nothing is read from the device.
+
+    Example:
+        >>> ids = torch.arange(6).reshape(2, 3)
+        >>> logits, labels = _unflattened(torch.zeros(6, 10), ids.flatten(), {"input_ids": ids})
+        >>> list(logits.shape), list(labels.shape)
+        ([2, 3, 10], [2, 3])
+        >>> _unflattened(torch.zeros(5, 10), torch.zeros(5, dtype=torch.long), {"input_ids": ids}) is None
+        True
+    """
+    ids = _lookup(batch, "input_ids")
+    if not isinstance(ids, Tensor) and isinstance(batch, (list, tuple)):
+        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and v.ndim == 2), None)
+    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
+        return None
+    rows, steps = ids.shape
+    for width in (steps, steps - 1):
+        if width > 0 and rows * width == labels.shape[0] == logits.shape[0]:
+            return logits.reshape(rows, width, logits.shape[-1]), labels.reshape(rows, width)
+    return None
+
+
 class TokenAccuracyTracker:
     """Token accuracy of one run, per stage, counted on the device.
 
@@ -576,6 +602,20 @@ class TokenAccuracyTracker:
                 return
             found = logits, labels
         logits, labels = found
+        if self.causal_lm and self.find is None and logits.ndim == 2 and labels.ndim == 1:
+            # A causal LM's logits and labels flattened as `F.cross_entropy` takes them: shaped back as the batch's
+            # input ids say, they are scored by position as unflattened ones are (a class label would be unshifted).
+            shaped = _unflattened(logits, labels, batch)
+            if shaped is None:
+                self._skip(
+                    stage,
+                    "flattened",
+                    f"`{where}` returned a causal LM's logits flattened ({list(logits.shape)}), which the batch's"
+                    " `input_ids` do not shape back into sequences, so the next token each position predicts is not"
+                    " known. Return them as the model gives them, `[batch, positions, vocabulary]`.",
+                )
+                return
+            logits, labels = shaped
         # Logits longer than the labels: PEFT prompt tuning's virtual tokens come first, or a causal LM's image tokens
         # (GIT); the logits of the inputs follow (cut below).
         longer = logits.shape[-2] - labels.shape[-1] if logits.ndim == labels.ndim + 1 >= 3 else 0

@@ -922,6 +922,85 @@ def test_a_causal_lm_on_labels_shifted_already_is_scored_as_they_are_and_says_so
     ]
 
 
+class Gpt2Flattened(Gpt2CausalLM):
+    """A causal LM whose steps return the logits and labels flattened, as ``F.cross_entropy`` takes them: the batch's
+    input ids (the model shifts them in its loss), or the pairs split in the step (``"split"``: aligned already).
+    Validation returns the model's output as it is."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.val_scored: list[tuple[int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.form == "split":
+            x, y = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
+            logits = self.model(input_ids=x).logits
+            predicted = logits.detach().argmax(-1)
+            self.scored.append((int((predicted == y).sum()), predicted.numel()))
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            return {"loss": loss, "logits": logits.detach().flatten(0, 1), "labels": y.flatten()}
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out.loss, "logits": out.logits.detach().flatten(0, 1), "labels": batch["labels"].flatten()}
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        predicted = out.logits[:, :-1].argmax(-1)
+        self.val_scored.append((int((predicted == batch["labels"][:, 1:]).sum()), predicted.numel()))
+        self.log("val_loss", out.loss)
+        return out
+
+
+@pytest.mark.parametrize("form", ["input_ids", "split"])
+def test_a_causal_lms_flattened_logits_are_scored_by_position(tmp_path, form):
+    """Flattened logits ``[B * T, V]`` were taken for a classifier's: `train_acc`, unshifted (0.77 at the first step
+    of a helper's GPT-2 run against a next-token 0.0), and the first batch made validation a classifier's too."""
+    model = Gpt2Flattened(form)
+    csv = CSVLogger(tmp_path, name="csv")
+    trainer = make_trainer(tmp_path, [TrainingMonitor()], max_steps=4, val_check_interval=2, logger=csv)
+    data = DataLoader(WholeSequences() if form == "split" else RepeatingTokens(), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Lightning's advice on the tiny loaders
+        trainer.fit(model, data, DataLoader(RepeatingTokens(), batch_size=8))
+    metrics = f"{csv.log_dir}/metrics.csv"
+    assert not csv_column(metrics, "train_acc") and not csv_column(metrics, "val_acc")
+    logged = csv_column(metrics, "train_token_acc")
+    assert [s for s, _ in logged] == list(range(4))
+    for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)
+    val = [v for _, v in csv_column(metrics, "val_token_acc")]
+    runs = [model.val_scored[i : i + 2] for i in (0, 2)]
+    assert val == pytest.approx([sum(c for c, _ in r) / sum(t for _, t in r) for r in runs], abs=1e-6)
+
+
+class Gpt2FlattenedUnknown(Gpt2Flattened):
+    """Flattened, on a batch with no input ids to shape them back by (the ids under another name)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step({"input_ids": batch["tokens"], "labels": batch["tokens"]}, batch_idx)
+
+
+class RenamedTokens(RepeatingTokens):
+    def __getitem__(self, i):
+        return {"tokens": super().__getitem__(i)["input_ids"]}
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_a_causal_lms_flattened_logits_that_cannot_be_shaped_back_are_left_out_with_one_warning(tmp_path):
+    trainer = make_trainer(tmp_path, [monitor := TrainingMonitor(val_loss_key=None)], max_steps=3)
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer.fit(Gpt2FlattenedUnknown("input_ids"), DataLoader(RenamedTokens(), batch_size=4))
+    told = [str(w.message) for w in warned if "TrainingMonitor" in str(w.message)]
+    assert told == [
+        "TrainingMonitor left a batch out of train_token_acc: `training_step` returned a causal LM's logits flattened"
+        f" ([48, {V}]), which the batch's `input_ids` do not shape back into sequences, so the next token each position"
+        " predicts is not known. Return them as the model gives them, `[batch, positions, vocabulary]`. Batches like"
+        " it are left out too, without another warning (pass `token_accuracy=False` to turn token accuracy off)."
+    ]
+    assert "train_token_acc" not in trainer.callback_metrics and "train_acc" not in trainer.callback_metrics
+    assert trainer.global_step == 3 and not monitor.alerts
+
+
 class SpeechCTC(ReturnsModelOutput):
     """A Hugging Face CTC speech model built from a config: per-frame logits ``[B, 79, V]``, labels ``[B, 5]``."""
 
