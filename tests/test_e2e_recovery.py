@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from torch import nn
+from torch.multiprocessing.spawn import ProcessExitedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import TrainingMonitor
@@ -394,7 +395,14 @@ def _reports(folder: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "fsdp2"])
 def test_every_rank_recovers_at_the_same_step(tmp_path, clean_loss, strategy, spawn_temp):
     chosen = SpawnModelParallel(data_parallel_size=2, tensor_parallel_size=1) if strategy == "fsdp2" else strategy
-    fit(tmp_path, recovering(), devices=2, strategy=chosen, report=tmp_path)
+    try:
+        fit(tmp_path, recovering(), devices=2, strategy=chosen, report=tmp_path)
+    except ProcessExitedException as err:
+        # A gloo thread can abort a worker at the interpreter's exit, its fit done ("terminate called without an
+        # active exception", pytorch/pytorch#179291; once in the CI of a fresh clone under FSDP2, on a loaded
+        # machine). The reports written at `on_train_end` by every rank are what is checked; without both, it fails.
+        if "SIGABRT" not in str(err) or len(list(tmp_path.glob("rank*.json"))) != 2:
+            raise
     rank0, rank1 = _reports(tmp_path)
     for report in (rank0, rank1):
         assert report["finite"] and report["global_step"] == STEPS
