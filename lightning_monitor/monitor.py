@@ -507,6 +507,8 @@ class TrainingMonitor(Callback):
             self._writer.history.drop_after(logging_step(trainer))
             self._writer.history.resumed()  # a halt before its first record was resumed past
         self._tokens.attach(pl_module, pl_module.device)  # before the first mark, which copies the counts
+        if self._epoch_began_before:  # resumed mid-epoch: no `on_train_epoch_start`, whose mark reads its first step
+            self._tokens.start_epoch()
         deferred = resolve_host_sync(self.config.step.host_sync, pl_module.device) == "deferred"
         # "auto" reads before the step with `watch_activations` and `recover_on`: both act on the step the check is
         # about, before its update.

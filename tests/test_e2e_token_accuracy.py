@@ -96,6 +96,27 @@ def test_a_fit_resumed_mid_epoch_logs_no_epoch_figure_for_that_epoch_and_the_nex
     ]
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before:UserWarning")
+def test_the_first_step_of_a_fit_resumed_mid_epoch_gets_its_figure(tmp_path):
+    """The step a mid-epoch resume starts at was not read (Lightning calls no `on_train_epoch_start` for that epoch,
+    whose mark reads an epoch's first step): no `train_token_acc` at step 6, where the line said it "is logged as
+    usual"."""
+    first = TrainingMonitor(val_loss_key=None, postmortem=None)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    fit(tmp_path / "a", TinyLM(), first, callbacks=[saver], max_steps=6, enable_checkpointing=True, limit_val_batches=0)
+    (ckpt,) = (tmp_path / "ckpt").iterdir()
+    model, csv = TinyLM(), CSVLogger(tmp_path / "b", name="csv")
+    monitor = TrainingMonitor(val_loss_key=None, postmortem=None)
+    trainer = make_trainer(tmp_path / "b", [monitor], logger=csv, max_steps=9, log_every_n_steps=1, limit_val_batches=0)
+    val = DataLoader(TokenData(12, seed=1), batch_size=4)  # not run (`limit_val_batches=0`), as in the first fit
+    trainer.fit(model, train_dataloaders=DataLoader(TokenData(48), batch_size=4), val_dataloaders=val, ckpt_path=ckpt)
+    logged = csv_column(csv.log_dir + "/metrics.csv", "train_token_acc")
+    assert [step for step, _ in logged] == [6, 7, 8]
+    for (_, value), batch in zip(logged, model.seen["train"], strict=True):
+        assert value == pytest.approx(reference([batch]), abs=1e-12)
+
+
 @pytest.mark.parametrize("log_every", [4, 5])
 def test_without_a_logger_the_figure_reaches_callback_metrics(tmp_path, log_every):
     # `logger=False`: no logger writes, but `ModelCheckpoint` and `EarlyStopping` read `callback_metrics`. Token
