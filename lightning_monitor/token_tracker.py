@@ -321,6 +321,13 @@ def _unflattened(logits: Tensor, labels: Tensor, batch: Any) -> tuple[Tensor, Te
     return None
 
 
+def _one_per_example(labels: Tensor, batch: Any) -> bool:
+    """Whether ``labels`` hold one label per example of the batch (as many as the rows of its first tensor)."""
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else [batch]
+    first = next((v for v in values if isinstance(v, Tensor) and v.ndim >= 1), None)
+    return first is not None and first.shape[0] == labels.shape[0]
+
+
 class TokenAccuracyTracker:
     """Token accuracy of one run, per stage, counted on the device.
 
@@ -606,7 +613,7 @@ class TokenAccuracyTracker:
             # A causal LM's logits and labels flattened as `F.cross_entropy` takes them: shaped back as the batch's
             # input ids say, they are scored by position as unflattened ones are (a class label would be unshifted).
             shaped = _unflattened(logits, labels, batch)
-            if shaped is None:
+            if shaped is None and not _one_per_example(labels, batch):  # one per example: a last position's, as before
                 self._skip(
                     stage,
                     "flattened",
@@ -615,7 +622,8 @@ class TokenAccuracyTracker:
                     " known. Return them as the model gives them, `[batch, positions, vocabulary]`.",
                 )
                 return
-            logits, labels = shaped
+            if shaped is not None:
+                logits, labels = shaped
         # Logits longer than the labels: PEFT prompt tuning's virtual tokens come first, or a causal LM's image tokens
         # (GIT); the logits of the inputs follow (cut below).
         longer = logits.shape[-2] - labels.shape[-1] if logits.ndim == labels.ndim + 1 >= 3 else 0

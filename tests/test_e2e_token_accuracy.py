@@ -994,6 +994,27 @@ def test_a_causal_lms_flattened_logits_are_scored_by_position(tmp_path, form):
     assert val == pytest.approx([sum(c for c, _ in r) / sum(t for _, t in r) for r in runs], abs=1e-6)
 
 
+class Gpt2LastPosition(Gpt2CausalLM):
+    """One prediction per example: the next token after the sequence's second-to-last, as a classifier's."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        logits, labels = out.logits[:, -2].detach(), batch["input_ids"][:, -1]
+        self.scored.append((int((logits.argmax(-1) == labels).sum()), labels.numel()))
+        return {"loss": out.loss, "logits": logits, "labels": labels}
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+def test_a_causal_lms_one_prediction_per_example_is_still_a_classifiers(tmp_path):
+    model, csv = Gpt2LastPosition(), CSVLogger(tmp_path, name="csv")
+    trainer = make_trainer(tmp_path, [TrainingMonitor(val_loss_key=None)], max_steps=3, logger=csv)
+    trainer.fit(model, DataLoader(RepeatingTokens(), batch_size=4))
+    logged = csv_column(f"{csv.log_dir}/metrics.csv", "train_acc")
+    assert [s for s, _ in logged] == [0, 1, 2]
+    for (_, got), (correct, total) in zip(logged, model.scored, strict=True):
+        assert got == pytest.approx(correct / total, abs=1e-6)
+
+
 class Gpt2FlattenedUnknown(Gpt2Flattened):
     """Flattened, on a batch with no input ids to shape them back by (the ids under another name)."""
 
