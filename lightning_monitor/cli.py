@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace) -> int:
+    named = args.output  # `-o RUN/metrics.csv` wrote the figure over the run's own log: only a PNG or a folder
+    folder = named is None or named.endswith(("/", os.sep)) or Path(named).is_dir()
+    if not folder and Path(named).suffix.lower() != ".png":
+        _error(f"--output names the PNG to write, or a folder: {named!r} is neither (nothing written)")
+        return 2
     try:
         runs = load_runs(args.logdir)
     except NoLogsError as err:

@@ -795,3 +795,15 @@ def test_a_fit_that_raises_before_the_monitor_set_it_up_writes_nothing_into_an_e
         trainer(1).fit(FailsToPrepare(), data, data)
     run = load_run(tmp_path / "run" / "version_0")
     assert run.ended is None and verdict(run) == "HEALTHY"
+
+
+@pytest.mark.parametrize("name", ["metrics.csv", "report.html", "-"])
+def test_an_output_that_is_not_a_png_is_refused_and_nothing_is_overwritten(
+    csv_only: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`report RUN -o RUN/metrics.csv` wrote the figure over the run's own log; `-o r.html --html` the page over it."""
+    target = csv_only / name
+    before = {p.name: p.read_bytes() for p in csv_only.iterdir() if p.is_file()}
+    assert main(["report", str(csv_only), "--output", str(target), "--html"]) == 2
+    assert f"--output names the PNG to write, or a folder: {str(target)!r} is neither" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in csv_only.iterdir() if p.is_file()} == before  # metrics.csv whole
