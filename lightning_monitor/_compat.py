@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "rank_zero_info",
     "rank_zero_warn",
     "side_warning",
+    "warn_file",
 ]
 
 #: The package imported with the monitor, and the one only taken once the user imports it.
@@ -142,6 +144,11 @@ def side_warning(message: str) -> None:
         if err.args != (message,):  # not ours: a handler of the user's that raised something else
             raise
         logging.getLogger("lightning_monitor").error(message)
+
+
+def warn_file(path: Path, said: str) -> None:
+    """:func:`side_warning` of a file of the monitor's that could not be written (``path``, said in ``said``)."""
+    side_warning(said)
 
 
 def _adopt_other_callback() -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_monitor._compat import FITTING, side_warning
+from lightning_monitor._compat import FITTING, warn_file
 from lightning_monitor._files import AppendFile, write_atomic
 from lightning_monitor._host import host_dtype
 from lightning_monitor._lightning import host_logged_values, logging_step, progress_bar_values
@@ -93,8 +93,8 @@ class RunHistory:
 
     def __init__(self) -> None:
         self.path: Path | None = None
-        #: Told the file and the words when it cannot be written; ``None``: one ``RuntimeWarning``.
-        self.warn: Callable[[Path, str], None] | None = None
+        #: Told the file and the words when it cannot be written (by default one ``RuntimeWarning``).
+        self.warn: Callable[[Path, str], None] = warn_file
         self._records: dict[int, dict[str, Any]] = {}  # by step, not yet written
         self._open: int | None = None  # the step of the last training record, until the user's losses joined it
         self._last: int | None = None  # the step of the last training record
@@ -323,14 +323,11 @@ class RunHistory:
             self._file.append(data)
         except OSError as err:
             self._broken = True
-            said = (
+            self.warn(
+                self.path,
                 f"TrainingMonitor could not write its history to {str(self.path)!r} ({err}); the report of this run"
-                " reads only what its loggers wrote."
+                " reads only what its loggers wrote.",
             )
-            if self.warn is None:
-                side_warning(said)
-            else:
-                self.warn(self.path, said)
 
 
 def _shortened(text: str, at_most: int) -> str:

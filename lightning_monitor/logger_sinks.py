@@ -103,9 +103,10 @@ class WandbRun(TrackedRun):
         self.run = logger.experiment
         files = wandb_files_dir(logger)
         self.base = folder
-        if files is not None and folder.resolve().is_relative_to(files.resolve()):
+        resolved = folder.resolve()
+        if files is not None and resolved.is_relative_to(files.resolve()):
             # `files/` as the folder names it: W&B's own is relative where `save_dir` is, the monitor's absolute
-            depth = len(folder.resolve().relative_to(files.resolve()).parts)
+            depth = len(resolved.relative_to(files.resolve()).parts)
             self.base = folder.parents[depth - 1] if depth else folder
         self._saved: set[Path] = set()
         self._notified: dict[str, float] = {}  # alert title -> when it was last sent (time.monotonic)

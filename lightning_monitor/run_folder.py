@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from lightning_monitor._compat import rank_zero_info, side_warning
+from lightning_monitor._compat import rank_zero_info, side_warning, warn_file
 from lightning_monitor._files import write_atomic
 from lightning_monitor._lightning import has_run_log_dir, is_mlflow_logger, is_wandb_logger
 
@@ -369,13 +369,13 @@ def _tracked_run_folder(trainer: pl.Trainer, logger: Logger) -> Path | None:
 
 
 def write_settings(
-    path: str | os.PathLike[str], settings: Mapping[str, Any], warn: Callable[[Path, str], None] | None = None
+    path: str | os.PathLike[str], settings: Mapping[str, Any], warn: Callable[[Path, str], None] = warn_file
 ) -> None:
     """Write the monitor's settings as JSON, so a report can draw the thresholds the run was checked against.
 
     The file is written at once (a full disk leaves the earlier file or none, never half of one), and replaces a
     symbolic link in its place rather than writing through it. A failure is told to ``warn`` (the file and the
-    words), by default one ``RuntimeWarning`` (:func:`~lightning_monitor._compat.side_warning`); nothing else
+    words), by default one ``RuntimeWarning`` (:func:`~lightning_monitor._compat.warn_file`); nothing else
     depends on this file.
 
     Example:
@@ -390,11 +390,7 @@ def write_settings(
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(dict(settings), indent=2) + "\n", sync=False)  # nothing waits on it
     except Exception as err:  # a full disk, a folder that is a file, a setting JSON cannot hold: never a crash
-        said = f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err})."
-        if warn is None:
-            side_warning(said)
-        else:
-            warn(path, said)
+        warn(path, f"TrainingMonitor could not write its settings to {str(path)!r} ({type(err).__name__}: {err}).")
 
 
 class FolderTrouble:

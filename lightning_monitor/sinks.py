@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_monitor._compat import side_warning
+from lightning_monitor._compat import side_warning, warn_file
 from lightning_monitor._files import AppendFile, write_atomic
 from lightning_monitor._lightning import is_csv_logger, is_tensorboard_logger
 from lightning_monitor.alerts import Alert
@@ -176,7 +176,7 @@ class JsonlSink:
     Args:
         path: The file to append to. Its folder is created when missing.
         warn: Told the file and the words when it cannot be written; by default one ``RuntimeWarning``
-            (:func:`~lightning_monitor._compat.side_warning`).
+            (:func:`~lightning_monitor._compat.warn_file`).
 
     Example:
         >>> import tempfile
@@ -187,7 +187,7 @@ class JsonlSink:
         250.0
     """
 
-    def __init__(self, path: str | os.PathLike[str], warn: Callable[[Path, str], None] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], warn: Callable[[Path, str], None] = warn_file) -> None:
         self.path = Path(path)
         self.broken = False
         self._file = AppendFile(self.path)
@@ -254,14 +254,11 @@ class JsonlSink:
     def _stop(self, err: OSError) -> None:
         """Stop writing, with one warning."""
         self.broken = True
-        said = (
+        self._warn(
+            self.path,
             f"TrainingMonitor could not write alerts to {str(self.path)!r} ({err}); alerts still go to the console "
-            "and the loggers. Pass `alerts_file=None` to write no alerts file."
+            "and the loggers. Pass `alerts_file=None` to write no alerts file.",
         )
-        if self._warn is None:
-            side_warning(said)
-        else:
-            self._warn(self.path, said)
 
     def close(self) -> None:
         """Close the file (the next write opens it again)."""

@@ -287,12 +287,21 @@ def _input_ids(batch: Any, labels: Tensor, longer: int = 0) -> Tensor | None:
     labels.
     """
     shape = (*labels.shape[:-1], labels.shape[-1] + longer)
+    ids = _batch_ids(batch, labels, lambda v: v.shape == shape)
+    return ids if ids is not None and ids.device == labels.device else None
+
+
+def _batch_ids(batch: Any, labels: Tensor, fits: Callable[[Tensor], bool]) -> Tensor | None:
+    """The batch's input ids: the integer tensor ``batch["input_ids"]`` (or ``.input_ids``) if it ``fits``.
+
+    Else the first tensor of a tuple or list batch that is not the labels and ``fits``; ``None`` where there is none.
+    """
     ids = _lookup(batch, "input_ids")
     if not isinstance(ids, Tensor) and isinstance(batch, (list, tuple)):
-        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and v.shape == shape), None)
-    if not isinstance(ids, Tensor) or ids.shape != shape or ids.is_floating_point():
+        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and fits(v)), None)
+    if not isinstance(ids, Tensor) or not fits(ids) or ids.is_floating_point():
         return None
-    return ids if ids.device == labels.device else None
+    return ids
 
 
 def _unflattened(logits: Tensor, labels: Tensor, batch: Any) -> tuple[Tensor, Tensor] | None:
@@ -309,10 +318,8 @@ def _unflattened(logits: Tensor, labels: Tensor, batch: Any) -> tuple[Tensor, Te
         >>> _unflattened(torch.zeros(5, 10), torch.zeros(5, dtype=torch.long), {"input_ids": ids}) is None
         True
     """
-    ids = _lookup(batch, "input_ids")
-    if not isinstance(ids, Tensor) and isinstance(batch, (list, tuple)):
-        ids = next((v for v in batch if isinstance(v, Tensor) and v is not labels and v.ndim == 2), None)
-    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
+    ids = _batch_ids(batch, labels, lambda v: v.ndim == 2)
+    if ids is None:
         return None
     rows, steps = ids.shape
     for width in (steps, steps - 1):
@@ -613,7 +620,9 @@ class TokenAccuracyTracker:
             # A causal LM's logits and labels flattened as `F.cross_entropy` takes them: shaped back as the batch's
             # input ids say, they are scored by position as unflattened ones are (a class label would be unshifted).
             shaped = _unflattened(logits, labels, batch)
-            if shaped is None and not _one_per_example(labels, batch):  # one per example: a last position's, as before
+            if shaped is not None:
+                logits, labels = shaped
+            elif not _one_per_example(labels, batch):  # one per example (a last position's): a classifier's, as before
                 self._skip(
                     stage,
                     "flattened",
@@ -622,8 +631,6 @@ class TokenAccuracyTracker:
                     " known. Return them as the model gives them, `[batch, positions, vocabulary]`.",
                 )
                 return
-            if shaped is not None:
-                logits, labels = shaped
         # Logits longer than the labels: PEFT prompt tuning's virtual tokens come first, or a causal LM's image tokens
         # (GIT); the logits of the inputs follow (cut below).
         longer = logits.shape[-2] - labels.shape[-1] if logits.ndim == labels.ndim + 1 >= 3 else 0
